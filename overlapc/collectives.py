@@ -1,0 +1,298 @@
+"""Recognise functional collectives in an FX graph and classify every node.
+
+A collective is a start node (``_c10d_functional.all_gather_into_tensor`` and
+friends) paired with the ``wait_tensor`` nodes that complete it (through
+``getitem`` for the coalesced ops that return lists). Around them, nodes are
+classified for the passes:
+
+* aliasing ops (views, transposes, getitem, ...) are skipped when looking for
+  the *first real consumer* of a collective's result;
+* cheap ops (aliasing ops plus dtype casts and copies) may travel with a
+  collective start as its input chain;
+* barriers (anything that may communicate or have side effects that overlapc
+  does not understand) are never crossed by a collective start or wait.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+# op name -> kind, for ops whose start and wait may move.
+_MOVABLE_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_to_all_single": "all_to_all",
+}
+# Collectives that are reported but stay exactly where they are: they mutate a
+# buffer other nodes may read directly, or their peers are not all ranks.
+_FIXED_KINDS = {
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+_ALIAS_PACKETS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze",
+    "unsqueeze", "slice", "select", "alias", "detach", "as_strided", "narrow", "flatten",
+    "unflatten", "view_as", "expand_as", "_reshape_alias", "split", "split_with_sizes",
+    "chunk", "unbind", "numpy_T", "mT", "real", "imag", "view_as_real", "view_as_complex",
+}
+_CAST_PACKETS = {"_to_copy", "to", "clone", "contiguous", "convert_element_type", "_to_dtype"}
+_ALIAS_METHODS = {"view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
+                  "flatten", "unflatten", "view_as", "expand_as", "narrow", "split", "chunk", "detach"}
+_CAST_METHODS = {"to", "float", "half", "bfloat16", "double", "type", "contiguous", "clone"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Collective:
+    """One collective: its start node, the waits that complete it, and what it moves.
+
+    ``position`` and ``first_consumer`` are indices into the graph's node list
+    at the time ``collectives()`` was called; ``first_consumer`` is the
+    earliest real consumer of any of its waits (views and getitem skipped; the
+    output node counts), or None when nothing reads the result.
+    """
+
+    kind: str
+    op: str
+    start: fx.Node
+    waits: tuple[fx.Node, ...]
+    group: str
+    group_size: int | None
+    nbytes: int | None
+    dtype: torch.dtype | None
+    position: int
+    first_consumer: int | None
+    movable: bool
+
+    @property
+    def wait(self) -> fx.Node | None:
+        return self.waits[0] if self.waits else None
+
+
+def _op_parts(node: fx.Node) -> tuple[str, str] | None:
+    """(namespace, op name) of an OpOverload / OpOverloadPacket target, else None."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace, target._schema.name.split("::")[-1]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0], target._qualified_op_name.split("::")[-1]
+    return None
+
+
+def collective_op(node: fx.Node) -> str | None:
+    """Name of the functional collective a node starts (e.g. 'all_reduce'), else None."""
+    if node.op != "call_function":
+        return None
+    parts = _op_parts(node)
+    if parts is None or parts[0] not in _FUNCTIONAL_NAMESPACES:
+        return None
+    if parts[1] in _MOVABLE_KINDS or parts[1] in _FIXED_KINDS:
+        return parts[1]
+    return None
+
+
+def is_wait(node: fx.Node) -> bool:
+    parts = _op_parts(node) if node.op == "call_function" else None
+    return parts is not None and parts[0] in _FUNCTIONAL_NAMESPACES and parts[1] == "wait_tensor"
+
+
+def is_alias(node: fx.Node) -> bool:
+    """True for ops whose output aliases their first input (no compute)."""
+    if node.op == "call_function":
+        if node.target is operator.getitem:
+            return True
+        parts = _op_parts(node)
+        if parts is not None:
+            return parts[0] == "aten" and parts[1] in _ALIAS_PACKETS
+        return getattr(node.target, "__name__", None) in _ALIAS_METHODS and \
+            getattr(node.target, "__module__", "") in ("torch", "torch.functional")
+    if node.op == "call_method":
+        return node.target in _ALIAS_METHODS
+    return False
+
+
+def is_cheap(node: fx.Node) -> bool:
+    """Aliasing ops plus dtype casts and copies: may travel with a collective start."""
+    if is_alias(node):
+        return True
+    if node.op == "call_function":
+        parts = _op_parts(node)
+        return parts is not None and parts[0] in ("aten", "prims") and parts[1] in _CAST_PACKETS
+    if node.op == "call_method":
+        return node.target in _CAST_METHODS
+    return False
+
+
+def barrier_reason(node: fx.Node) -> str | None:
+    """Why nothing may move across this node, or None when it is an ordinary node."""
+    if node.op == "call_function":
+        name = collective_op(node)
+        if name is not None:
+            return None if name in _MOVABLE_KINDS else f"collective {name} is kept in place"
+        if is_wait(node) or node.target is operator.getitem:
+            return None
+        parts = _op_parts(node)
+        if parts is not None:
+            namespace, opname = parts
+            if namespace in _FUNCTIONAL_NAMESPACES or namespace == "c10d":
+                return f"communication op {namespace}.{opname}"
+            schema = getattr(node.target, "_schema", None)
+            if schema is not None and schema.is_mutable:
+                return f"mutating op {namespace}.{opname}"
+            if namespace not in ("aten", "prims"):
+                return f"custom op {namespace}.{opname}"
+            return "side-effectful op" if node.is_impure(impure_random=False) else None
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return f"higher-order op {node.target.name()}"
+        return "side-effectful call" if node.is_impure(impure_random=False) else None
+    if node.op == "call_method":
+        name = str(node.target)
+        if name.endswith("_") and not name.endswith("__"):
+            return f"in-place method {name}"
+        return None
+    if node.op == "call_module":
+        return "impure module" if node.is_impure(impure_random=False) else None
+    return None
+
+
+def _schema_arg(node: fx.Node, name: str):
+    schema = node.target._schema if isinstance(node.target, torch._ops.OpOverload) else None
+    if schema is None:
+        return None
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            return node.args[index] if index < len(node.args) else argument.default_value
+    return None
+
+
+def group_of(node: fx.Node) -> str:
+    """Process group name a collective runs on (as a string)."""
+    group = _schema_arg(node, "group_name")
+    return str(group)
+
+
+def tensor_nbytes(value) -> int | None:
+    """Bytes of a (fake) tensor or a list of them, from shapes; None when unknown."""
+    if isinstance(value, (list, tuple)):
+        parts = [tensor_nbytes(v) for v in value]
+        return None if any(p is None for p in parts) else sum(parts)
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return int(value.numel()) * value.element_size()
+    except Exception:  # unbacked symbolic sizes: the size is not known before running
+        return None
+
+
+def node_value(node: fx.Node):
+    """The example value recorded on a node by make_fx / AOTAutograd / ShapeProp."""
+    if "val" in node.meta:
+        return node.meta["val"]
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    return None
+
+
+def wait_nodes(start: fx.Node) -> tuple[fx.Node, ...]:
+    """The wait_tensor nodes completing ``start`` (directly, or through getitem)."""
+    waits = []
+    for user in start.users:
+        if is_wait(user):
+            waits.append(user)
+        elif user.op == "call_function" and user.target is operator.getitem:
+            waits.extend(u for u in user.users if is_wait(u))
+    return tuple(waits)
+
+
+def alias_closure(wait: fx.Node, within=None) -> list[fx.Node]:
+    """Aliasing nodes that read the wait's result only through other aliases.
+
+    A node belongs when it is an aliasing op whose first input is the wait or a
+    member and whose other node inputs are placeholders or attributes: such
+    nodes can travel with the wait. ``within(node)``, when given, must also
+    hold for every member.
+    """
+    members: list[fx.Node] = []
+    inside = {wait}
+    frontier = [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in inside or not is_alias(user) or (within is not None and not within(user)):
+                continue
+            inputs = user.all_input_nodes
+            if not inputs or inputs[0] not in inside:
+                continue
+            if any(i not in inside and i.op not in ("placeholder", "get_attr") for i in inputs[1:]):
+                continue
+            inside.add(user)
+            members.append(user)
+            frontier.append(user)
+    return members
+
+
+def real_consumers(wait: fx.Node, closure: Iterable[fx.Node]) -> list[fx.Node]:
+    """Users of the wait or its alias closure that are not themselves in the closure."""
+    inside = {wait, *closure}
+    found: dict[fx.Node, None] = {}
+    for node in (wait, *closure):
+        for user in node.users:
+            if user not in inside:
+                found[user] = None
+    return list(found)
+
+
+def _dtype_of(value) -> torch.dtype | None:
+    if isinstance(value, (list, tuple)):
+        return _dtype_of(value[0]) if value else None
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def collectives(gm: fx.GraphModule) -> list[Collective]:
+    """Every functional collective in ``gm``, in graph order."""
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"overlapc.collectives expects a torch.fx.GraphModule, got {type(gm).__name__}")
+    nodes = list(gm.graph.nodes)
+    position = {node: index for index, node in enumerate(nodes)}
+    rows = []
+    for node in nodes:
+        name = collective_op(node)
+        if name is None:
+            continue
+        waits = wait_nodes(node)
+        consumers = []
+        for wait in waits:
+            consumers.extend(position[c] for c in real_consumers(wait, alias_closure(wait)))
+        value = node_value(node)
+        group_size = _schema_arg(node, "group_size")
+        rows.append(Collective(
+            kind=_MOVABLE_KINDS.get(name) or _FIXED_KINDS[name],
+            op=name,
+            start=node,
+            waits=waits,
+            group=group_of(node),
+            group_size=group_size if isinstance(group_size, int) else None,
+            nbytes=tensor_nbytes(value),
+            dtype=_dtype_of(value),
+            position=position[node],
+            first_consumer=min(consumers) if consumers else None,
+            movable=name in _MOVABLE_KINDS,
+        ))
+    return rows

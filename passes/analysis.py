@@ -1,0 +1,180 @@
+"""What every pass needs to know about a graph's current order.
+
+``Analysis(gm)`` snapshots the node order and derives, for the collectives the
+passes may move:
+
+* start bundles: the start, the cheap input chain that feeds only it (casts,
+  views of a parameter) and the getitems of list results;
+* wait bundles: the wait and the aliasing views that read only through it;
+* regions: barriers (see ``overlapc.collectives.barrier_reason``) cut the graph
+  into regions; nothing moves from one region to another;
+* each wait's target: its first real consumer, or the next barrier, or the
+  output node, whichever comes first;
+* consumer keys: all-gathers sort by (target position, order in which the
+  target reads its inputs), which is the same order ``sink_waits`` leaves
+  waits in before a shared consumer.
+
+A collective is *movable* when its op is understood and its start and waits
+share a region. Everything here is a pure function of the graph's structure
+and order: no sets or object-keyed dicts are iterated where order matters.
+"""
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Iterable
+
+import torch.fx as fx
+
+from overlapc.collectives import (
+    Collective, alias_closure, barrier_reason, collectives, is_cheap, is_wait, real_consumers,
+)
+
+
+class Analysis:
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.nodes: list[fx.Node] = list(gm.graph.nodes)
+        self.pos = {node: index for index, node in enumerate(self.nodes)}
+        self.output = next(n for n in reversed(self.nodes) if n.op == "output")
+        self.barriers = [n for n in self.nodes if barrier_reason(n) is not None]
+        # region[i]: number of barriers strictly before position i.
+        self.region: list[int] = []
+        count = 0
+        for node in self.nodes:
+            self.region.append(count)
+            if barrier_reason(node) is not None:
+                count += 1
+        self.barrier_pos = [self.pos[b] for b in self.barriers]
+        self.is_barrier = set(self.barriers)
+
+        self.all: list[Collective] = collectives(gm)
+        self.movable: list[Collective] = [
+            c for c in self.all
+            if c.movable and all(self.region_of(w) == self.region_of(c.start) for w in c.waits)
+        ]
+        self.coll_of_start = {c.start: c for c in self.movable}
+        self.coll_of_wait = {w: c for c in self.movable for w in c.waits}
+
+        self.wait_bundle: dict[fx.Node, list[fx.Node]] = {}
+        self.wait_of_member: dict[fx.Node, fx.Node] = {}
+        self.target: dict[fx.Node, fx.Node] = {}
+        for c in self.movable:
+            for wait in c.waits:
+                end = self.region_end(wait)
+                closure = alias_closure(wait, within=lambda n, end=end: self.pos[n] < end)
+                closure.sort(key=self.pos.__getitem__)
+                self.wait_bundle[wait] = [wait, *closure]
+                for member in self.wait_bundle[wait]:
+                    self.wait_of_member[member] = wait
+                consumers = [self.pos[u] for u in real_consumers(wait, closure)]
+                self.target[wait] = self.nodes[min([*consumers, end, self.pos[self.output]])]
+
+        self.start_bundle: dict[fx.Node, list[fx.Node]] = {}
+        self.start_of_member: dict[fx.Node, fx.Node] = {}
+        for c in self.movable:
+            bundle = self._input_chain(c.start) + [c.start] + sorted(
+                (u for u in c.start.users if u.target is operator.getitem),
+                key=self.pos.__getitem__)
+            self.start_bundle[c.start] = bundle
+            for member in bundle:
+                self.start_of_member[member] = c.start
+
+        self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
+        self.key = {c.start: self.consumer_key(c) for c in self.movable}
+
+    # -- positions and regions -------------------------------------------------
+    def region_of(self, node: fx.Node) -> int:
+        return self.region[self.pos[node]]
+
+    def region_end(self, node: fx.Node) -> int:
+        """Position of the barrier that closes ``node``'s region (or the output)."""
+        index = self.region_of(node)
+        return self.barrier_pos[index] if index < len(self.barrier_pos) else self.pos[self.output]
+
+    def region_start(self, node: fx.Node) -> int:
+        """Position of the barrier that opens ``node``'s region, or -1."""
+        index = self.region_of(node)
+        return self.barrier_pos[index - 1] if index > 0 else -1
+
+    # -- bundles -----------------------------------------------------------------
+    def _input_chain(self, start: fx.Node) -> list[fx.Node]:
+        """Cheap nodes in ``start``'s region whose every use is ``start`` or the chain."""
+        chain: set[fx.Node] = set()
+        region = self.region_of(start)
+        heap = [(-self.pos[i], i.name) for i in start.all_input_nodes]
+        by_name = {i.name: i for i in start.all_input_nodes}
+        heapq.heapify(heap)
+        seen = set()
+        while heap:
+            _, name = heapq.heappop(heap)
+            node = by_name[name]
+            if node in seen:
+                continue
+            seen.add(node)
+            if (node.op in ("placeholder", "get_attr", "output") or not is_cheap(node)
+                    or node in self.wait_of_member or node in self.coll_of_start
+                    or self.region_of(node) != region
+                    or barrier_reason(node) is not None
+                    or any(u is not start and u not in chain for u in node.users)):
+                continue
+            chain.add(node)
+            for i in node.all_input_nodes:
+                by_name[i.name] = i
+                heapq.heappush(heap, (-self.pos[i], i.name))
+        return sorted(chain, key=self.pos.__getitem__)
+
+    def external_inputs(self, members: Iterable[fx.Node]) -> list[fx.Node]:
+        """Nodes the members read that are not members themselves, in graph order."""
+        inside = set(members)
+        found = {i for m in inside for i in m.all_input_nodes if i not in inside}
+        return sorted(found, key=self.pos.__getitem__)
+
+    def in_bundle(self, node: fx.Node) -> bool:
+        """True for members of a start or wait bundle: nodes that may stand
+        between a wait and its consumer."""
+        return node in self.start_of_member or node in self.wait_of_member or is_wait(node)
+
+    # -- consumer order ------------------------------------------------------------
+    def _order_read(self, target: fx.Node) -> dict[fx.Node, int]:
+        """Waits in the order ``target`` reads them (depth-first through alias bundles)."""
+        if target not in self._arg_order:
+            order: dict[fx.Node, int] = {}
+            stack = list(reversed(target.all_input_nodes))
+            visited = set()
+            while stack:
+                node = stack.pop()
+                if node in visited:
+                    continue
+                visited.add(node)
+                if node in self.coll_of_wait:
+                    order.setdefault(node, len(order))
+                elif node in self.wait_of_member:
+                    stack.extend(reversed(node.all_input_nodes))
+            self._arg_order[target] = order
+        return self._arg_order[target]
+
+    def wait_key(self, wait: fx.Node) -> tuple[int, int, int]:
+        """Where a sunk wait stands: (target position, read order, own position)."""
+        target = self.target[wait]
+        read = self._order_read(target).get(wait, len(self.nodes))
+        return self.pos[target], read, self.pos[wait]
+
+    def consumer_key(self, c: Collective) -> tuple[int, int, int]:
+        if not c.waits:
+            return len(self.nodes), 0, self.pos[c.start]
+        return min(self.wait_key(w) for w in c.waits)
+
+
+def apply_order(gm: fx.GraphModule, order: list[fx.Node]) -> None:
+    """Rearrange ``gm.graph`` into ``order`` (a permutation of its nodes), lint, recompile."""
+    graph = gm.graph
+    if len(order) != len(graph.nodes) or set(order) != set(graph.nodes):
+        raise AssertionError("overlapc internal error: new order is not a permutation of the graph")
+    cursor = graph._root
+    for node in order:
+        if node.prev is not cursor:
+            cursor.append(node)
+        cursor = node
+    graph.lint()
+    gm.recompile()

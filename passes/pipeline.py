@@ -1,0 +1,217 @@
+"""schedule = reorder -> limit -> sink -> verify, and the checks behind verify."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch.fx as fx
+
+from overlapc.config import OverlapConfig
+from overlapc.passes.analysis import Analysis, apply_order
+from overlapc.passes.limit import limit_in_flight
+from overlapc.passes.reorder import reorder_all_gathers
+from overlapc.passes.sink_waits import sink_waits
+
+log = logging.getLogger("overlapc")
+
+
+class ScheduleError(RuntimeError):
+    """A schedule guarantee does not hold (or scheduling failed) at a named node."""
+
+    def __init__(self, message: str, node: fx.Node | None = None, group: str | None = None,
+                 position: int | None = None):
+        self.node, self.group, self.position = node, group, position
+        self.op = None if node is None else str(node.target)
+        where = []
+        if node is not None:
+            where.append(f"node {node.name} (op {self.op}")
+            where[-1] += f", group {group}" if group is not None else ""
+            where[-1] += f", position {position})" if position is not None else ")"
+        super().__init__(f"{where[0]}: {message}" if where else message)
+
+
+def _config(config) -> OverlapConfig:
+    if config is None:
+        return OverlapConfig()
+    if isinstance(config, OverlapConfig):
+        return config
+    if isinstance(config, dict):
+        return OverlapConfig.from_options(config, env={})
+    raise TypeError(f"expected an OverlapConfig or an options dict, got {type(config).__name__}")
+
+
+def _check_graph(gm) -> None:
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"overlapc expects a torch.fx.GraphModule, got {type(gm).__name__}; "
+                        "trace the function first (make_fx or torch.fx.symbolic_trace)")
+
+
+def verify(gm: fx.GraphModule, config: OverlapConfig | None = None) -> None:
+    """Check the schedule guarantees on ``gm`` as it stands; raise ScheduleError
+    naming the first node that breaks one.
+
+    Checked: the graph lints (valid topological order); all-gathers of a group
+    and region are issued in first-consumer order; the in-flight bounds of
+    ``config`` hold; every wait has only waits, collective starts (with their
+    input chains) and views of waited tensors between it and its target; every
+    start stands right after the latest of its inputs, its region's barrier,
+    the previous all-gather of its group and (when bounded) the last wait of
+    its group. Collectives overlapc keeps in place are not checked.
+    """
+    _check_graph(gm)
+    cfg = _config(config)
+    try:
+        gm.graph.lint()
+    except Exception as error:
+        raise ScheduleError(f"graph is not a valid FX graph: {error}") from error
+    _verify(Analysis(gm), cfg)
+
+
+def _fail(info: Analysis, node: fx.Node, message: str) -> ScheduleError:
+    c = info.coll_of_start.get(node) or info.coll_of_wait.get(node)
+    return ScheduleError(message, node=node, group=c.group if c else None, position=info.pos[node])
+
+
+def _verify(info: Analysis, cfg: OverlapConfig) -> None:
+    pos, nodes = info.pos, info.nodes
+    blockers_before = [0]
+    for node in nodes:
+        blockers_before.append(blockers_before[-1] + (0 if info.in_bundle(node) else 1))
+
+    for c in info.movable:
+        for wait in c.waits:
+            target = info.target[wait]
+            if blockers_before[pos[target]] - blockers_before[pos[wait] + 1]:
+                between = next(n for n in nodes[pos[wait] + 1:pos[target]] if not info.in_bundle(n))
+                raise _fail(info, wait, f"wait of {c.kind} {c.start.name} is not just before its first "
+                                        f"consumer {target.name} (position {pos[target]}): {between.name} "
+                                        "stands between")
+
+    lanes: dict[tuple[str, int], list] = {}
+    for c in info.movable:
+        if c.kind == "all_gather":
+            lanes.setdefault((c.group, info.region_of(c.start)), []).append(c)
+    for starts in lanes.values():
+        for before, after in zip(starts, starts[1:]):
+            if info.key[before.start][0] > info.key[after.start][0]:
+                raise _fail(info, after.start,
+                            f"all-gather issued after {before.start.name} but consumed first "
+                            f"(at {nodes[info.key[after.start][0]].name} vs "
+                            f"{nodes[info.key[before.start][0]].name}): consumer order broken")
+
+    bounded = cfg.max_in_flight is not None or cfg.max_in_flight_bytes is not None
+    count: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    waits_left = {c.start: len(c.waits) for c in info.movable}
+    for node in nodes:
+        c = info.coll_of_start.get(node)
+        if c is not None and c.kind == "all_gather" and c.waits:
+            count[c.group] = count.get(c.group, 0) + 1
+            nbytes[c.group] = nbytes.get(c.group, 0) + (c.nbytes or 0)
+            if cfg.max_in_flight is not None and count[c.group] > cfg.max_in_flight:
+                raise _fail(info, node, f"{count[c.group]} all-gathers in flight, limit {cfg.max_in_flight}")
+            if (cfg.max_in_flight_bytes is not None and count[c.group] > 1
+                    and nbytes[c.group] > cfg.max_in_flight_bytes):
+                raise _fail(info, node, f"{nbytes[c.group]} bytes of all-gathers in flight, "
+                                        f"limit {cfg.max_in_flight_bytes}")
+        c = info.coll_of_wait.get(node)
+        if c is not None and c.kind == "all_gather":
+            waits_left[c.start] -= 1
+            if waits_left[c.start] == 0:
+                count[c.group] -= 1
+                nbytes[c.group] -= c.nbytes or 0
+
+    last_gather: dict[tuple[str, int], int] = {}
+    last_gather_wait: dict[str, int] = {}
+    for node in nodes:
+        c = info.coll_of_start.get(node)
+        if c is not None:
+            bundle = info.start_bundle[node]
+            earliest = max([info.region_start(node)] + [pos[i] for i in info.external_inputs(bundle)])
+            if c.kind == "all_gather":
+                lane = (c.group, info.region_of(node))
+                earliest = max(earliest, last_gather.get(lane, -1))
+                if bounded:
+                    earliest = max(earliest, last_gather_wait.get(c.group, -1))
+                last_gather[lane] = pos[node]
+            late = next((n for n in nodes[earliest + 1:pos[node]] if not info.in_bundle(n)), None)
+            if late is not None:
+                raise _fail(info, node, f"{c.kind} could be issued before {late.name}: its inputs are "
+                                        f"ready at position {earliest}")
+        c = info.coll_of_wait.get(node)
+        if c is not None and c.kind == "all_gather":
+            last_gather_wait[c.group] = pos[node]
+
+
+def _landmarks(info: Analysis) -> dict[fx.Node, tuple[int, int]]:
+    """For each collective start and wait: (barriers before it, compute nodes before it)."""
+    marks, compute = {}, 0
+    for node in info.nodes:
+        if node in info.coll_of_start or node in info.coll_of_wait:
+            marks[node] = (info.region_of(node), compute)
+        elif not info.in_bundle(node):
+            compute += 1
+    return marks
+
+
+def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> fx.GraphModule:
+    """Reschedule ``gm`` in place so communication overlaps compute; return it.
+
+    Runs reorder_all_gathers -> limit_in_flight -> sink_waits, then verify.
+    Deterministic: the same graph gives the same order in every process. A
+    graph without movable collectives (or config.enabled False) comes back
+    untouched. On failure the original order is restored; on_error="raise"
+    raises ScheduleError, "fallback" warns (node, op, group, position) and
+    returns the unscheduled graph.
+    """
+    _check_graph(gm)
+    cfg = _config(config)
+    if not cfg.enabled:
+        return gm
+    before = Analysis(gm)
+    if not before.movable:
+        return gm
+    original = list(before.nodes)
+    try:
+        reorder_all_gathers(gm)
+        limit_in_flight(gm, cfg)
+        sink_waits(gm)
+        gm.graph.lint()
+        after = Analysis(gm)
+        _verify(after, cfg)
+        marks_before, marks_after = _landmarks(before), _landmarks(after)
+        for node, (region, _) in marks_before.items():
+            if marks_after[node][0] != region:
+                raise _fail(after, node, "moved across a barrier")
+    except Exception as error:
+        apply_order(gm, original)
+        failure = error if isinstance(error, ScheduleError) else ScheduleError(
+            f"{type(error).__name__}: {error}")
+        if cfg.on_error == "raise":
+            raise failure from error
+        warnings.warn(f"overlapc left the graph unscheduled: {failure}", stacklevel=2)
+        log.warning("overlapc left the graph unscheduled: %s", failure)
+        return gm
+    moved = sum(1 for c in before.movable
+                if any(marks_before[n][1] != marks_after[n][1] for n in (c.start, *c.waits)))
+    log.info("overlapc: moved %d of %d collectives; peak %s all-gathers in flight (limit %s)",
+             moved, len(before.all), _peak_in_flight(after), cfg.max_in_flight)
+    return gm
+
+
+def _peak_in_flight(info: Analysis) -> int:
+    """Most all-gathers of one group issued and not yet waited, over the graph."""
+    count: dict[str, int] = {}
+    waits_left = {c.start: len(c.waits) for c in info.movable}
+    peak = 0
+    for node in info.nodes:
+        c = info.coll_of_start.get(node)
+        if c is not None and c.kind == "all_gather":
+            count[c.group] = count.get(c.group, 0) + 1
+            peak = max(peak, count[c.group])
+        c = info.coll_of_wait.get(node)
+        if c is not None and c.kind == "all_gather":
+            waits_left[c.start] -= 1
+            if not waits_left[c.start]:
+                count[c.group] -= 1
+    return peak
