@@ -1,0 +1,184 @@
+"""The torch.compile backend: AOTAutograd -> overlapc.schedule -> Inductor.
+
+``torch.compile(model, backend="overlapc", options={...}, mode=...)`` finds this
+module through the ``torch_dynamo_backends`` entry point, so no import of
+overlapc is needed (and importing it registers nothing twice).
+
+With ``inner="inductor"`` (default) the schedule runs as Inductor's
+``post_grad_custom_post_pass`` on the forward and backward graphs, after
+Inductor's own FX rewrites, and the compile is patched, for this compile only,
+with ``reorder_for_peak_memory=False`` (that pass moves each all-gather back
+next to its wait) and ``reorder_for_compute_comm_overlap=False``. Everything
+else in Inductor is unchanged. The pass's ``uuid()`` carries the config, so
+Inductor's FX graph cache keys on it.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import hashlib
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from overlapc.config import OverlapConfig
+from overlapc.passes.pipeline import schedule
+
+log = logging.getLogger("overlapc")
+
+# Inductor passes that move collectives or waits; off while compiling a scheduled graph.
+INDUCTOR_PATCHES = {
+    "reorder_for_peak_memory": False,
+    "reorder_for_compute_comm_overlap": False,
+}
+
+_graph_name: contextvars.ContextVar[str] = contextvars.ContextVar("overlapc_graph", default="graph")
+_counter = {"graphs": 0}
+
+
+def _next_index() -> int:
+    """Number of the Dynamo graph being compiled in this process (0, 1, ...)."""
+    _counter["graphs"] += 1
+    return _counter["graphs"] - 1
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One scheduled graph: its name ("fw_0", "bw_0", ...), the scheduled
+    GraphModule, and the node order and readable code from before scheduling."""
+
+    name: str
+    gm: fx.GraphModule
+    before_order: list[str]
+    before_code: str
+    after_code: str
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
+                         sink: Callable[[GraphRecord], None] | None) -> None:
+    """Schedule ``gm`` in place; hand the before/after record to ``sink`` and dump_dir."""
+    want_record = sink is not None or cfg.dump_dir
+    before_order = [n.name for n in gm.graph.nodes] if want_record else []
+    before_code = gm.print_readable(print_output=False) if want_record else ""
+    schedule(gm, cfg)
+    if not want_record:
+        return
+    record = GraphRecord(_graph_name.get(), gm, before_order, before_code,
+                         gm.print_readable(print_output=False))
+    if sink is not None:
+        sink(record)
+    if cfg.dump_dir:
+        from overlapc.report import write_artifacts
+        folder = os.path.join(cfg.dump_dir, f"rank{_rank()}", record.name)
+        write_artifacts(record, folder)
+        log.info("overlapc: wrote %s", folder)
+
+
+class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Inductor post-grad pass running overlapc.schedule with one config."""
+
+    def __init__(self, cfg: OverlapConfig, sink: Callable[[GraphRecord], None] | None = None):
+        self.cfg = cfg
+        self.sink = sink
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is None:
+            raise RuntimeError("overlapc: post-grad graph has no owning GraphModule")
+        _schedule_and_record(gm, self.cfg, self.sink)
+
+    def uuid(self) -> str:
+        """Changes with the config and with overlapc's own source."""
+        digest = hashlib.sha256(repr(dataclasses.astuple(self.cfg)).encode())
+        here = os.path.dirname(__file__)
+        import overlapc.passes
+        for folder in (here, os.path.dirname(overlapc.passes.__file__)):
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name), "rb") as source:
+                        digest.update(source.read())
+        return digest.hexdigest()
+
+
+def _named(kind: str, compile_fn: Callable, index: int) -> Callable:
+    """Wrap an AOT/Inductor compiler so the schedule pass knows which graph it sees."""
+    def compile_named(gm, example_inputs, *args, **kwargs):
+        is_backward = kwargs.get("is_backward", kind == "bw")
+        name = f"{'bw' if is_backward else 'fw'}_{index}"
+        token = _graph_name.set(name)
+        try:
+            return compile_fn(gm, example_inputs, *args, **kwargs)
+        finally:
+            _graph_name.reset(token)
+    return compile_named
+
+
+def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None) -> Callable:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def compile_graph(gm, example_inputs, *args, **kwargs):
+        _schedule_and_record(gm, cfg, sink)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=_named("fw", compile_graph, index),
+                        bw_compiler=_named("bw", compile_graph, index),
+                        decompositions=decompositions)
+
+
+def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None,
+                     mode: str | None = None):
+    """torch.compile backend. ``options`` keys are OverlapConfig fields (unknown
+    key -> ValueError naming the closest); ``mode`` goes to Inductor unchanged."""
+    cfg = OverlapConfig.from_options(options)
+    index = _next_index()
+    log.info("overlapc: compiling with %s", cfg)
+    if cfg.inner == "aot_eager":
+        if not cfg.enabled:
+            from torch._dynamo.backends.debugging import aot_eager
+            return aot_eager(gm, example_inputs)
+        return _aot_eager(cfg, index)(gm, example_inputs)
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    patches = dict(list_mode_options(mode)) if mode else {}
+    if cfg.enabled:
+        patches.update(INDUCTOR_PATCHES, post_grad_custom_post_pass=SchedulePass(cfg))
+        if cfg.dump_dir:
+            patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
+    return compile_fx(gm, example_inputs, inner_compile=_named("fw", compile_fx_inner, index),
+                      config_patches=patches)
+
+
+def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | None = None) -> list[GraphRecord]:
+    """Compile ``model`` the way the backend does (Dynamo, AOTAutograd with
+    Inductor's decompositions, overlapc.schedule), run one forward and backward
+    on ``example_inputs`` (meta or fake-process-group tensors work), and return
+    the scheduled graphs. Inductor's own post-grad rewrites and code generation
+    are skipped, so nothing is compiled to machine code."""
+    from torch._inductor.decomposition import select_decomp_table
+    cfg = OverlapConfig.from_options(options)
+    records: list[GraphRecord] = []
+    cfg = dataclasses.replace(cfg, dump_dir=None)
+    graphs = iter(range(1 << 30))
+
+    def backend(gm, example_inputs):
+        return _aot_eager(cfg, next(graphs), sink=records.append,
+                          decompositions=select_decomp_table())(gm, example_inputs)
+
+    torch._dynamo.reset()
+    inputs = example_inputs if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
+    out = torch.compile(model, backend=backend)(*inputs)
+    tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        sum(t.float().sum() for t in tensors).backward()
+    torch._dynamo.reset()
+    return records

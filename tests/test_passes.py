@@ -1,0 +1,292 @@
+"""Concrete schedules on small graphs: each test states the exact order expected."""
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import overlapc
+from overlapc.passes import limit_in_flight, reorder_all_gathers, sink_waits
+from graphs import F, ag, body, trace, wait
+
+STRICT = overlapc.OverlapConfig(on_error="raise")
+
+
+def thunder(x, w0, w1, w2, w3):
+    """lightning-thunder #277: every all-gather issued up front, in reverse order."""
+    ws = (w0, w1, w2, w3)
+    started = [ag(w) for w in reversed(ws)][::-1]
+    gathered = [wait(s) for s in reversed(started)][::-1]
+    for full in gathered:
+        x = torch.relu(x @ full.t())
+    return x
+
+
+def test_thunder_shape_is_issued_in_consumer_order_two_in_flight(fake_pg):
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    assert body(gm)[:4] == ["all_gather_into_tensor", "all_gather_into_tensor_1",
+                            "all_gather_into_tensor_2", "all_gather_into_tensor_3"]
+    overlapc.schedule(gm, STRICT)
+    # all_gather_into_tensor_3 gathers w0 (the first layer's weight).
+    assert body(gm) == [
+        "all_gather_into_tensor_3", "all_gather_into_tensor_2", "wait_tensor_3",
+        "all_gather_into_tensor_1", "t", "mm", "relu",
+        "wait_tensor_2", "all_gather_into_tensor", "t_1", "mm_1", "relu_1",
+        "wait_tensor_1", "t_2", "mm_2", "relu_2",
+        "wait_tensor", "t_3", "mm_3", "relu_3"]
+    overlapc.verify(gm, STRICT)
+
+
+def test_thunder_shape_unlimited_issues_everything_first_in_order(fake_pg):
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, on_error="raise"))
+    assert body(gm)[:5] == ["all_gather_into_tensor_3", "all_gather_into_tensor_2",
+                            "all_gather_into_tensor_1", "all_gather_into_tensor", "wait_tensor_3"]
+
+
+def mixed_precision(x, w0, w1, w2):
+    for w in (w0, w1, w2):
+        full = wait(ag(w.to(torch.bfloat16)))
+        x = torch.relu(x @ full.float().t())
+    return x
+
+
+def test_mixed_precision_casts_travel_with_their_all_gathers(fake_pg):
+    gm = trace(mixed_precision, (4, 16), *[(2, 16)] * 3)
+    overlapc.schedule(gm, STRICT)
+    assert body(gm) == [
+        "_to_copy", "all_gather_into_tensor", "_to_copy_2", "all_gather_into_tensor_1",
+        "wait_tensor", "_to_copy_4", "all_gather_into_tensor_2",
+        "_to_copy_1", "t", "mm", "relu",
+        "wait_tensor_1", "_to_copy_3", "t_1", "mm_1", "relu_1",
+        "wait_tensor_2", "_to_copy_5", "t_2", "mm_2", "relu_2"]
+
+
+def gathered_output(x, w0, w1):
+    a = wait(ag(w0))
+    b = wait(ag(w1))
+    return x @ a.t(), b
+
+
+def test_all_gather_returned_as_output_is_waited_just_before_output(fake_pg):
+    gm = trace(gathered_output, (4, 16), (2, 16), (2, 16))
+    overlapc.schedule(gm, STRICT)
+    assert body(gm) == ["all_gather_into_tensor", "all_gather_into_tensor_1",
+                        "wait_tensor", "t", "mm", "wait_tensor_1"]
+    assert list(gm.graph.nodes)[-2].name == "wait_tensor_1"
+
+
+def two_groups_fn(x, w0, w1, v0, v1):
+    for w, v in ((w0, v0), (w1, v1)):
+        x = torch.relu(x @ wait(ag(w, "0")).t())
+        x = torch.relu(x @ wait(ag(v, "1")).t())
+    return x
+
+
+def test_two_process_groups_are_bounded_separately(fake_pg, two_groups):
+    assert two_groups[0].group_name == "1"
+    gm = trace(two_groups_fn, (4, 16), *[(2, 16)] * 4)
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, on_error="raise"))
+    assert body(gm) == [
+        "all_gather_into_tensor", "all_gather_into_tensor_1", "wait_tensor",
+        "all_gather_into_tensor_2", "t", "mm", "relu",
+        "wait_tensor_1", "all_gather_into_tensor_3", "t_1", "mm_1", "relu_1",
+        "wait_tensor_2", "t_2", "mm_2", "relu_2",
+        "wait_tensor_3", "t_3", "mm_3", "relu_3"]
+    assert [c.group for c in overlapc.collectives(gm)] == ["0", "1", "0", "1"]
+
+
+def all_kinds(x, w0):
+    full = wait(ag(w0))
+    y = x @ full.t()
+    r = F.reduce_scatter_tensor(y, "sum", 8, "0")
+    a = F.all_reduce(y, "sum", "0")
+    z = torch.relu(y)
+    t = F.all_to_all_single(z, [2] * 8, [2] * 8, "0")
+    return wait(r), wait(a) + 1, wait(t) * 2
+
+
+def test_reduce_scatter_all_reduce_all_to_all_issue_early_and_wait_late(fake_pg):
+    gm = trace(all_kinds, (16, 16), (2, 16))
+    overlapc.schedule(gm, STRICT)
+    assert body(gm) == [
+        "all_gather_into_tensor", "wait_tensor", "t", "mm",
+        "reduce_scatter_tensor", "all_reduce", "relu", "all_to_all_single",
+        "wait_tensor_2", "add", "wait_tensor_3", "mul", "wait_tensor_1"]
+    kinds = [c.kind for c in overlapc.collectives(gm)]
+    assert kinds == ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+
+
+def through_views(x, w0, w1):
+    for w in (w0, w1):
+        full = wait(ag(w)).view(16, 16).t()
+        x = torch.tanh(x)
+        x = x @ full
+    return x
+
+
+def test_wait_consumed_through_views_moves_with_its_views(fake_pg):
+    gm = trace(through_views, (4, 16), (2, 16), (2, 16))
+    overlapc.schedule(gm, STRICT)
+    assert body(gm) == [
+        "all_gather_into_tensor", "all_gather_into_tensor_1", "tanh",
+        "wait_tensor", "view", "t", "mm", "tanh_1",
+        "wait_tensor_1", "view_1", "t_1", "mm_1"]
+    rows = overlapc.collectives(gm)
+    assert [r.first_consumer for r in rows] == [body(gm).index("mm") + 3, body(gm).index("mm_1") + 3]
+
+
+def with_barrier(x, w0, w1, w2):
+    a = ag(w0)
+    x = torch.relu(x) @ wait(a).t()
+    x = torch.ops.aten.add_(x, 1)        # mutating: a barrier
+    x = torch.tanh(x)
+    b = ag(w1)                            # may not rise above the barrier
+    x = x @ wait(b).t()
+    return x @ wait(ag(w2)).t()
+
+
+def test_nothing_moves_across_a_barrier(fake_pg):
+    gm = trace(with_barrier, (4, 16), (2, 16), (2, 16), (2, 16))
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, on_error="raise"))
+    assert body(gm) == [
+        "all_gather_into_tensor", "relu", "wait_tensor", "t", "mm", "add_",
+        "all_gather_into_tensor_1", "all_gather_into_tensor_2", "tanh",
+        "wait_tensor_1", "t_1", "mm_1", "wait_tensor_2", "t_2", "mm_2"]
+
+
+def coalesced(x, w0, w1, w2):
+    outs = F.all_gather_into_tensor_coalesced([w0, w1], 8, "0")
+    a, b = wait(outs[0]), wait(outs[1])
+    x = torch.relu(x)
+    x = x @ a.t() + b.sum()
+    return x @ wait(ag(w2)).t()
+
+
+def test_coalesced_all_gather_holds_its_slot_until_its_last_wait(fake_pg):
+    gm = trace(coalesced, (4, 16), (2, 16), (2, 16), (2, 16))
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, on_error="raise"))
+    assert body(gm) == [
+        "all_gather_into_tensor_coalesced", "getitem", "getitem_1", "relu",
+        "wait_tensor", "t", "mm", "wait_tensor_1", "all_gather_into_tensor",
+        "sum_1", "add", "wait_tensor_2", "t_1", "mm_1"]
+    (first, second) = overlapc.collectives(gm)
+    assert first.op == "all_gather_into_tensor_coalesced" and len(first.waits) == 2
+    assert first.nbytes == 2 * 16 * 16 * 4
+
+
+def test_byte_limit_bounds_gathered_bytes(fake_pg):
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    one = 16 * 16 * 4
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, max_in_flight_bytes=3 * one,
+                                                 on_error="raise"))
+    assert body(gm)[:4] == ["all_gather_into_tensor_3", "all_gather_into_tensor_2",
+                            "all_gather_into_tensor_1", "wait_tensor_3"]
+
+
+def no_collectives(x, w):
+    return torch.relu(x @ w.t())
+
+
+def test_graph_without_collectives_comes_back_unchanged(fake_pg):
+    gm = trace(no_collectives, (4, 16), (16, 16))
+    code = gm.code
+    assert overlapc.schedule(gm) is gm
+    assert gm.code == code and overlapc.collectives(gm) == []
+
+
+def test_passes_one_by_one_compose_to_the_same_schedule(fake_pg):
+    gm = trace(mixed_precision, (4, 16), *[(2, 16)] * 3)
+    reference = trace(mixed_precision, (4, 16), *[(2, 16)] * 3)
+    overlapc.schedule(reference, STRICT)
+    reorder_all_gathers(gm)
+    limit_in_flight(gm, 2)
+    sink_waits(gm)
+    assert body(gm) == body(reference)
+    overlapc.verify(gm, STRICT)
+
+
+def test_sink_waits_alone_keeps_issue_order(fake_pg):
+    gm = trace(through_views, (4, 16), (2, 16), (2, 16))
+    sink_waits(gm)
+    assert body(gm) == [
+        "all_gather_into_tensor", "tanh", "wait_tensor", "view", "t", "mm",
+        "all_gather_into_tensor_1", "tanh_1", "wait_tensor_1", "view_1", "t_1", "mm_1"]
+
+
+def test_verify_names_the_wait_that_sits_too_early(fake_pg):
+    gm = trace(through_views, (4, 16), (2, 16), (2, 16))
+    with pytest.raises(overlapc.ScheduleError) as error:
+        overlapc.verify(gm, STRICT)
+    message = str(error.value)
+    assert "wait_tensor" in message and "wait_tensor.default" in message and "group 0" in message
+    assert "position 4" in message and "tanh" in message
+
+
+def test_failure_falls_back_with_a_warning_and_restores_the_order(fake_pg, monkeypatch):
+    import overlapc.passes.pipeline as pipeline
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    original = body(gm)
+
+    def broken(gm, *args, **kwargs):
+        raise overlapc.ScheduleError("injected", node=next(iter(gm.graph.nodes)), group="0", position=0)
+
+    monkeypatch.setattr(pipeline, "sink_waits", broken)
+    with pytest.warns(UserWarning, match="unscheduled.*injected"):
+        overlapc.schedule(gm)
+    assert body(gm) == original
+    with pytest.raises(overlapc.ScheduleError, match="injected"):
+        overlapc.schedule(gm, STRICT)
+    assert body(gm) == original
+
+
+def test_bad_input_is_rejected_clearly(fake_pg):
+    with pytest.raises(TypeError, match="GraphModule"):
+        overlapc.schedule(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
+        overlapc.OverlapConfig(max_in_flight=0)
+    with pytest.raises(ValueError, match="did you mean 'max_in_flight'"):
+        overlapc.OverlapConfig.from_options({"max_inflight": 2})
+    with pytest.raises(ValueError, match="on_error"):
+        overlapc.OverlapConfig(on_error="ignore")
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    original = body(gm)
+    with pytest.raises(ValueError):
+        overlapc.schedule(gm, {"max_in_flight": 0})
+    with pytest.raises(ValueError, match="did you mean"):
+        overlapc.schedule(gm, {"max_in_fligth": 1})
+    assert body(gm) == original
+
+
+def test_options_beat_environment_beat_defaults():
+    assert overlapc.OverlapConfig.from_options({}, env={"OVERLAPC_DISABLE": "1"}).enabled is False
+    assert overlapc.OverlapConfig.from_options({"enabled": True}, env={"OVERLAPC_DISABLE": "1"}).enabled
+    assert overlapc.OverlapConfig.from_options({}, env={}).max_in_flight == 2
+
+
+_SCHEDULE_IN_A_FRESH_PROCESS = """
+import sys; sys.path.insert(0, {tests!r})
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+import overlapc, test_passes
+from graphs import trace, body
+dist.new_group(list(range(8)))
+gm = trace(test_passes.two_groups_fn, (4, 16), *[(2, 16)] * 4)
+overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, on_error="raise"))
+print(",".join(body(gm)))
+"""
+
+
+def test_same_order_whatever_the_hash_seed():
+    script = _SCHEDULE_IN_A_FRESH_PROCESS.format(tests=os.path.dirname(__file__))
+    orders = set()
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        orders.add(done.stdout.strip())
+    assert len(orders) == 1 and "all_gather_into_tensor" in orders.pop()
