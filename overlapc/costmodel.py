@@ -1,0 +1,329 @@
+"""Time estimates for compute nodes and collectives.
+
+Two narrow functions, so the estimate can change without touching the
+simulator:
+
+* ``compute_ms(node, device)``: roofline time of one FX node,
+  ``max(FLOPs / device FLOP rate, bytes moved / memory bandwidth)``. FLOPs come
+  from ``torch.utils.flop_counter`` (the op is run on meta tensors shaped like
+  its inputs' ``meta["val"]``); bytes are the node's tensor inputs plus
+  outputs. Placeholders, outputs, views/aliases, getitem, collective starts and
+  waits cost nothing. Never raises: a node it cannot run falls back to its
+  bytes, and a node without shapes costs 0.
+* ``collective_ms(collective, link, world_size)``: ``latency + bytes x ring
+  factor / bandwidth`` (the standard ring-algorithm bus-bandwidth model, as in
+  nccl-tests' PERFORMANCE.md).
+
+Units: TFLOP/s for compute, GB/s (10^9 *bytes* per second) for memory and
+links, microseconds for latency, milliseconds for every estimate returned.
+
+Built-in numbers are *achieved* rates, not datasheet peaks:
+
+=========  ===============================================================
+h100       H100 SXM5: 989 TFLOP/s dense bf16 peak x 0.70 achieved on large
+           GEMMs = 692 TFLOP/s; HBM3 3350 GB/s x 0.80 = 2680 GB/s.
+a100       A100 SXM4 80GB: 312 TFLOP/s dense bf16 peak x 0.70 = 218 TFLOP/s;
+           HBM2e 2039 GB/s x 0.80 = 1631 GB/s.
+cpu        the 2-core CPU test machines of this project: ~0.08 TFLOP/s fp32
+           (40 matmuls 512^2 in ~136 ms, DESIGN.md) and ~20 GB/s DRAM.
+nvlink     NVLink4 (H100 SXM, NVSwitch): 450 GB/s per direction per GPU
+           x 0.80 = 360 GB/s (nccl-tests bus bandwidth on 8x H100 is
+           ~360-370 GB/s without NVLS); 10 us latency per collective.
+ib         InfiniBand NDR 400 Gb/s per GPU = 50 GB/s x 0.90 = 45 GB/s;
+           20 us latency (inter-node NCCL small-message latency).
+ethernet   100 Gb/s Ethernet (RoCE / TCP) = 12.5 GB/s x 0.80 = 10 GB/s;
+           50 us latency.
+=========  ===============================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from overlapc.collectives import Collective, collective_op, is_alias, is_wait
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """An accelerator: achieved dense FLOP rate (TFLOP/s) and memory bandwidth (GB/s)."""
+
+    name: str
+    tflops: float
+    mem_gbps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkProfile:
+    """A collective link: achieved bus bandwidth per GPU (GB/s) and per-collective latency (us)."""
+
+    name: str
+    gbps: float
+    latency_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What the simulator needs: one device and the link its collectives use."""
+
+    device: DeviceProfile
+    link: LinkProfile
+
+
+DEVICES = {
+    "h100": DeviceProfile("h100", tflops=989.0 * 0.70, mem_gbps=3350.0 * 0.80),
+    "a100": DeviceProfile("a100", tflops=312.0 * 0.70, mem_gbps=2039.0 * 0.80),
+    "cpu": DeviceProfile("cpu", tflops=0.08, mem_gbps=20.0),
+}
+LINKS = {
+    "nvlink": LinkProfile("nvlink", gbps=450.0 * 0.80, latency_us=10.0),
+    "ib": LinkProfile("ib", gbps=50.0 * 0.90, latency_us=20.0),
+    "ethernet": LinkProfile("ethernet", gbps=12.5 * 0.80, latency_us=50.0),
+}
+
+
+def profile(device: str = "h100", link: str = "nvlink", tflops: float | None = None,
+            mem_gbps: float | None = None, link_gbps: float | None = None,
+            latency_us: float | None = None) -> Profile:
+    """A Profile from built-in names, with any number given explicitly replacing the built-in one.
+
+    Unknown names raise ValueError listing the valid ones; overrides must be
+    positive (latency may be 0).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; valid: {', '.join(DEVICES)}")
+    if link not in LINKS:
+        raise ValueError(f"unknown link {link!r}; valid: {', '.join(LINKS)}")
+    for name, value, floor in (("tflops", tflops, 0), ("mem_gbps", mem_gbps, 0),
+                               ("link_gbps", link_gbps, 0)):
+        if value is not None and not value > floor:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    if latency_us is not None and not latency_us >= 0:
+        raise ValueError(f"latency_us must be >= 0, got {latency_us!r}")
+    dev, lnk = DEVICES[device], LINKS[link]
+    dev = dataclasses.replace(dev, **{k: v for k, v in (("tflops", tflops), ("mem_gbps", mem_gbps))
+                                      if v is not None})
+    lnk = dataclasses.replace(lnk, **{k: v for k, v in (("gbps", link_gbps), ("latency_us", latency_us))
+                                      if v is not None})
+    return Profile(dev, lnk)
+
+
+# -- compute --------------------------------------------------------------------------------------
+
+def _hint(size) -> int | None:
+    """A concrete int for an int or SymInt size (its optimisation hint), or None when unknown."""
+    if isinstance(size, int):
+        return size
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        return int(optimization_hint(size))
+    except Exception:
+        hint = getattr(getattr(size, "node", None), "hint", None)
+        return int(hint) if isinstance(hint, int) else None
+
+
+def _sizes(sizes) -> tuple[int, ...] | None:
+    """Sizes as concrete ints (hints for symbolic ones), or None when one is unknown."""
+    sizes = tuple(sizes)
+    if all(type(s) is int for s in sizes):
+        return sizes
+    sizes = tuple(_hint(s) for s in sizes)
+    return None if any(s is None for s in sizes) else sizes
+
+
+_UNKNOWN = ("unknown",)   # signature of a value whose sizes are not known
+_MISSING = object()       # stands for a node input without a recorded value
+
+
+def _signature(value):
+    """Hashable ("tensor", shape, stride, dtype) of a tensor, _UNKNOWN when its sizes are not
+    concrete; lists recurse; other values pass through when hashable (else their repr)."""
+    if isinstance(value, torch.Tensor):
+        shape = _sizes(value.shape)
+        if shape is None:
+            return _UNKNOWN
+        try:
+            stride = _sizes(value.stride())
+        except Exception:  # sparse and other layouts without strides
+            stride = None
+        return ("tensor", shape, stride, value.dtype)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_signature(v) for v in value))
+    if value is _MISSING or isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _UNKNOWN
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def _is_tensor_sig(sig) -> bool:
+    return isinstance(sig, tuple) and len(sig) == 4 and sig[0] == "tensor"
+
+
+def _is_list_sig(sig) -> bool:
+    return isinstance(sig, tuple) and len(sig) == 2 and sig[0] in ("list", "tuple")
+
+
+def _nbytes(sig) -> int:
+    """Bytes of every tensor in a signature (0 for unknown sizes and non-tensors)."""
+    if _is_tensor_sig(sig):
+        numel = 1
+        for s in sig[1]:
+            numel *= s
+        return numel * sig[3].itemsize
+    if _is_list_sig(sig):
+        return sum(_nbytes(s) for s in sig[1])
+    return 0
+
+
+def _known(sig) -> bool:
+    """True when no tensor or size inside the signature is unknown."""
+    if sig == _UNKNOWN:
+        return False
+    return all(_known(s) for s in sig[1]) if _is_list_sig(sig) else True
+
+
+def _meta(sig):
+    """A meta tensor (or list of them) rebuilt from a signature."""
+    if _is_tensor_sig(sig):
+        if sig[2] is None:
+            return torch.empty(sig[1], dtype=sig[3], device="meta")
+        return torch.empty_strided(sig[1], sig[2], dtype=sig[3], device="meta")
+    if _is_list_sig(sig):
+        values = [_meta(s) for s in sig[1]]
+        return values if sig[0] == "list" else tuple(values)
+    return sig
+
+
+def _counts_flops(target) -> bool:
+    """Only ops the flop counter knows (or that decompose into them) are worth running."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.overloadpacket in flop_registry:
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
+
+
+def _flops(target, args_sig, kwargs_sig) -> int:
+    """FLOPs of ``target`` on meta tensors rebuilt from signatures; 0 when it cannot run."""
+    if not _counts_flops(target) or not all(_known(s) for s in (*args_sig, *(s for _, s in kwargs_sig))):
+        return 0
+    try:
+        args = [_meta(s) for s in args_sig]
+        kwargs = {k: _meta(s) for k, s in kwargs_sig}
+        with FlopCounterMode(display=False) as counter:
+            target(*args, **kwargs)
+        return int(counter.get_total_flops())
+    except Exception:
+        return 0
+
+
+_FREE_OPS = ("placeholder", "output", "get_attr")
+_cache: dict = {}   # (target, arg signatures, out signature) -> (flops, bytes)
+
+
+def _value_of(arg):
+    """The recorded example value behind an FX argument (nodes replaced by meta['val'])."""
+    return fx.node.map_aggregate(arg, lambda a: a.meta.get("val", _MISSING) if isinstance(a, fx.Node) else a)
+
+
+_free_targets: dict = {}   # (op, target) -> True for views, getitem, collective starts and waits
+
+
+def _free(node: fx.Node) -> bool:
+    key = (node.op, node.target)
+    try:
+        return _free_targets[key]
+    except KeyError:
+        free = node.target is operator.getitem or is_alias(node) or is_wait(node) \
+            or collective_op(node) is not None
+        _free_targets[key] = free
+        return free
+    except TypeError:   # unhashable target
+        return is_alias(node)
+
+
+def _has_tensor(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+def node_cost(node: fx.Node) -> tuple[int, int]:
+    """(FLOPs, bytes moved) of one node; (0, 0) for nodes that cost nothing or have no shapes."""
+    if node.op in _FREE_OPS or _free(node):
+        return 0, 0
+    if "val" in node.meta and not _has_tensor(node.meta["val"]):
+        return 0, 0   # sizes, scalars, None: bookkeeping, not device work
+    try:
+        args_sig = tuple(_signature(_value_of(a)) for a in node.args)
+        kwargs_sig = tuple((k, _signature(_value_of(v))) for k, v in node.kwargs.items())
+        out_sig = _signature(node.meta.get("val"))
+        key = (node.target, args_sig, kwargs_sig, out_sig)
+        cached = _cache.get(key)
+        if cached is None:
+            moved = sum(_nbytes(s) for s in args_sig) + sum(_nbytes(s) for _, s in kwargs_sig) \
+                + _nbytes(out_sig)
+            cached = (_flops(node.target, args_sig, kwargs_sig), moved)
+            _cache[key] = cached
+        return cached
+    except Exception:  # unhashable targets, odd metadata: whatever the node is, keep going
+        return 0, 0
+
+
+def compute_ms(node: fx.Node, device: DeviceProfile) -> float:
+    """Roofline estimate of one node on ``device``, in ms: max(FLOPs/rate, bytes/bandwidth)."""
+    flops, moved = node_cost(node)
+    return max(flops / (device.tflops * 1e12), moved / (device.mem_gbps * 1e9)) * 1e3
+
+
+# -- communication -------------------------------------------------------------------------------
+
+# Ring algorithm: each rank sends (n-1)/n of the full buffer once per phase.
+_RING_PHASES = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
+
+
+def _group_size(c: Collective, world_size: int | None) -> int | None:
+    if c.group_size is not None:
+        return c.group_size
+    if world_size is not None:
+        return world_size
+    try:  # all_reduce and friends do not name their group size: ask the process group
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return int(_resolve_process_group(c.group).size())
+    except Exception:
+        return None
+
+
+def collective_bytes(c: Collective) -> int | None:
+    """Bytes the collective's bandwidth term is charged for: the full (gathered or
+    unscattered) size, i.e. the output of an all-gather and the input of a reduce-scatter."""
+    if c.kind == "reduce_scatter" and c.start.args and isinstance(c.start.args[0], (fx.Node, list, tuple)):
+        full = _nbytes(_signature(_value_of(c.start.args[0])))
+        if full:
+            return full
+    return c.nbytes
+
+
+def collective_ms(collective: Collective, link: LinkProfile, world_size: int | None = None) -> float:
+    """latency + full bytes x ring factor / bandwidth, in ms.
+
+    Ring factor for n ranks: (n-1)/n for all_gather, reduce_scatter and
+    all_to_all, 2(n-1)/n for all_reduce, 1 for broadcast (and unknown kinds).
+    n is the collective's group size, else ``world_size``, else the size of
+    its process group if one is registered; when none is known the factor's
+    large-n limit (1, or 2 for all_reduce) is used. Unknown sizes cost latency only.
+    """
+    n = _group_size(collective, world_size)
+    phases = _RING_PHASES.get(collective.kind)
+    if phases is None:    # broadcast and unknown kinds: the whole buffer crosses the link once
+        ring = 1.0
+    else:
+        ring = phases * ((n - 1) / n if n else 1.0)
+    nbytes = collective_bytes(collective) or 0
+    return link.latency_us * 1e-3 + nbytes * ring / (link.gbps * 1e9) * 1e3

@@ -1,0 +1,282 @@
+"""Per-collective rows and a graph summary, before and after scheduling.
+
+The scheduler works in place, so callers record the order first::
+
+    before = [n.name for n in gm.graph.nodes]
+    overlapc.schedule(gm, cfg)
+    rows = report.rows(gm, before, profile)
+    print(report.format_text(rows, report.summary(gm, before, profile)))
+
+Both orders are simulated (``overlapc.simulate``). A *compute node* is a node
+with estimated cost > 0 that is not a collective start, a wait, or a member of
+their bundles (a start's cheap input chain, a wait's views; see
+``passes/analysis.py``). Positions are indices into the node order.
+
+Verdicts. A collective is "hidden" when the simulator says so (its waits stall
+compute < 1% of its duration or < 1 us); otherwise "exposed" with the first
+reason whose rule holds, checked in this order, on the order after scheduling.
+Let *consumer* be its first real consumer (the output node when nothing reads
+it) and *ready* the position of the latest node its start reads (looking
+through its input chain; -1 when it reads nothing):
+
+1. "graph input/output": the consumer is the output node (the result is a
+   graph output), or no compute node stands before the consumer (it feeds the
+   graph's first compute, like the forward's first all-gather).
+2. "data dependency": no compute node stands between ready and the consumer:
+   its input is produced right before its result is needed, so no order of
+   these nodes could overlap it.
+3. "in-flight limit": an all-gather whose start stands right after the wait
+   of another all-gather of its group (only non-compute nodes between), with
+   compute between ready and that wait: the in-flight bound delayed an issue
+   that its inputs allowed earlier.
+4. "no compute left": otherwise. The compute between its issue and its wait
+   (``compute_ms``) is shorter than the time from issue until it ends (its own
+   ``comm_ms`` plus any time queued behind earlier collectives of its group).
+
+``to_json`` schema ("overlapc.report/1")::
+
+    {"schema": "overlapc.report/1",
+     "summary": {<the keys of summary(), below>},
+     "collectives": [{<the fields of Row, below>}, ...]}   # in issue order after
+
+Row fields: name (start node), kind, group, nbytes (int or null), dtype (str
+or null), module (qualified path or ""), issue_before, wait_before,
+issue_after, wait_after (positions; a wait position is the collective's first
+wait, null when it has none), moved (bool: the number of compute nodes before
+its start or a wait changed), compute_nodes and compute_ms (between issue and
+first wait, after), comm_ms, exposed_ms_before, exposed_ms (after), verdict
+("hidden" | "exposed"), reason ("" when hidden).
+
+Summary keys: collectives, moved, hidden_before, hidden_after,
+exposed_ms_before, exposed_ms_after, peak_in_flight_bytes_before,
+peak_in_flight_bytes_after, step_ms_before, step_ms_after (all-gather bytes
+for the peaks), device, link.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Callable
+
+import torch.fx as fx
+
+from overlapc import costmodel
+from overlapc.collectives import Collective
+from overlapc.passes.analysis import Analysis
+from overlapc.simulate import Timeline, checked_order, simulate
+
+SCHEMA = "overlapc.report/1"
+REASONS = ("graph input/output", "data dependency", "in-flight limit", "no compute left")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One collective before and after scheduling (see the module docstring)."""
+
+    name: str
+    kind: str
+    group: str
+    nbytes: int | None
+    dtype: str | None
+    module: str
+    issue_before: int
+    wait_before: int | None
+    issue_after: int
+    wait_after: int | None
+    moved: bool
+    compute_nodes: int
+    compute_ms: float
+    comm_ms: float
+    exposed_ms_before: float
+    exposed_ms: float
+    verdict: str
+    reason: str
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified path of the innermost nn.Module that made ``node``, or ""."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    last = list(stack.values())[-1]
+    return str(last[0] if isinstance(last, (tuple, list)) else last)
+
+
+def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms):
+    """Simulate both orders and build every row and the summary."""
+    profile = profile if profile is not None else costmodel.profile()
+    if compute_ms is None:   # estimate each node once for both orders
+        memo: dict[fx.Node, float] = {}
+
+        def compute_ms(node: fx.Node) -> float:
+            if node not in memo:
+                memo[node] = costmodel.compute_ms(node, profile.device)
+            return memo[node]
+    before = checked_order(gm_after, before_order)
+    after = list(gm_after.graph.nodes)
+    timeline_before = simulate(gm_after, profile, before, compute_ms=compute_ms, comm_ms=comm_ms)
+    timeline_after = simulate(gm_after, profile, after, compute_ms=compute_ms, comm_ms=comm_ms)
+    info = Analysis(gm_after)
+    cost = {name: end - start for name, (start, end) in timeline_after.compute.items()}
+    is_compute = [cost.get(n.name, 0.0) > 0 and not info.in_bundle(n) for n in after]
+    _, ms_after = _prefix(after, is_compute, cost)
+    count_before, _ = _prefix(before, [is_compute[info.pos[n]] for n in before], cost)
+    count_after, _ = _prefix(after, is_compute, cost)
+    pos_before = {n: i for i, n in enumerate(before)}
+    gather_waits: dict[str, list[int]] = {}
+    for c in info.all:
+        if c.kind == "all_gather":
+            gather_waits.setdefault(c.group, []).extend(info.pos[w] for w in c.waits)
+    for waits in gather_waits.values():
+        waits.sort()
+
+    rows = []
+    for c in info.all:
+        waits_before = sorted(pos_before[w] for w in c.waits)
+        waits_after = sorted(info.pos[w] for w in c.waits)
+        issue_b, issue_a = pos_before[c.start], info.pos[c.start]
+        moved = count_before[issue_b] != count_after[issue_a] or any(
+            count_before[pos_before[w]] != count_after[info.pos[w]] for w in c.waits)
+        until = waits_after[0] if waits_after else len(after)
+        timed_after = timeline_after.collectives[c.start.name]
+        verdict, reason = "hidden", ""
+        if not timed_after.hidden:
+            verdict, reason = "exposed", _reason(c, info, count_after, gather_waits)
+        rows.append(Row(
+            name=c.start.name, kind=c.kind, group=c.group, nbytes=c.nbytes,
+            dtype=None if c.dtype is None else str(c.dtype).replace("torch.", ""),
+            module=module_path(c.start),
+            issue_before=issue_b, wait_before=waits_before[0] if waits_before else None,
+            issue_after=issue_a, wait_after=waits_after[0] if waits_after else None,
+            moved=moved,
+            compute_nodes=count_after[until] - count_after[issue_a + 1],
+            compute_ms=ms_after[until] - ms_after[issue_a + 1],
+            comm_ms=timed_after.duration_ms,
+            exposed_ms_before=timeline_before.collectives[c.start.name].exposed_ms,
+            exposed_ms=timed_after.exposed_ms,
+            verdict=verdict, reason=reason,
+        ))
+    summary = _summary(rows, timeline_before, timeline_after, profile)
+    return rows, summary
+
+
+def _prefix(order: list[fx.Node], is_compute: list[bool], cost: dict[str, float]):
+    """counts[i], ms[i]: compute nodes (and their ms) among order[:i]."""
+    counts, ms = [0], [0.0]
+    for node, flag in zip(order, is_compute):
+        counts.append(counts[-1] + flag)
+        ms.append(ms[-1] + (cost[node.name] if flag else 0.0))
+    return counts, ms
+
+
+def _reason(c: Collective, info: Analysis, count: list[int], gather_waits: dict[str, list[int]]) -> str:
+    """Why an exposed collective stays exposed: the first rule of the module docstring that holds.
+
+    ``count[i]``: compute nodes before position i; ``gather_waits``: group -> sorted
+    positions of its all-gathers' waits."""
+    pos = info.pos
+    consumer = pos[info.output] if c.first_consumer is None else c.first_consumer
+    if info.nodes[consumer] is info.output or count[consumer] == 0:
+        return "graph input/output"
+    bundle = info.start_bundle.get(c.start, [c.start])
+    ready = max((pos[i] for i in info.external_inputs(bundle)), default=-1)
+    if count[consumer] - count[ready + 1] == 0:
+        return "data dependency"
+    if c.kind == "all_gather":
+        first = pos[bundle[0]]
+        waits = gather_waits.get(c.group, [])
+        index = bisect.bisect_left(waits, first)
+        gate = waits[index - 1] if index else None
+        if gate is not None and count[first] - count[gate + 1] == 0 and count[gate] - count[ready + 1] > 0:
+            return "in-flight limit"
+    return "no compute left"
+
+
+def _summary(rows: list[Row], before: Timeline, after: Timeline, profile) -> dict:
+    return {
+        "collectives": len(rows),
+        "moved": sum(1 for r in rows if r.moved),
+        "hidden_before": before.hidden,
+        "hidden_after": after.hidden,
+        "exposed_ms_before": before.exposed_ms,
+        "exposed_ms_after": after.exposed_ms,
+        "peak_in_flight_bytes_before": before.peak_in_flight_bytes,
+        "peak_in_flight_bytes_after": after.peak_in_flight_bytes,
+        "step_ms_before": before.step_ms,
+        "step_ms_after": after.step_ms,
+        "device": profile.device.name,
+        "link": profile.link.name,
+    }
+
+
+def rows(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | None = None, *,
+         compute_ms: Callable[[fx.Node], float] | None = None,
+         comm_ms: Callable[[Collective], float] | None = None) -> list[Row]:
+    """One Row per collective of ``gm_after`` (in its order), comparing with ``before_order``
+    (node names in the order before scheduling). Cost overrides as in ``simulate``."""
+    return _study(gm_after, before_order, profile, compute_ms, comm_ms)[0]
+
+
+def summary(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | None = None,
+            *, compute_ms: Callable[[fx.Node], float] | None = None,
+            comm_ms: Callable[[Collective], float] | None = None) -> dict:
+    """Per-graph numbers before -> after (keys in the module docstring); plain JSON types."""
+    return _study(gm_after, before_order, profile, compute_ms, comm_ms)[1]
+
+
+def summary_line(summary: dict) -> str:
+    """'moved M of N collectives; hidden X of Y by estimate (exposed A -> B ms)'."""
+    return (f"moved {summary['moved']} of {summary['collectives']} collectives; "
+            f"hidden {summary['hidden_after']} of {summary['collectives']} by estimate "
+            f"(exposed {_ms(summary['exposed_ms_before'])} -> {_ms(summary['exposed_ms_after'])} ms)")
+
+
+def _ms(value: float) -> str:
+    """One decimal, or two significant digits below 0.1 ms (so 0.045 does not read 0.0)."""
+    return f"{value:.1f}" if value >= 0.1 or value == 0 else f"{value:.2g}"
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes}{unit}" if unit == "B" else f"{nbytes:.1f}{unit}"
+        nbytes /= 1024
+
+
+def _pos(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def format_text(rows: list[Row], summary: dict) -> str:
+    """A fixed-width table: summary lines, then one line per collective. Deterministic."""
+    s = summary
+    lines = [
+        summary_line(s),
+        f"step {s['step_ms_before']:.3f} -> {s['step_ms_after']:.3f} ms; exposed "
+        f"{s['exposed_ms_before']:.3f} -> {s['exposed_ms_after']:.3f} ms; hidden "
+        f"{s['hidden_before']} -> {s['hidden_after']} of {s['collectives']}; peak all-gather bytes "
+        f"in flight {_size(s['peak_in_flight_bytes_before'])} -> {_size(s['peak_in_flight_bytes_after'])} "
+        f"({s['device']}, {s['link']})",
+    ]
+    header = ("collective", "kind", "group", "bytes", "dtype", "issue", "wait", "compute",
+              "comm_ms", "exposed_ms", "verdict", "module")
+    table = [header]
+    for r in rows:
+        table.append((
+            r.name, r.kind, r.group, _size(r.nbytes), r.dtype or "?",
+            f"{r.issue_before}->{r.issue_after}", f"{_pos(r.wait_before)}->{_pos(r.wait_after)}",
+            f"{r.compute_nodes}/{r.compute_ms:.3f}ms", f"{r.comm_ms:.3f}",
+            f"{r.exposed_ms_before:.3f}->{r.exposed_ms:.3f}",
+            r.verdict + (f" ({r.reason})" if r.reason else ""), r.module or "-",
+        ))
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def to_json(rows: list[Row], summary: dict) -> dict:
+    """The report as plain JSON types (schema in the module docstring)."""
+    return {"schema": SCHEMA, "summary": dict(summary), "collectives": [dataclasses.asdict(r) for r in rows]}

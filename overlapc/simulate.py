@@ -1,0 +1,169 @@
+"""A two-stream timeline of one graph: exposed communication, step time, in-flight bytes.
+
+Model (``simulate``): one compute stream, plus one stream per process group.
+Nodes are walked in program order:
+
+* a compute node runs on the compute stream from the stream's current time for
+  its estimated cost (the stream executes in order, so its inputs are ready:
+  any collective result it reads was waited before it);
+* a collective start is issued at the compute stream's current time (issuing
+  costs nothing) and runs on its group's stream once the previous collective
+  of that group has finished (issue order within a group);
+* a wait blocks the compute stream until its collective ends; the time the
+  stream stalls is that collective's *exposed* time.
+
+A collective is *hidden* when its waits stall compute for less than 1% of its
+duration or less than 1 us. In-flight bytes count, in program order, the
+outputs of collectives issued and not yet fully waited.
+
+Costs come from ``overlapc.costmodel`` for the given Profile, or from the
+``compute_ms(node)`` / ``comm_ms(collective)`` callables when given (tests and
+what-if studies set exact costs this way). Deterministic; O(nodes + edges)
+once costs are known.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch.fx as fx
+
+from overlapc import costmodel
+from overlapc.collectives import Collective, collectives
+
+HIDDEN_FRACTION = 0.01   # stalls below this fraction of the collective's duration ...
+HIDDEN_MS = 1e-3         # ... or below 1 us count as hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveTime:
+    """When one collective was issued, ran and ended (ms), and how long compute stalled on it."""
+
+    collective: Collective
+    issue_ms: float
+    start_ms: float
+    end_ms: float
+    exposed_ms: float
+
+    @property
+    def name(self) -> str:
+        return self.collective.start.name
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    @property
+    def hidden(self) -> bool:
+        return self.exposed_ms < HIDDEN_MS or self.exposed_ms < HIDDEN_FRACTION * self.duration_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Result of ``simulate``.
+
+    compute: node name -> (start_ms, end_ms) on the compute stream, for every
+        node other than the collectives' starts and waits, in program order.
+    collectives: start node name -> CollectiveTime, in issue order.
+    step_ms: when the compute stream finishes.
+    exposed_ms: total compute-stream stall on waits.
+    peak_in_flight_bytes: most all-gather output bytes (all groups together)
+        issued and not yet waited at any point of the order.
+    peak_in_flight_bytes_all: the same over collectives of every kind.
+    """
+
+    compute: dict[str, tuple[float, float]]
+    collectives: dict[str, CollectiveTime]
+    step_ms: float
+    exposed_ms: float
+    peak_in_flight_bytes: int
+    peak_in_flight_bytes_all: int
+
+    @property
+    def total(self) -> int:
+        return len(self.collectives)
+
+    @property
+    def hidden(self) -> int:
+        return sum(1 for t in self.collectives.values() if t.hidden)
+
+
+def checked_order(gm: fx.GraphModule, order=None) -> list[fx.Node]:
+    """``order`` (nodes or node names; default graph order) as nodes, checked to be a
+    topological permutation of ``gm``'s nodes; ValueError otherwise."""
+    nodes = list(gm.graph.nodes)
+    if order is None:
+        return nodes
+    by_name = {n.name: n for n in nodes}
+    try:
+        order = [by_name[n] if isinstance(n, str) else n for n in order]
+    except KeyError as error:
+        raise ValueError(f"order names node {error.args[0]!r}, which is not in the graph") from None
+    if len(order) != len(nodes) or set(order) != set(nodes):
+        raise ValueError("order must list every node of the graph exactly once")
+    pos = {node: index for index, node in enumerate(order)}
+    for index, node in enumerate(order):
+        for user in node.users:
+            if pos[user] < index:
+                raise ValueError(f"order runs {user.name} before its input {node.name}")
+    return order
+
+
+def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order=None, *,
+             compute_ms: Callable[[fx.Node], float] | None = None,
+             comm_ms: Callable[[Collective], float] | None = None) -> Timeline:
+    """Simulate ``gm`` run in ``order`` (list of its nodes or node names; default graph order).
+
+    ``profile`` defaults to ``costmodel.profile()`` (h100 + nvlink);
+    ``compute_ms`` / ``comm_ms`` replace the cost model's estimates.
+    """
+    profile = profile if profile is not None else costmodel.profile()
+    if compute_ms is None:
+        compute_ms = lambda node: costmodel.compute_ms(node, profile.device)  # noqa: E731
+    if comm_ms is None:
+        comm_ms = lambda c: costmodel.collective_ms(c, profile.link)  # noqa: E731
+    order = checked_order(gm, order)
+    found = collectives(gm)
+    of_start = {c.start: c for c in found}
+    of_wait = {w: c for c in found for w in c.waits}
+
+    now = 0.0                                  # compute stream time
+    group_free: dict[str, float] = {}          # group -> when its stream is free
+    compute: dict[str, tuple[float, float]] = {}
+    issued: dict[fx.Node, list[float]] = {}    # start -> [issue, start, end, exposed]
+    waits_left = {c.start: len(c.waits) for c in found}
+    gather_bytes = all_bytes = peak_gather = peak_all = 0
+    for node in order:
+        c = of_start.get(node)
+        if c is not None:
+            begin = max(now, group_free.get(c.group, 0.0))
+            end = begin + comm_ms(c)
+            group_free[c.group] = end
+            issued[node] = [now, begin, end, 0.0]
+            if c.waits:
+                size = c.nbytes or 0
+                all_bytes += size
+                gather_bytes += size if c.kind == "all_gather" else 0
+                peak_all, peak_gather = max(peak_all, all_bytes), max(peak_gather, gather_bytes)
+            continue
+        c = of_wait.get(node)
+        if c is not None:
+            record = issued[c.start]
+            record[3] += max(0.0, record[2] - now)
+            now = max(now, record[2])
+            waits_left[c.start] -= 1
+            if waits_left[c.start] == 0:
+                size = c.nbytes or 0
+                all_bytes -= size
+                gather_bytes -= size if c.kind == "all_gather" else 0
+            continue
+        cost = compute_ms(node)
+        compute[node.name] = (now, now + cost)
+        now += cost
+
+    times = {}
+    for start, (issue, begin, end, exposed) in issued.items():
+        times[start.name] = CollectiveTime(of_start[start], issue, begin, end, exposed)
+    return Timeline(compute=compute, collectives=times, step_ms=now,
+                    exposed_ms=sum(t.exposed_ms for t in times.values()),
+                    peak_in_flight_bytes=peak_gather, peak_in_flight_bytes_all=peak_all)

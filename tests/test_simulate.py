@@ -1,0 +1,195 @@
+"""Cost model and simulator, against timelines worked out by hand."""
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import overlapc
+from overlapc import costmodel
+from overlapc.simulate import simulate
+
+F = torch.ops._c10d_functional
+
+
+def costs(compute=None, comm=None):
+    """compute_ms / comm_ms callables from {node name: ms} and {start name: ms}; others cost 0."""
+    compute, comm = compute or {}, comm or {}
+    return {"compute_ms": lambda n: compute.get(n.name, 0.0),
+            "comm_ms": lambda c: comm.get(c.start.name, 0.0)}
+
+
+def gather_before_compute(a, w):
+    g = F.all_gather_into_tensor(w, 8, "0")
+    x = torch.mm(a, a)
+    y = torch.mm(x, a)
+    return y.sum() + F.wait_tensor(g).sum()
+
+
+def gather_between_compute(a, w):
+    x = torch.mm(a, a)
+    g = F.all_gather_into_tensor(w, 8, "0")
+    y = torch.mm(x, a)
+    return y.sum() + F.wait_tensor(g).sum()
+
+
+def trace(fn, *shapes):
+    return make_fx(fn)(*(torch.randn(s) for s in shapes))
+
+
+def test_gather_issued_before_both_computes_is_hidden(fake_pg):
+    gm = trace(gather_before_compute, (4, 4), (2, 4))
+    t = simulate(gm, **costs({"mm": 3, "mm_1": 3}, {"all_gather_into_tensor": 4}))
+    timed = t.collectives["all_gather_into_tensor"]
+    assert (timed.issue_ms, timed.start_ms, timed.end_ms, timed.exposed_ms) == (0, 0, 4, 0)
+    assert t.compute["mm"] == (0, 3) and t.compute["mm_1"] == (3, 6)
+    assert t.exposed_ms == 0 and t.step_ms == 6
+    assert (t.hidden, t.total) == (1, 1)
+
+
+def test_gather_issued_between_computes_exposes_one_ms(fake_pg):
+    gm = trace(gather_between_compute, (4, 4), (2, 4))
+    t = simulate(gm, **costs({"mm": 3, "mm_1": 3}, {"all_gather_into_tensor": 4}))
+    timed = t.collectives["all_gather_into_tensor"]
+    assert (timed.issue_ms, timed.end_ms, timed.exposed_ms) == (3, 7, 1)
+    assert t.exposed_ms == 1 and t.step_ms == 7
+    assert (t.hidden, t.total) == (0, 1)
+
+
+def test_order_argument_simulates_another_order(fake_pg):
+    gm = trace(gather_between_compute, (4, 4), (2, 4))
+    names = [n.name for n in gm.graph.nodes]
+    rest = [n for n in names if n != "all_gather_into_tensor"]
+    hoisted = rest[:2] + ["all_gather_into_tensor"] + rest[2:]   # right after the placeholders
+    t = simulate(gm, order=hoisted, **costs({"mm": 3, "mm_1": 3}, {"all_gather_into_tensor": 4}))
+    assert t.exposed_ms == 0 and t.step_ms == 6
+    with pytest.raises(ValueError, match="before its input"):
+        simulate(gm, order=list(reversed(names)), **costs())
+    with pytest.raises(ValueError, match="every node"):
+        simulate(gm, order=names[:-1], **costs())
+
+
+def test_two_groups_run_concurrently_one_group_serializes(fake_pg, two_groups):
+    g1, g2 = (g.group_name for g in two_groups)
+
+    def two(a, w, v, group_a, group_b):
+        ga = F.all_gather_into_tensor(w, 8, group_a)
+        gb = F.all_gather_into_tensor(v, 8, group_b)
+        x = torch.mm(a, a)
+        return x.sum() + F.wait_tensor(ga).sum() + F.wait_tensor(gb).sum()
+
+    comm = {"all_gather_into_tensor": 4, "all_gather_into_tensor_1": 4}
+    args = (torch.randn(4, 4), torch.randn(2, 4), torch.randn(2, 4))
+    concurrent = make_fx(lambda a, w, v: two(a, w, v, g1, g2))(*args)
+    t = simulate(concurrent, **costs({"mm": 1}, comm))
+    assert [c.end_ms for c in t.collectives.values()] == [4, 4]
+    assert t.exposed_ms == 3 and t.step_ms == 4
+    serial = make_fx(lambda a, w, v: two(a, w, v, g1, g1))(*args)
+    t = simulate(serial, **costs({"mm": 1}, comm))
+    assert [(c.start_ms, c.end_ms) for c in t.collectives.values()] == [(0, 4), (4, 8)]
+    assert [c.exposed_ms for c in t.collectives.values()] == [3, 4]
+    assert t.exposed_ms == 7 and t.step_ms == 8
+
+
+def test_peak_in_flight_bytes(fake_pg):
+    def f(a, w, v):
+        ga = F.all_gather_into_tensor(w, 8, "0")
+        gb = F.all_gather_into_tensor(v, 8, "0")
+        x = F.wait_tensor(ga).sum()
+        r = F.wait_tensor(F.all_reduce(a, "sum", "0"))
+        return x + F.wait_tensor(gb).sum() + r.sum()
+
+    gm = make_fx(f)(torch.randn(32, 4), torch.randn(2, 4), torch.randn(3, 4))
+    t = simulate(gm, **costs())
+    assert t.peak_in_flight_bytes == (16 + 24) * 4 * 4          # both all-gathers open
+    assert t.peak_in_flight_bytes_all == (24 + 32) * 4 * 4      # gb and the all_reduce, after ga's wait
+
+
+def test_hidden_threshold(fake_pg):
+    gm = trace(gather_between_compute, (4, 4), (2, 4))
+    barely = simulate(gm, **costs({"mm": 3, "mm_1": 3}, {"all_gather_into_tensor": 3.0005}))
+    assert barely.exposed_ms == pytest.approx(0.0005) and barely.hidden == 1
+    over = simulate(gm, **costs({"mm": 3, "mm_1": 3}, {"all_gather_into_tensor": 3.2}))
+    assert over.hidden == 0
+
+
+def test_default_costs_come_from_the_profile(fake_pg):
+    gm = trace(gather_between_compute, (64, 64), (8, 64))
+    slow = simulate(gm, costmodel.profile("cpu", "ethernet"))
+    fast = simulate(gm, costmodel.profile("h100", "nvlink"))
+    assert slow.step_ms > fast.step_ms > 0
+    again = simulate(gm, costmodel.profile("cpu", "ethernet"))   # deterministic
+    assert again.compute == slow.compute and again.step_ms == slow.step_ms
+    assert [(t.issue_ms, t.end_ms, t.exposed_ms) for t in again.collectives.values()] == \
+        [(t.issue_ms, t.end_ms, t.exposed_ms) for t in slow.collectives.values()]
+
+
+# -- cost model ---------------------------------------------------------------------------------
+
+def _mm_node():
+    gm = make_fx(torch.mm)(torch.randn(64, 128), torch.randn(128, 256))
+    return next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+
+
+@pytest.mark.parametrize("tflops,mem_gbps", [(1.0, 1000.0), (1000.0, 1.0)])
+def test_compute_ms_of_mm_is_the_roofline(tflops, mem_gbps):
+    device = costmodel.profile("h100", tflops=tflops, mem_gbps=mem_gbps).device
+    flops_ms = 2 * 64 * 128 * 256 / (tflops * 1e12) * 1e3
+    bytes_ms = (64 * 128 + 128 * 256 + 64 * 256) * 4 / (mem_gbps * 1e9) * 1e3
+    assert costmodel.compute_ms(_mm_node(), device) == pytest.approx(max(flops_ms, bytes_ms))
+
+
+def test_free_nodes_cost_nothing(fake_pg):
+    gm = trace(gather_between_compute, (4, 4), (2, 4))
+    device = costmodel.DEVICES["cpu"]
+    free = [n for n in gm.graph.nodes if n.op in ("placeholder", "output")
+            or n.target in (F.all_gather_into_tensor.default, F.wait_tensor.default, torch.ops.aten.t.default)]
+    assert len(free) >= 5 and all(costmodel.compute_ms(n, device) == 0 for n in free)
+
+
+def test_odd_nodes_never_raise():
+    device = costmodel.DEVICES["h100"]
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    odd = [graph.call_function(lambda v: v, (x,)), graph.call_function(operator.add, (x, 1)),
+           graph.call_method("relu", (x,)), graph.call_function(torch.ops.aten.mm.default, (x, x))]
+    graph.output(odd[-1])
+    for node in odd:
+        assert costmodel.compute_ms(node, device) == 0.0
+    sym = make_fx(lambda a, b: torch.mm(a, b).relu(), tracing_mode="symbolic")(torch.randn(8, 16),
+                                                                               torch.randn(16, 4))
+    assert all(costmodel.compute_ms(n, device) >= 0 for n in sym.graph.nodes)
+    assert sum(costmodel.compute_ms(n, device) for n in sym.graph.nodes) > 0
+
+
+def test_collective_ms_ring_factors(fake_pg):
+    def f(w, g, y):
+        a = F.wait_tensor(F.all_gather_into_tensor(w, 8, "0"))
+        b = F.wait_tensor(F.reduce_scatter_tensor(g, "sum", 8, "0"))
+        c = F.wait_tensor(F.all_reduce(y, "sum", "0"))
+        return a, b, c
+
+    gm = make_fx(f)(torch.randn(128, 256), torch.randn(1024, 256), torch.randn(1024, 256))
+    gather, scatter, reduce = overlapc.collectives(gm)
+    link = costmodel.profile(link_gbps=1.0, latency_us=10.0).link
+    full = 1024 * 256 * 4
+    assert costmodel.collective_ms(gather, link) == pytest.approx(0.01 + full * 7 / 8 / 1e9 * 1e3)
+    assert costmodel.collective_ms(scatter, link) == pytest.approx(0.01 + full * 7 / 8 / 1e9 * 1e3)
+    assert reduce.group_size is None   # all_reduce names no size: taken from the process group
+    assert costmodel.collective_ms(reduce, link) == pytest.approx(0.01 + full * 2 * 7 / 8 / 1e9 * 1e3)
+    assert costmodel.collective_ms(reduce, link, world_size=2) == pytest.approx(0.01 + full / 1e9 * 1e3)
+    assert costmodel.collective_ms(gather, link, world_size=2) == pytest.approx(
+        0.01 + full * 7 / 8 / 1e9 * 1e3)   # a named group size wins over world_size
+
+
+def test_profile_names_and_overrides():
+    p = costmodel.profile("a100", "ib", latency_us=0.0)
+    assert p.device == costmodel.DEVICES["a100"] and p.link.gbps == costmodel.LINKS["ib"].gbps
+    assert p.link.latency_us == 0.0
+    with pytest.raises(ValueError, match="h100, a100, cpu"):
+        costmodel.profile("tpu")
+    with pytest.raises(ValueError, match="nvlink, ib, ethernet"):
+        costmodel.profile(link="pcie")
+    with pytest.raises(ValueError):
+        costmodel.profile(tflops=0)
