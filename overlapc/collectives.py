@@ -15,6 +15,7 @@ classified for the passes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Iterable
 
@@ -83,14 +84,30 @@ class Collective:
         return self.waits[0] if self.waits else None
 
 
-def _op_parts(node: fx.Node) -> tuple[str, str] | None:
-    """(namespace, op name) of an OpOverload / OpOverloadPacket target, else None."""
-    target = node.target
+_PARTS_BY_ID: dict[int, tuple[object, tuple[str, str] | None]] = {}
+
+
+def _target_parts(target) -> tuple[str, str] | None:
+    """Cached by identity: OpOverload hashing is slow Python code."""
+    entry = _PARTS_BY_ID.get(id(target))
+    if entry is not None and entry[0] is target:
+        return entry[1]
+    parts = _parse_target(target)
+    _PARTS_BY_ID[id(target)] = (target, parts)
+    return parts
+
+
+def _parse_target(target) -> tuple[str, str] | None:
     if isinstance(target, torch._ops.OpOverload):
         return target.namespace, target._schema.name.split("::")[-1]
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name.split("::")[0], target._qualified_op_name.split("::")[-1]
     return None
+
+
+def _op_parts(node: fx.Node) -> tuple[str, str] | None:
+    """(namespace, op name) of an OpOverload / OpOverloadPacket target, else None."""
+    return _target_parts(node.target)
 
 
 def collective_op(node: fx.Node) -> str | None:
@@ -140,25 +157,10 @@ def is_cheap(node: fx.Node) -> bool:
 def barrier_reason(node: fx.Node) -> str | None:
     """Why nothing may move across this node, or None when it is an ordinary node."""
     if node.op == "call_function":
-        name = collective_op(node)
-        if name is not None:
-            return None if name in _MOVABLE_KINDS else f"collective {name} is kept in place"
-        if is_wait(node) or node.target is operator.getitem:
-            return None
-        parts = _op_parts(node)
-        if parts is not None:
-            namespace, opname = parts
-            if namespace in _FUNCTIONAL_NAMESPACES or namespace == "c10d":
-                return f"communication op {namespace}.{opname}"
-            schema = getattr(node.target, "_schema", None)
-            if schema is not None and schema.is_mutable:
-                return f"mutating op {namespace}.{opname}"
-            if namespace not in ("aten", "prims"):
-                return f"custom op {namespace}.{opname}"
-            return "side-effectful op" if node.is_impure(impure_random=False) else None
-        if isinstance(node.target, torch._ops.HigherOrderOperator):
-            return f"higher-order op {node.target.name()}"
-        return "side-effectful call" if node.is_impure(impure_random=False) else None
+        try:
+            return _call_barrier_reason(node.target)
+        except TypeError:  # unhashable target: decide without the cache
+            return _call_barrier_reason.__wrapped__(node.target)
     if node.op == "call_method":
         name = str(node.target)
         if name.endswith("_") and not name.endswith("__"):
@@ -169,16 +171,53 @@ def barrier_reason(node: fx.Node) -> str | None:
     return None
 
 
-def _schema_arg(node: fx.Node, name: str):
-    schema = node.target._schema if isinstance(node.target, torch._ops.OpOverload) else None
-    if schema is None:
+@functools.lru_cache(maxsize=None)
+def _call_barrier_reason(target) -> str | None:
+    from torch._library.utils import is_impure
+    if target is operator.getitem:
         return None
+    parts = _target_parts(target)
+    if parts is not None:
+        namespace, opname = parts
+        if namespace in _FUNCTIONAL_NAMESPACES:
+            if opname in _MOVABLE_KINDS or opname == "wait_tensor":
+                return None
+            if opname in _FIXED_KINDS:
+                return f"collective {opname} is kept in place"
+            return f"communication op {namespace}.{opname}"
+        if namespace == "c10d":
+            return f"communication op {namespace}.{opname}"
+        schema = getattr(target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return f"mutating op {namespace}.{opname}"
+        if namespace not in ("aten", "prims"):
+            return f"custom op {namespace}.{opname}"
+        return "side-effectful op" if is_impure(target, impure_random=False) else None
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher-order op {target.name()}"
+    return "side-effectful call" if is_impure(target, impure_random=False) else None
+
+
+_ARG_INDEX: dict[tuple[int, str], tuple[object, int | None, object]] = {}
+
+
+def _schema_arg(node: fx.Node, name: str):
+    """The argument ``name`` of an OpOverload call, from its schema (index cached per op)."""
     if name in node.kwargs:
         return node.kwargs[name]
-    for index, argument in enumerate(schema.arguments):
-        if argument.name == name:
-            return node.args[index] if index < len(node.args) else argument.default_value
-    return None
+    target = node.target
+    entry = _ARG_INDEX.get((id(target), name))
+    if entry is None or entry[0] is not target:
+        index, default = None, None
+        if isinstance(target, torch._ops.OpOverload):
+            for i, argument in enumerate(target._schema.arguments):
+                if argument.name == name:
+                    index, default = i, argument.default_value
+        entry = _ARG_INDEX[(id(target), name)] = (target, index, default)
+    _, index, default = entry
+    if index is None:
+        return None
+    return node.args[index] if index < len(node.args) else default
 
 
 def group_of(node: fx.Node) -> str:
@@ -237,7 +276,7 @@ def alias_closure(wait: fx.Node, within=None) -> list[fx.Node]:
         for user in node.users:
             if user in inside or not is_alias(user) or (within is not None and not within(user)):
                 continue
-            inputs = user.all_input_nodes
+            inputs = list(user._input_nodes)
             if not inputs or inputs[0] not in inside:
                 continue
             if any(i not in inside and i.op not in ("placeholder", "get_attr") for i in inputs[1:]):

@@ -17,13 +17,14 @@ passes may move:
 A collective is *movable* when its op is understood and its start and waits
 share a region. Everything here is a pure function of the graph's structure
 and order: no sets or object-keyed dicts are iterated where order matters.
+Hot loops read ``node._input_nodes`` (the dict behind ``all_input_nodes``,
+stable since torch 1.8): building the list on every call costs more than the
+rest of the pass on 100k-node graphs.
 """
 from __future__ import annotations
 
 import heapq
 import operator
-from typing import Iterable
-
 import torch.fx as fx
 
 from overlapc.collectives import (
@@ -32,21 +33,17 @@ from overlapc.collectives import (
 
 
 class Analysis:
+    """Structure (collectives, bundles, barriers) is computed once; ``refresh()``
+    re-reads the node order after a pass moved nodes. Passes keep every node's
+    region, so the structure stays valid across them."""
+
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
         self.nodes: list[fx.Node] = list(gm.graph.nodes)
         self.pos = {node: index for index, node in enumerate(self.nodes)}
-        self.output = next(n for n in reversed(self.nodes) if n.op == "output")
         self.barriers = [n for n in self.nodes if barrier_reason(n) is not None]
-        # region[i]: number of barriers strictly before position i.
-        self.region: list[int] = []
-        count = 0
-        for node in self.nodes:
-            self.region.append(count)
-            if barrier_reason(node) is not None:
-                count += 1
-        self.barrier_pos = [self.pos[b] for b in self.barriers]
         self.is_barrier = set(self.barriers)
+        self._index_regions()
 
         self.all: list[Collective] = collectives(gm)
         self.movable: list[Collective] = [
@@ -58,7 +55,7 @@ class Analysis:
 
         self.wait_bundle: dict[fx.Node, list[fx.Node]] = {}
         self.wait_of_member: dict[fx.Node, fx.Node] = {}
-        self.target: dict[fx.Node, fx.Node] = {}
+        self.consumers: dict[fx.Node, list[fx.Node]] = {}
         for c in self.movable:
             for wait in c.waits:
                 end = self.region_end(wait)
@@ -67,21 +64,52 @@ class Analysis:
                 self.wait_bundle[wait] = [wait, *closure]
                 for member in self.wait_bundle[wait]:
                     self.wait_of_member[member] = wait
-                consumers = [self.pos[u] for u in real_consumers(wait, closure)]
-                self.target[wait] = self.nodes[min([*consumers, end, self.pos[self.output]])]
+                self.consumers[wait] = real_consumers(wait, closure)
 
         self.start_bundle: dict[fx.Node, list[fx.Node]] = {}
         self.start_of_member: dict[fx.Node, fx.Node] = {}
         for c in self.movable:
-            bundle = self._input_chain(c.start) + [c.start] + sorted(
-                (u for u in c.start.users if u.target is operator.getitem),
-                key=self.pos.__getitem__)
-            self.start_bundle[c.start] = bundle
-            for member in bundle:
+            getitems = sorted((u for u in c.start.users if u.target is operator.getitem),
+                              key=self.pos.__getitem__)
+            self.start_bundle[c.start] = self._input_chain(c.start) + [c.start] + getitems
+            for member in self.start_bundle[c.start]:
                 self.start_of_member[member] = c.start
-
+        self.bundle_inputs = {start: self._external_inputs(bundle)
+                              for start, bundle in self.start_bundle.items()}
+        # Nodes that may stand between a wait and its consumer: bundle members and any wait.
+        self.bundled = set(self.start_of_member) | set(self.wait_of_member) | {
+            n for n in self.nodes if is_wait(n)}
         self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the graph's node order: positions, regions, wait targets, consumer keys."""
+        self.nodes = list(self.gm.graph.nodes)
+        self.pos = {node: index for index, node in enumerate(self.nodes)}
+        self._index_regions()
+        self.target: dict[fx.Node, fx.Node] = {}
+        for wait, consumers in self.consumers.items():
+            first = min([self.pos[u] for u in consumers] + [self.region_end(wait)])
+            self.target[wait] = self.nodes[first]
         self.key = {c.start: self.consumer_key(c) for c in self.movable}
+        # blockers_before[i]: nodes at positions < i outside every bundle ("compute").
+        self.blockers_before = [0]
+        count = 0
+        for node in self.nodes:
+            count += node not in self.bundled
+            self.blockers_before.append(count)
+
+    def _index_regions(self) -> None:
+        self.output = self.nodes[-1]
+        if self.output.op != "output":
+            self.output = next(n for n in reversed(self.nodes) if n.op == "output")
+        # region[i]: number of barriers strictly before position i.
+        self.region: list[int] = []
+        self.barrier_pos: list[int] = []
+        for index, node in enumerate(self.nodes):
+            self.region.append(len(self.barrier_pos))
+            if node in self.is_barrier:
+                self.barrier_pos.append(index)
 
     # -- positions and regions -------------------------------------------------
     def region_of(self, node: fx.Node) -> int:
@@ -102,8 +130,8 @@ class Analysis:
         """Cheap nodes in ``start``'s region whose every use is ``start`` or the chain."""
         chain: set[fx.Node] = set()
         region = self.region_of(start)
-        heap = [(-self.pos[i], i.name) for i in start.all_input_nodes]
-        by_name = {i.name: i for i in start.all_input_nodes}
+        heap = [(-self.pos[i], i.name) for i in start._input_nodes]
+        by_name = {i.name: i for i in start._input_nodes}
         heapq.heapify(heap)
         seen = set()
         while heap:
@@ -119,28 +147,27 @@ class Analysis:
                     or any(u is not start and u not in chain for u in node.users)):
                 continue
             chain.add(node)
-            for i in node.all_input_nodes:
+            for i in node._input_nodes:
                 by_name[i.name] = i
                 heapq.heappush(heap, (-self.pos[i], i.name))
         return sorted(chain, key=self.pos.__getitem__)
 
-    def external_inputs(self, members: Iterable[fx.Node]) -> list[fx.Node]:
+    def _external_inputs(self, members: list[fx.Node]) -> list[fx.Node]:
         """Nodes the members read that are not members themselves, in graph order."""
         inside = set(members)
-        found = {i for m in inside for i in m.all_input_nodes if i not in inside}
+        found = {i for m in members for i in m._input_nodes if i not in inside}
         return sorted(found, key=self.pos.__getitem__)
 
-    def in_bundle(self, node: fx.Node) -> bool:
-        """True for members of a start or wait bundle: nodes that may stand
-        between a wait and its consumer."""
-        return node in self.start_of_member or node in self.wait_of_member or is_wait(node)
+    def compute_between(self, first: int, last: int) -> int:
+        """Number of nodes outside every bundle at positions first..last-1."""
+        return self.blockers_before[max(last, first)] - self.blockers_before[first]
 
     # -- consumer order ------------------------------------------------------------
     def _order_read(self, target: fx.Node) -> dict[fx.Node, int]:
         """Waits in the order ``target`` reads them (depth-first through alias bundles)."""
         if target not in self._arg_order:
             order: dict[fx.Node, int] = {}
-            stack = list(reversed(target.all_input_nodes))
+            stack = list(reversed(target._input_nodes))
             visited = set()
             while stack:
                 node = stack.pop()
@@ -150,7 +177,7 @@ class Analysis:
                 if node in self.coll_of_wait:
                     order.setdefault(node, len(order))
                 elif node in self.wait_of_member:
-                    stack.extend(reversed(node.all_input_nodes))
+                    stack.extend(reversed(node._input_nodes))
             self._arg_order[target] = order
         return self._arg_order[target]
 
@@ -167,14 +194,20 @@ class Analysis:
 
 
 def apply_order(gm: fx.GraphModule, order: list[fx.Node]) -> None:
-    """Rearrange ``gm.graph`` into ``order`` (a permutation of its nodes), lint, recompile."""
+    """Rearrange ``gm.graph`` into ``order``, a permutation of its nodes in which
+    every node follows its inputs (checked first; AssertionError otherwise).
+
+    The caller recompiles (once, at the end: recompiling is the costly part)."""
     graph = gm.graph
-    if len(order) != len(graph.nodes) or set(order) != set(graph.nodes):
+    placed: set[fx.Node] = set()
+    for node in order:
+        if node in placed or any(i not in placed for i in node._input_nodes):
+            raise AssertionError(f"overlapc internal error: {node.name} placed before its inputs or twice")
+        placed.add(node)
+    if len(placed) != len(graph.nodes):
         raise AssertionError("overlapc internal error: new order is not a permutation of the graph")
     cursor = graph._root
     for node in order:
         if node.prev is not cursor:
             cursor.append(node)
         cursor = node
-    graph.lint()
-    gm.recompile()

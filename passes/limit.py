@@ -8,7 +8,7 @@ import torch.fx as fx
 from overlapc.config import OverlapConfig
 from overlapc.collectives import Collective
 from overlapc.passes.analysis import Analysis, apply_order
-from overlapc.passes.sink_waits import sink_waits
+from overlapc.passes.sink_waits import sink_in_graph
 
 
 class InFlight:
@@ -45,18 +45,27 @@ def limit_in_flight(gm: fx.GraphModule, max_in_flight: int | None | OverlapConfi
     (``sink_waits(gm, kinds=("all_gather",))``). Then an all-gather that would
     exceed the bound, with its input chain, is issued right after the wait that
     frees its slot; all-gathers of a group keep their issue order. Takes the two
-    limits or an OverlapConfig. In place; returns ``gm``.
+    limits or an OverlapConfig. In place; returns ``gm`` recompiled.
     """
     if isinstance(max_in_flight, OverlapConfig):
         max_in_flight, max_in_flight_bytes = max_in_flight.max_in_flight, max_in_flight.max_in_flight_bytes
+    if limit_in_graph(gm, max_in_flight, max_in_flight_bytes):
+        gm.recompile()
+    return gm
+
+
+def limit_in_graph(gm: fx.GraphModule, max_in_flight: int | None, max_in_flight_bytes: int | None,
+                   info: Analysis | None = None) -> bool:
+    """limit_in_flight on ``gm.graph`` without recompiling; True if it ran.
+    ``info``, when given, is the graph's Analysis and is refreshed afterwards."""
     OverlapConfig(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes)  # validates
     if max_in_flight is None and max_in_flight_bytes is None:
-        return gm
-    sink_waits(gm, kinds=("all_gather",))
-    info = Analysis(gm)
+        return False
+    info = info or Analysis(gm)
+    sink_in_graph(gm, kinds=("all_gather",), info=info)
     gathers = [c for c in info.movable if c.kind == "all_gather"]
     if not gathers:
-        return gm
+        return True
     if max_in_flight_bytes is not None:
         unknown = [c for c in gathers if c.nbytes is None]
         if unknown:
@@ -67,7 +76,8 @@ def limit_in_flight(gm: fx.GraphModule, max_in_flight: int | None | OverlapConfi
                 "metadata; trace with make_fx or run torch.fx.passes.shape_prop.ShapeProp first",
                 node=c.start, group=c.group, position=info.pos[c.start])
     _Limit(info, gathers, max_in_flight, max_in_flight_bytes).run()
-    return gm
+    info.refresh()
+    return True
 
 
 class _Limit:

@@ -8,9 +8,9 @@ import torch.fx as fx
 
 from overlapc.config import OverlapConfig
 from overlapc.passes.analysis import Analysis, apply_order
-from overlapc.passes.limit import limit_in_flight
-from overlapc.passes.reorder import reorder_all_gathers
-from overlapc.passes.sink_waits import sink_waits
+from overlapc.passes.limit import limit_in_graph
+from overlapc.passes.reorder import reorder_in_graph
+from overlapc.passes.sink_waits import sink_in_graph
 
 log = logging.getLogger("overlapc")
 
@@ -74,15 +74,12 @@ def _fail(info: Analysis, node: fx.Node, message: str) -> ScheduleError:
 
 def _verify(info: Analysis, cfg: OverlapConfig) -> None:
     pos, nodes = info.pos, info.nodes
-    blockers_before = [0]
-    for node in nodes:
-        blockers_before.append(blockers_before[-1] + (0 if info.in_bundle(node) else 1))
 
     for c in info.movable:
         for wait in c.waits:
             target = info.target[wait]
-            if blockers_before[pos[target]] - blockers_before[pos[wait] + 1]:
-                between = next(n for n in nodes[pos[wait] + 1:pos[target]] if not info.in_bundle(n))
+            if info.compute_between(pos[wait] + 1, pos[target]):
+                between = next(n for n in nodes[pos[wait] + 1:pos[target]] if n not in info.bundled)
                 raise _fail(info, wait, f"wait of {c.kind} {c.start.name} is not just before its first "
                                         f"consumer {target.name} (position {pos[target]}): {between.name} "
                                         "stands between")
@@ -92,6 +89,7 @@ def _verify(info: Analysis, cfg: OverlapConfig) -> None:
         if c.kind == "all_gather":
             lanes.setdefault((c.group, info.region_of(c.start)), []).append(c)
     for starts in lanes.values():
+        starts.sort(key=lambda c: pos[c.start])
         for before, after in zip(starts, starts[1:]):
             if info.key[before.start][0] > info.key[after.start][0]:
                 raise _fail(info, after.start,
@@ -126,16 +124,15 @@ def _verify(info: Analysis, cfg: OverlapConfig) -> None:
     for node in nodes:
         c = info.coll_of_start.get(node)
         if c is not None:
-            bundle = info.start_bundle[node]
-            earliest = max([info.region_start(node)] + [pos[i] for i in info.external_inputs(bundle)])
+            earliest = max([info.region_start(node)] + [pos[i] for i in info.bundle_inputs[node]])
             if c.kind == "all_gather":
                 lane = (c.group, info.region_of(node))
                 earliest = max(earliest, last_gather.get(lane, -1))
                 if bounded:
                     earliest = max(earliest, last_gather_wait.get(c.group, -1))
                 last_gather[lane] = pos[node]
-            late = next((n for n in nodes[earliest + 1:pos[node]] if not info.in_bundle(n)), None)
-            if late is not None:
+            if info.compute_between(earliest + 1, pos[node]):
+                late = next(n for n in nodes[earliest + 1:pos[node]] if n not in info.bundled)
                 raise _fail(info, node, f"{c.kind} could be issued before {late.name}: its inputs are "
                                         f"ready at position {earliest}")
         c = info.coll_of_wait.get(node)
@@ -145,16 +142,12 @@ def _verify(info: Analysis, cfg: OverlapConfig) -> None:
 
 def _landmarks(info: Analysis) -> dict[fx.Node, tuple[int, int]]:
     """For each collective start and wait: (barriers before it, compute nodes before it)."""
-    marks, compute = {}, 0
-    for node in info.nodes:
-        if node in info.coll_of_start or node in info.coll_of_wait:
-            marks[node] = (info.region_of(node), compute)
-        elif not info.in_bundle(node):
-            compute += 1
-    return marks
+    return {node: (info.region_of(node), info.blockers_before[info.pos[node]])
+            for c in info.movable for node in (c.start, *c.waits)}
 
 
-def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> fx.GraphModule:
+def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
+             recompile: bool = True) -> fx.GraphModule:
     """Reschedule ``gm`` in place so communication overlaps compute; return it.
 
     Runs reorder_all_gathers -> limit_in_flight -> sink_waits, then verify.
@@ -162,29 +155,31 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> 
     graph without movable collectives (or config.enabled False) comes back
     untouched. On failure the original order is restored; on_error="raise"
     raises ScheduleError, "fallback" warns (node, op, group, position) and
-    returns the unscheduled graph.
+    returns the unscheduled graph. ``recompile=False`` skips regenerating
+    ``gm.forward`` (for callers that read only ``gm.graph``, such as Inductor).
     """
     _check_graph(gm)
     cfg = _config(config)
     if not cfg.enabled:
         return gm
-    before = Analysis(gm)
-    if not before.movable:
+    info = Analysis(gm)
+    if not info.movable:
         return gm
-    original = list(before.nodes)
+    original = list(info.nodes)
+    marks_before = _landmarks(info)
     try:
-        reorder_all_gathers(gm)
-        limit_in_flight(gm, cfg)
-        sink_waits(gm)
-        gm.graph.lint()
-        after = Analysis(gm)
-        _verify(after, cfg)
-        marks_before, marks_after = _landmarks(before), _landmarks(after)
+        reorder_in_graph(gm, info)
+        limit_in_graph(gm, cfg.max_in_flight, cfg.max_in_flight_bytes, info)
+        sink_in_graph(gm, info=info)
+        _verify(info, cfg)
+        marks_after = _landmarks(info)
         for node, (region, _) in marks_before.items():
             if marks_after[node][0] != region:
-                raise _fail(after, node, "moved across a barrier")
+                raise _fail(info, node, "moved across a barrier")
     except Exception as error:
         apply_order(gm, original)
+        if recompile:
+            gm.recompile()
         failure = error if isinstance(error, ScheduleError) else ScheduleError(
             f"{type(error).__name__}: {error}")
         if cfg.on_error == "raise":
@@ -192,10 +187,12 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> 
         warnings.warn(f"overlapc left the graph unscheduled: {failure}", stacklevel=2)
         log.warning("overlapc left the graph unscheduled: %s", failure)
         return gm
-    moved = sum(1 for c in before.movable
+    if recompile:
+        gm.recompile()
+    moved = sum(1 for c in info.movable
                 if any(marks_before[n][1] != marks_after[n][1] for n in (c.start, *c.waits)))
     log.info("overlapc: moved %d of %d collectives; peak %s all-gathers in flight (limit %s)",
-             moved, len(before.all), _peak_in_flight(after), cfg.max_in_flight)
+             moved, len(info.all), _peak_in_flight(info), cfg.max_in_flight)
     return gm
 
 

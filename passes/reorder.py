@@ -17,11 +17,20 @@ def reorder_all_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     follows right after its start. Nothing crosses a barrier. In place; returns
     ``gm`` linted and recompiled. A graph with no movable collective is left as is.
     """
-    info = Analysis(gm)
-    if not info.movable:
-        return gm
-    _Reorder(info).run()
+    if reorder_in_graph(gm):
+        gm.recompile()
     return gm
+
+
+def reorder_in_graph(gm: fx.GraphModule, info: Analysis | None = None) -> bool:
+    """reorder_all_gathers on ``gm.graph`` without recompiling; True if it ran.
+    ``info``, when given, is the graph's Analysis and is refreshed afterwards."""
+    info = info or Analysis(gm)
+    if not info.movable:
+        return False
+    _Reorder(info).run()
+    info.refresh()
+    return True
 
 
 class _Reorder:
@@ -41,7 +50,7 @@ class _Reorder:
         pos = info.pos
         for c in info.movable:
             bundle = info.start_bundle[c.start]
-            inputs = info.external_inputs(bundle)
+            inputs = info.bundle_inputs[c.start]
             self.missing[c.start] = len(inputs)
             for node in inputs:
                 self.blocked_on.setdefault(node, []).append(c.start)
@@ -115,7 +124,7 @@ class _Reorder:
                 if self.missing[earlier] or earlier in self.issued:
                     break
                 self._issue(earlier)
-        for i in info.external_inputs(info.start_bundle[start]):
+        for i in info.bundle_inputs[start]:
             if i not in self.emitted:
                 self._force(i)
         if start not in self.issued:
@@ -144,7 +153,7 @@ class _Reorder:
                 self.deferred.setdefault(info.coll_of_wait[wait].start, []).append(bundle)
                 self.deferred_members.update(bundle)
                 continue
-            for i in node.all_input_nodes:
+            for i in node._input_nodes:
                 if i not in self.emitted:
                     self._force(i)
             if node in info.is_barrier:

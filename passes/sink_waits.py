@@ -18,15 +18,19 @@ def sink_waits(gm: fx.GraphModule, kinds: Iterable[str] | None = None) -> fx.Gra
     left alone, so the pass is idempotent and keeps the slots that
     ``limit_in_flight`` arranged. Waits sharing a target keep the order in which
     the target reads them. ``kinds`` restricts the pass to those collective
-    kinds (e.g. ``("all_gather",)``). In place; returns ``gm``.
+    kinds (e.g. ``("all_gather",)``). In place; returns ``gm`` recompiled.
     """
-    info = Analysis(gm)
-    wanted = None if kinds is None else tuple(kinds)
-    # blockers_before[i]: nodes at positions < i that may not stand between a wait and its target.
-    blockers_before = [0]
-    for node in info.nodes:
-        blockers_before.append(blockers_before[-1] + (0 if info.in_bundle(node) else 1))
+    if sink_in_graph(gm, kinds):
+        gm.recompile()
+    return gm
 
+
+def sink_in_graph(gm: fx.GraphModule, kinds: Iterable[str] | None = None,
+                  info: Analysis | None = None) -> bool:
+    """sink_waits on ``gm.graph`` without recompiling; True if a wait moved.
+    ``info``, when given, is the graph's Analysis and is refreshed afterwards."""
+    info = info or Analysis(gm)
+    wanted = None if kinds is None else tuple(kinds)
     moving: dict[fx.Node, list[fx.Node]] = {}   # target -> waits to place before it
     moved: set[fx.Node] = set()
     for c in info.movable:
@@ -34,12 +38,12 @@ def sink_waits(gm: fx.GraphModule, kinds: Iterable[str] | None = None) -> fx.Gra
             continue
         for wait in c.waits:
             target = info.target[wait]
-            if blockers_before[info.pos[target]] - blockers_before[info.pos[wait] + 1] == 0:
+            if info.compute_between(info.pos[wait] + 1, info.pos[target]) == 0:
                 continue
             moving.setdefault(target, []).append(wait)
             moved.update(info.wait_bundle[wait])
     if not moving:
-        return gm
+        return False
 
     order: list[fx.Node] = []
     for node in info.nodes:
@@ -49,4 +53,5 @@ def sink_waits(gm: fx.GraphModule, kinds: Iterable[str] | None = None) -> fx.Gra
             order.extend(info.wait_bundle[wait])
         order.append(node)
     apply_order(gm, order)
-    return gm
+    info.refresh()
+    return True

@@ -233,7 +233,7 @@ def test_failure_falls_back_with_a_warning_and_restores_the_order(fake_pg, monke
     def broken(gm, *args, **kwargs):
         raise overlapc.ScheduleError("injected", node=next(iter(gm.graph.nodes)), group="0", position=0)
 
-    monkeypatch.setattr(pipeline, "sink_waits", broken)
+    monkeypatch.setattr(pipeline, "sink_in_graph", broken)
     with pytest.warns(UserWarning, match="unscheduled.*injected"):
         overlapc.schedule(gm)
     assert body(gm) == original
