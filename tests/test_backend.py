@@ -1,0 +1,184 @@
+"""The torch.compile backend on graphs with functional collectives (fake process group).
+
+Multi-process training through the backend lives in test_training.py.
+"""
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+from torch._inductor.utils import run_and_get_code
+
+import overlapc
+from overlapc.backend import SchedulePass
+
+
+class GatheredMLP(torch.nn.Module):
+    """Each layer all-gathers its weight shard (autograd: reduce-scatter in backward)."""
+
+    def __init__(self, layers=4, width=64, world=8):
+        super().__init__()
+        self.shards = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(width // world, width) * 0.1) for _ in range(layers)])
+
+    def forward(self, x):
+        for shard in self.shards:
+            full = fc.all_gather_tensor_autograd(shard, 0, dist.group.WORLD)
+            x = torch.relu(x @ full.t())
+        return x
+
+
+_BUF = re.compile(r"(buf\d+)")
+
+
+def collective_events(code):
+    """(kind, buffer) for every all-gather issue, wait and compute line, in order."""
+    events = []
+    for line in code.splitlines():
+        line = line.strip()
+        if line.startswith("#"):
+            continue
+        if "_c10d_functional.all_gather_into_tensor.default(" in line:
+            events.append(("issue", line.split("=")[0].strip()))
+        elif "_c10d_functional.reduce_scatter_tensor.default(" in line:
+            events.append(("rs", line.split("=")[0].strip()))
+        elif "_c10d_functional.wait_tensor.default(" in line:
+            events.append(("wait", _BUF.search(line.split("wait_tensor.default(")[1]).group(1)))
+        elif line.startswith("extern_kernels.") or (line.startswith("cpp_fused") and "(" in line):
+            events.append(("compute", line))
+    return events
+
+
+def compile_and_run(model, options=None, backward=True):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="overlapc", options=options)
+    x = torch.randn(16, 64)
+
+    def step():
+        out = compiled(x)
+        if backward:
+            out.sum().backward()
+        return out
+
+    return run_and_get_code(step)
+
+
+def test_inductor_code_keeps_consumer_order_bound_and_overlap(fake_pg):
+    _, codes = compile_and_run(GatheredMLP(), {"max_in_flight": 2, "on_error": "raise"})
+    forward, backward = codes
+    events = collective_events(forward)
+    issued = [b for kind, b in events if kind == "issue"]
+    waited = [b for kind, b in events if kind == "wait"]
+    assert len(issued) == 4 and waited == issued          # consumer order: waited as issued
+    in_flight, peak = set(), 0
+    for index, (kind, buf) in enumerate(events):
+        if kind == "issue":
+            in_flight.add(buf)
+            peak = max(peak, len(in_flight))
+        elif kind == "wait" and buf in in_flight:
+            in_flight.discard(buf)
+    assert peak == 2
+    for buf in issued[1:]:                                # compute hides every later all-gather
+        start = events.index(("issue", buf))
+        end = events.index(("wait", buf))
+        assert any(kind == "compute" for kind, _ in events[start:end]), buf
+    back = collective_events(backward)
+    last_compute = max(i for i, (kind, _) in enumerate(back) if kind == "compute")
+    rs_waits = [i for i, (kind, b) in enumerate(back) if kind == "wait"]
+    assert len([1 for kind, _ in back if kind == "rs"]) == 4
+    assert rs_waits and min(rs_waits) > last_compute     # reduce-scatter waits at the end
+
+
+def test_plain_inductor_serialises_the_same_model(fake_pg):
+    """The baseline the backend fixes: each all-gather waited before the next is issued."""
+    torch._dynamo.reset()
+    compiled = torch.compile(GatheredMLP(), backend="inductor")
+    _, (forward, _) = run_and_get_code(lambda: compiled(torch.randn(16, 64)).sum().backward())
+    events = [e for e in collective_events(forward) if e[0] in ("issue", "wait")]
+    assert events == [e for pair in zip(events[::2], events[1::2]) for e in pair]
+    assert all(a[0] == "issue" and b[0] == "wait" and a[1] == b[1] for a, b in zip(events[::2], events[1::2]))
+
+
+def test_disable_env_turns_scheduling_off(fake_pg, monkeypatch, caplog):
+    monkeypatch.setenv("OVERLAPC_DISABLE", "1")
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        _, (forward, _) = compile_and_run(GatheredMLP())
+    assert not any("moved" in r.getMessage() for r in caplog.records)
+    events = [e for e in collective_events(forward) if e[0] in ("issue", "wait")]
+    assert all(a[0] == "issue" and b[0] == "wait" for a, b in zip(events[::2], events[1::2]))
+
+
+def test_one_info_summary_per_graph_and_config_logged(fake_pg, caplog):
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        compile_and_run(GatheredMLP(), {"max_in_flight": 1})
+    messages = [r.getMessage() for r in caplog.records if r.name == "overlapc"]
+    assert sum("max_in_flight=1" in m for m in messages) == 1
+    assert sum("moved" in m and "collectives" in m for m in messages) == 2   # forward and backward
+
+
+def test_failure_falls_back_to_the_unscheduled_graph(fake_pg, monkeypatch):
+    import overlapc.passes.pipeline as pipeline
+
+    def broken(gm, *args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(pipeline, "sink_in_graph", broken)
+    with pytest.warns(UserWarning, match="unscheduled.*injected failure"):
+        _, (forward, _) = compile_and_run(GatheredMLP())
+    events = [e for e in collective_events(forward) if e[0] in ("issue", "wait")]
+    assert all(a[0] == "issue" and b[0] == "wait" for a, b in zip(events[::2], events[1::2]))
+
+
+def test_raise_mode_raises_schedule_error(fake_pg, monkeypatch):
+    import overlapc.passes.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "sink_in_graph", lambda *a, **k: 1 / 0)
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        compile_and_run(GatheredMLP(), {"on_error": "raise"})
+
+
+def test_option_typo_is_a_value_error_naming_the_closest_option(fake_pg):
+    with pytest.raises(Exception) as error:
+        compile_and_run(GatheredMLP(), {"max_in_fligt": 1})
+    assert "did you mean 'max_in_flight'" in str(error.value)
+
+
+def test_graph_cache_key_changes_with_the_config():
+    one = SchedulePass(overlapc.OverlapConfig(max_in_flight=1)).uuid()
+    assert one == SchedulePass(overlapc.OverlapConfig(max_in_flight=1)).uuid()
+    assert one != SchedulePass(overlapc.OverlapConfig(max_in_flight=2)).uuid()
+
+
+def test_aot_eager_inner_schedules_too(fake_pg, caplog):
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        compiled = torch.compile(GatheredMLP(), backend="overlapc", options={"inner": "aot_eager"})
+        compiled(torch.randn(16, 64)).sum().backward()
+    assert sum("moved" in r.getMessage() for r in caplog.records) == 2
+
+
+_FRESH = """
+import sys, torch
+assert "overlapc" in torch._dynamo.list_backends(), torch._dynamo.list_backends()
+fn = torch.compile(lambda x: torch.relu(x) + 1, backend="overlapc")
+x = torch.randn(8)
+assert torch.equal(fn(x), torch.relu(x) + 1)
+print("ok")
+"""
+
+
+def test_backend_is_found_in_a_fresh_process_without_importing_overlapc():
+    done = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=""))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+
+
+def test_importing_overlapc_registers_nothing_twice():
+    done = subprocess.run([sys.executable, "-c", "import overlapc, overlapc.backend\n" + _FRESH],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
