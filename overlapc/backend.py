@@ -63,12 +63,12 @@ def _rank() -> int:
 
 
 def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
-                         sink: Callable[[GraphRecord], None] | None) -> None:
+                         sink: Callable[[GraphRecord], None] | None, recompile: bool = True) -> None:
     """Schedule ``gm`` in place; hand the before/after record to ``sink`` and dump_dir."""
     want_record = sink is not None or cfg.dump_dir
     before_order = [n.name for n in gm.graph.nodes] if want_record else []
     before_code = gm.print_readable(print_output=False) if want_record else ""
-    schedule(gm, cfg)
+    schedule(gm, cfg, recompile=recompile)
     if not want_record:
         return
     record = GraphRecord(_graph_name.get(), gm, before_order, before_code,
@@ -93,7 +93,7 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
         gm = graph.owning_module
         if gm is None:
             raise RuntimeError("overlapc: post-grad graph has no owning GraphModule")
-        _schedule_and_record(gm, self.cfg, self.sink)
+        _schedule_and_record(gm, self.cfg, self.sink, recompile=False)  # Inductor reads the graph
 
     def uuid(self) -> str:
         """Changes with the config and with overlapc's own source."""
