@@ -118,7 +118,7 @@ def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms)
     timeline_after = simulate(gm_after, profile, after, compute_ms=compute_ms, comm_ms=comm_ms)
     info = Analysis(gm_after)
     cost = {name: end - start for name, (start, end) in timeline_after.compute.items()}
-    is_compute = [cost.get(n.name, 0.0) > 0 and not info.in_bundle(n) for n in after]
+    is_compute = [cost.get(n.name, 0.0) > 0 and n not in info.bundled for n in after]
     _, ms_after = _prefix(after, is_compute, cost)
     count_before, _ = _prefix(before, [is_compute[info.pos[n]] for n in before], cost)
     count_after, _ = _prefix(after, is_compute, cost)
@@ -179,7 +179,8 @@ def _reason(c: Collective, info: Analysis, count: list[int], gather_waits: dict[
     if info.nodes[consumer] is info.output or count[consumer] == 0:
         return "graph input/output"
     bundle = info.start_bundle.get(c.start, [c.start])
-    ready = max((pos[i] for i in info.external_inputs(bundle)), default=-1)
+    inputs = info.bundle_inputs.get(c.start, c.start.all_input_nodes)
+    ready = max((pos[i] for i in inputs), default=-1)
     if count[consumer] - count[ready + 1] == 0:
         return "data dependency"
     if c.kind == "all_gather":
