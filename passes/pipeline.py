@@ -72,7 +72,9 @@ def _fail(info: Analysis, node: fx.Node, message: str) -> ScheduleError:
     return ScheduleError(message, node=node, group=c.group if c else None, position=info.pos[node])
 
 
-def _verify(info: Analysis, cfg: OverlapConfig) -> None:
+def _verify(info: Analysis, cfg: OverlapConfig) -> int:
+    """Raise ScheduleError at the first broken guarantee; return the peak number
+    of all-gathers of one group in flight."""
     pos, nodes = info.pos, info.nodes
 
     for c in info.movable:
@@ -98,6 +100,7 @@ def _verify(info: Analysis, cfg: OverlapConfig) -> None:
                             f"{nodes[info.key[before.start][0]].name}): consumer order broken")
 
     bounded = cfg.max_in_flight is not None or cfg.max_in_flight_bytes is not None
+    peak = 0
     count: dict[str, int] = {}
     nbytes: dict[str, int] = {}
     waits_left = {c.start: len(c.waits) for c in info.movable}
@@ -106,6 +109,7 @@ def _verify(info: Analysis, cfg: OverlapConfig) -> None:
         if c is not None and c.kind == "all_gather" and c.waits:
             count[c.group] = count.get(c.group, 0) + 1
             nbytes[c.group] = nbytes.get(c.group, 0) + (c.nbytes or 0)
+            peak = max(peak, count[c.group])
             if cfg.max_in_flight is not None and count[c.group] > cfg.max_in_flight:
                 raise _fail(info, node, f"{count[c.group]} all-gathers in flight, limit {cfg.max_in_flight}")
             if (cfg.max_in_flight_bytes is not None and count[c.group] > 1
@@ -138,6 +142,7 @@ def _verify(info: Analysis, cfg: OverlapConfig) -> None:
         c = info.coll_of_wait.get(node)
         if c is not None and c.kind == "all_gather":
             last_gather_wait[c.group] = pos[node]
+    return peak
 
 
 def _landmarks(info: Analysis) -> dict[fx.Node, tuple[int, int]]:
@@ -171,7 +176,7 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
         reorder_in_graph(gm, info)
         limit_in_graph(gm, cfg.max_in_flight, cfg.max_in_flight_bytes, info)
         sink_in_graph(gm, info=info)
-        _verify(info, cfg)
+        peak = _verify(info, cfg)
         marks_after = _landmarks(info)
         for node, (region, _) in marks_before.items():
             if marks_after[node][0] != region:
@@ -189,26 +194,8 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
         return gm
     if recompile:
         gm.recompile()
-    moved = sum(1 for c in info.movable
-                if any(marks_before[n][1] != marks_after[n][1] for n in (c.start, *c.waits)))
-    log.info("overlapc: moved %d of %d collectives; peak %s all-gathers in flight (limit %s)",
-             moved, len(info.all), _peak_in_flight(info), cfg.max_in_flight)
+    if log.isEnabledFor(logging.INFO):
+        from overlapc.report import summary, summary_line
+        line = summary_line(summary(gm, [n.name for n in original]))
+        log.info("overlapc: %s; peak %d all-gathers in flight (limit %s)", line, peak, cfg.max_in_flight)
     return gm
-
-
-def _peak_in_flight(info: Analysis) -> int:
-    """Most all-gathers of one group issued and not yet waited, over the graph."""
-    count: dict[str, int] = {}
-    waits_left = {c.start: len(c.waits) for c in info.movable}
-    peak = 0
-    for node in info.nodes:
-        c = info.coll_of_start.get(node)
-        if c is not None and c.kind == "all_gather":
-            count[c.group] = count.get(c.group, 0) + 1
-            peak = max(peak, count[c.group])
-        c = info.coll_of_wait.get(node)
-        if c is not None and c.kind == "all_gather":
-            waits_left[c.start] -= 1
-            if not waits_left[c.start]:
-                count[c.group] -= 1
-    return peak

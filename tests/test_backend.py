@@ -18,6 +18,14 @@ import overlapc
 from overlapc.backend import SchedulePass
 
 
+@pytest.fixture(autouse=True)
+def no_compile_cache(monkeypatch):
+    """A cached graph skips the pass (its code already holds the schedule), and
+    the cache outlives a test run: every test here compiles afresh."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+
+
 class GatheredMLP(torch.nn.Module):
     """Each layer all-gathers its weight shard (autograd: reduce-scatter in backward)."""
 
