@@ -195,7 +195,14 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     if recompile:
         gm.recompile()
     if log.isEnabledFor(logging.INFO):
-        from overlapc.report import summary, summary_line
-        line = summary_line(summary(gm, [n.name for n in original]))
+        from overlapc import report
+        before = [n.name for n in original]
+        line = report.summary_line(report.summary(gm, before))
         log.info("overlapc: %s; peak %d all-gathers in flight (limit %s)", line, peak, cfg.max_in_flight)
+        if log.isEnabledFor(logging.DEBUG):
+            for row in report.rows(gm, before):
+                log.debug("overlapc: %s %s group %s, %s bytes: issue %s -> %s, wait %s -> %s, %s%s",
+                          row.kind, row.name, row.group, row.nbytes, row.issue_before, row.issue_after,
+                          row.wait_before, row.wait_after, row.verdict,
+                          f" ({row.reason})" if row.reason else "")
     return gm
