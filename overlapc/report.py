@@ -7,6 +7,10 @@ The scheduler works in place, so callers record the order first::
     rows = report.rows(gm, before, profile)
     print(report.format_text(rows, report.summary(gm, before, profile)))
 
+``format_graph`` is the per-graph text of ``overlapc report`` and report.txt;
+``write_artifacts(record, folder)`` writes the four files per graph that
+``overlapc dump`` and the backend's ``dump_dir`` produce.
+
 Both orders are simulated (``overlapc.simulate``). A *compute node* is a node
 with estimated cost > 0 that is not a collective start, a wait, or a member of
 their bundles (a start's cheap input chain, a wait's views; see
@@ -56,6 +60,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
+import os
+import re
 from typing import Callable
 
 import torch.fx as fx
@@ -94,12 +101,16 @@ class Row:
 
 
 def module_path(node: fx.Node) -> str:
-    """Qualified path of the innermost nn.Module that made ``node``, or ""."""
+    """Qualified path of the innermost nn.Module that made ``node``, or "", relative to
+    the compiled module (Dynamo's root name, e.g. ``L['self'].``, is dropped)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     last = list(stack.values())[-1]
-    return str(last[0] if isinstance(last, (tuple, list)) else last)
+    return _DYNAMO_ROOT.sub("", str(last[0] if isinstance(last, (tuple, list)) else last))
+
+
+_DYNAMO_ROOT = re.compile(r"^[LG]\['[^']*'\]\.?")   # L['self'], L['fn'], G['model'] ...
 
 
 def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms):
@@ -261,6 +272,11 @@ def format_text(rows: list[Row], summary: dict) -> str:
         f"in flight {_size(s['peak_in_flight_bytes_before'])} -> {_size(s['peak_in_flight_bytes_after'])} "
         f"({s['device']}, {s['link']})",
     ]
+    return "\n".join(lines) + "\n" + format_table(rows)
+
+
+def format_table(rows: list[Row]) -> str:
+    """One fixed-width line per collective under a header line. Deterministic."""
     header = ("collective", "kind", "group", "bytes", "dtype", "issue", "wait", "compute",
               "comm_ms", "exposed_ms", "verdict", "module")
     table = [header]
@@ -273,9 +289,41 @@ def format_text(rows: list[Row], summary: dict) -> str:
             r.verdict + (f" ({r.reason})" if r.reason else ""), r.module or "-",
         ))
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    for line in table:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-    return "\n".join(lines) + "\n"
+    return "".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n"
+                   for line in table)
+
+
+def format_graph(name: str, rows: list[Row], summary: dict) -> str:
+    """One graph for people (``overlapc report``, report.txt): a header line, the
+    table, then two summary lines (before -> after). Deterministic."""
+    s = summary
+    return (
+        f"{name}: {s['collectives']} collectives ({s['device']}, {s['link']})\n"
+        + format_table(rows)
+        + f"hidden {s['hidden_after']} of {s['collectives']} collectives (before: {s['hidden_before']}); "
+        f"moved {s['moved']}\n"
+        f"estimated exposed {s['exposed_ms_before']:.3f} -> {s['exposed_ms_after']:.3f} ms; "
+        f"peak in-flight {_size(s['peak_in_flight_bytes_before'])} -> "
+        f"{_size(s['peak_in_flight_bytes_after'])}; "
+        f"step {s['step_ms_before']:.3f} -> {s['step_ms_after']:.3f} ms\n"
+    )
+
+
+def write_artifacts(record, folder: str, profile: costmodel.Profile | None = None) -> None:
+    """Write one scheduled graph (a ``backend.GraphRecord``) into ``folder``, creating it:
+    before.txt and after.txt (its readable code before and after scheduling), report.txt
+    (``format_graph``) and report.json (``to_json``). Same record -> same bytes."""
+    rows_, summary_ = _study(record.gm, record.before_order, profile, None, None)
+    os.makedirs(folder, exist_ok=True)
+    files = {
+        "before.txt": record.before_code,
+        "after.txt": record.after_code,
+        "report.txt": format_graph(record.name, rows_, summary_),
+        "report.json": json.dumps(to_json(rows_, summary_), indent=2) + "\n",
+    }
+    for name, text in files.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8", newline="\n") as out:
+            out.write(text if text.endswith("\n") else text + "\n")
 
 
 def to_json(rows: list[Row], summary: dict) -> dict:

@@ -1,0 +1,384 @@
+"""``overlapc dump | report | timeline | demo``: capture, schedule and explain a model's graphs.
+
+TARGET is ``path/to/file.py:function`` or ``module:function``. The function
+takes no arguments and returns ``(model, example_inputs)``; it runs after the
+CLI has initialised a fake process group (backend "fake": no network, any
+world size) of ``--world-size`` ranks as ``--rank``, so it may build device
+meshes and shard the model (``overlapc.fsdp.shard``). The CLI then runs one
+forward and backward through ``overlapc.backend.capture`` and works on the
+scheduled graphs ("fw_0", "bw_0", ...; ``--graph fw|bw|all`` selects). The
+schedule's options are ``--max-in-flight K|none`` and
+``--max-in-flight-bytes B|none`` (B may end in KiB, MiB or GiB); the estimates
+use ``--device``/``--link`` and any of ``--tflops --mem-gbps --link-gbps
+--latency-us`` (``overlapc.costmodel.profile``).
+
+    overlapc dump TARGET --world-size N [--out DIR]
+        DIR/<graph>/before.txt, after.txt, report.txt, report.json
+        (``overlapc.report.write_artifacts``; report.json is "overlapc.report/1").
+    overlapc report TARGET --world-size N [--format text|json]
+        Per-collective rows and a summary per graph, on stdout.
+    overlapc timeline TARGET --world-size N [-o trace.json]
+        The simulated schedule before and after, as a Chrome / Perfetto trace.
+    overlapc demo [ARGS...]
+        ``overlapc.demo.main(ARGS)``.
+
+Output is deterministic: same target and flags, same bytes. Progress goes to
+stderr (``--quiet`` silences it). Bad input (missing file or function, a
+function that does not return ``(model, inputs)``, world size < 1, rank
+outside [0, N), an output path that cannot be written, a bad flag) prints one
+line on stderr and exits 2; an exception raised inside the target's own code
+propagates with its traceback. If a default process group already exists
+(the CLI called in-process), it is used when its world size and rank match
+and left as it is; otherwise the CLI's fake group is destroyed on return.
+
+``overlapc report --format json`` schema ("overlapc.cli.report/1")::
+
+    {"schema": "overlapc.cli.report/1",
+     "target": "examples/mlp.py:build", "world_size": 8, "rank": 0,
+     "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | null, "enabled": bool},
+     "profile": {"device": {"name", "tflops", "mem_gbps"},
+                 "link": {"name", "gbps", "latency_us"}},
+     "graphs": [{"name": "fw_0",
+                 "rows": [<overlapc.report.Row fields>, ...],   # issue order after
+                 "summary": {<overlapc.report.summary keys>}}, ...]}
+
+``overlapc timeline`` trace (Chrome trace event format, JSON object form)::
+
+    {"traceEvents": [...], "displayTimeUnit": "ms",
+     "otherData": {"schema": "overlapc.cli.timeline/1", "target", "world_size",
+                   "rank", "config", "profile"}}
+
+Per graph (i = 0, 1, ... in capture order) two processes: pid 2i+1 named
+"<graph> before" and pid 2i+2 named "<graph> after" (metadata events "M":
+process_name, process_sort_index, thread_name). Thread 0 is "compute"; thread
+k >= 1 is "comm group <name>", one per process group, in sorted group order.
+Complete events (ph "X", ts and dur in microseconds from the graph's start):
+cat "compute" for each node that costs time, cat "comm" for each collective
+(on its group's thread, from when it starts running to when it ends), cat
+"exposed" for the time compute stalls on a collective's wait (on thread 0).
+Names are the op plus the module path where known; args hold the node name.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+
+REPORT_SCHEMA = "overlapc.cli.report/1"
+TIMELINE_SCHEMA = "overlapc.cli.timeline/1"
+
+
+class UsageError(Exception):
+    """Bad input: main() prints it as one line on stderr and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _limit(text: str) -> int | None:
+    """'none' -> None; '8', '64MiB', '1GiB' -> int >= 1."""
+    if text.strip().lower() == "none":
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*", text)
+    if not match or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 (may end in KiB, MiB, GiB) or 'none', "
+                                         f"got {text!r}")
+    return int(match.group(1)) * {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[match.group(2)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from overlapc import costmodel
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("target", help="path/to/file.py:function or module:function; "
+                        "the function returns (model, example_inputs)")
+    common.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the fake process group")
+    common.add_argument("--rank", type=int, default=0, metavar="R", help="this process's rank (default 0)")
+    common.add_argument("--graph", choices=("fw", "bw", "all"), default="all", help="graphs to show (default all)")
+    common.add_argument("--max-in-flight", type=_limit, default=argparse.SUPPRESS, metavar="K|none",
+                        help="all-gathers of one group in flight, at most (default: OverlapConfig's)")
+    common.add_argument("--max-in-flight-bytes", type=_limit, default=argparse.SUPPRESS, metavar="B|none",
+                        help="bytes of all-gathers in flight, at most (e.g. 64MiB)")
+    common.add_argument("--device", choices=sorted(costmodel.DEVICES), default="h100", help="(default h100)")
+    common.add_argument("--link", choices=sorted(costmodel.LINKS), default="nvlink", help="(default nvlink)")
+    common.add_argument("--tflops", type=float, help="device FLOP rate, TFLOP/s")
+    common.add_argument("--mem-gbps", type=float, help="device memory bandwidth, GB/s")
+    common.add_argument("--link-gbps", type=float, help="link bus bandwidth, GB/s")
+    common.add_argument("--latency-us", type=float, help="latency per collective, us")
+    common.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    parser = _Parser(prog="overlapc", description="Capture, schedule and explain the communication "
+                     "of a model's training graphs (see `pydoc overlapc.cli`).")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    dump = commands.add_parser("dump", parents=[common], help="write before/after graphs and reports per graph")
+    dump.add_argument("--out", default="overlapc-dump", metavar="DIR", help="(default overlapc-dump)")
+    report = commands.add_parser("report", parents=[common], help="print per-collective rows and summaries")
+    report.add_argument("--format", choices=("text", "json"), default="text")
+    timeline = commands.add_parser("timeline", parents=[common], help="write the simulated schedule as a "
+                                   "Chrome/Perfetto trace")
+    timeline.add_argument("-o", "--out", default="overlapc-trace.json", metavar="FILE",
+                          help="(default overlapc-trace.json)")
+    commands.add_parser("demo", help="run overlapc.demo (arguments pass through)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit code (0 ok, 2 bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
+    try:
+        args = _parser().parse_args(argv)
+        return _run(args)
+    except UsageError as error:
+        command = next((a for a in argv if a in ("dump", "report", "timeline")), "")
+        message = " ".join(str(error).split())
+        print(f"overlapc{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+        return 2
+    except SystemExit as exit_:   # --help
+        return exit_.code if isinstance(exit_.code, int) else 0
+
+
+def _demo(argv: list[str]) -> int:
+    try:
+        from overlapc import demo
+    except ModuleNotFoundError as error:
+        if error.name not in ("overlapc.demo",):
+            raise
+        print("overlapc demo: error: overlapc.demo is not installed", file=sys.stderr)
+        return 2
+    return int(demo.main(argv) or 0)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from overlapc import backend, costmodel
+    from overlapc.collectives import collectives
+    from overlapc.config import OverlapConfig
+
+    if args.world_size < 1:
+        raise UsageError(f"world size must be >= 1, got {args.world_size}")
+    if not 0 <= args.rank < args.world_size:
+        raise UsageError(f"rank {args.rank} is not in [0, {args.world_size})")
+    options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes") if hasattr(args, k)}
+    try:
+        cfg = OverlapConfig.from_options(options)
+        profile = costmodel.profile(args.device, args.link, tflops=args.tflops, mem_gbps=args.mem_gbps,
+                                    link_gbps=args.link_gbps, latency_us=args.latency_us)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.command == "dump":
+        _check_writable(args.out)
+    elif args.command == "timeline":
+        if os.path.isdir(args.out):
+            raise UsageError(f"{args.out} is a folder; -o takes a file name")
+        _check_writable(os.path.dirname(os.path.abspath(args.out)))
+    build = _load(args.target)
+
+    def say(message: str) -> None:
+        if not args.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    with _process_group(args.world_size, args.rank):
+        built = build()
+        if not (isinstance(built, (tuple, list)) and len(built) == 2 and callable(built[0])):
+            raise UsageError(f"{args.target} must return (model, example_inputs), got {_describe(built)}")
+        say(f"capturing forward/backward of {args.target} at world size {args.world_size} "
+            f"(rank {args.rank}) ...")
+        records = backend.capture(built[0], built[1], options)
+        for record in records:
+            say(f"scheduled {record.name}: {len(collectives(record.gm))} collectives")
+        records = [r for r in records if args.graph == "all" or r.name.startswith(args.graph + "_")]
+        if not records:
+            raise UsageError(f"{args.target} produced no {'' if args.graph == 'all' else args.graph + ' '}graph")
+        header = {"target": args.target, "world_size": args.world_size, "rank": args.rank,
+                  "config": {k: getattr(cfg, k) for k in ("max_in_flight", "max_in_flight_bytes", "enabled")},
+                  "profile": dataclasses.asdict(profile)}
+        if args.command == "dump":
+            _dump(records, args.out, profile, say)
+        elif args.command == "report":
+            sys.stdout.write(_report(records, header, profile, args.format))
+        else:
+            _write(args.out, _trace(records, header, profile))
+            say(f"wrote {args.out} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _check_writable(folder: str) -> None:
+    """Create ``folder`` if needed and write a probe file there (UsageError when that fails)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise UsageError(f"cannot write to {folder}: {error.strerror or error}") from None
+
+
+def _load(target: str):
+    """The function named by ``path/to/file.py:function`` or ``module:function``."""
+    where, _, name = target.rpartition(":")
+    if not where or not name:
+        raise UsageError(f"target must be path/to/file.py:function or module:function, got {target!r}")
+    if where.endswith(".py") or "/" in where or os.sep in where:
+        if not os.path.isfile(where):
+            raise UsageError(f"no such file: {where}")
+        module_name = "overlapc_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(where))[0])
+        spec = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module   # dataclasses and pickling look modules up here
+        spec.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path:   # as `python -m` does; the console script does not
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as error:
+            if error.name is None or not (where == error.name or where.startswith(error.name + ".")):
+                raise   # the target's own imports failed: show the traceback
+            raise UsageError(f"no module named {error.name}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        found = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(name, found, n=1)
+        raise UsageError(f"{where} has no function {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    return function
+
+
+def _describe(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
+
+
+@contextlib.contextmanager
+def _process_group(world_size: int, rank: int):
+    """A fake default process group for the duration; an existing one is reused if it matches."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
+            raise UsageError(f"a process group of world size {dist.get_world_size()}, rank "
+                             f"{dist.get_rank()} already exists in this process")
+        yield
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _dump(records, out: str, profile, say) -> None:
+    from overlapc.report import write_artifacts
+
+    for record in records:
+        folder = os.path.join(out, record.name)
+        write_artifacts(record, folder, profile)
+        say(f"wrote {folder}/")
+
+
+def _report(records, header: dict, profile, fmt: str) -> str:
+    """The report of every record as text or as an "overlapc.cli.report/1" JSON document."""
+    from overlapc import report
+
+    graphs = []
+    for record in records:
+        rows = report.rows(record.gm, record.before_order, profile)
+        graphs.append((record.name, rows, report.summary(record.gm, record.before_order, profile)))
+    if fmt == "json":
+        document = {"schema": REPORT_SCHEMA, **header, "graphs": [
+            {"name": name, "rows": [dataclasses.asdict(r) for r in rows], "summary": summary}
+            for name, rows, summary in graphs]}
+        return json.dumps(document, indent=2) + "\n"
+    config, device, link = header["config"], profile.device, profile.link
+    lines = [
+        f"overlapc report {header['target']}: world size {header['world_size']}, rank {header['rank']}",
+        f"schedule: max_in_flight={_or_none(config['max_in_flight'])}, "
+        f"max_in_flight_bytes={_or_none(config['max_in_flight_bytes'])}"
+        + ("" if config["enabled"] else " (disabled: OVERLAPC_DISABLE)"),
+        f"estimates: {device.name} {device.tflops:g} TFLOP/s, {device.mem_gbps:g} GB/s memory; "
+        f"{link.name} {link.gbps:g} GB/s, {link.latency_us:g} us latency",
+    ]
+    return "\n".join(lines) + "\n" + "".join("\n" + report.format_graph(*graph) for graph in graphs)
+
+
+def _or_none(value) -> str:
+    return "none" if value is None else str(value)
+
+
+def _trace(records, header: dict, profile) -> dict:
+    """The "overlapc.cli.timeline/1" trace document: before and after of every record."""
+    from overlapc.simulate import simulate
+
+    events = []
+    for index, record in enumerate(records):
+        before = simulate(record.gm, profile, record.before_order)
+        after = simulate(record.gm, profile)
+        events += trace_events(record.gm, before, 2 * index + 1, f"{record.name} before")
+        events += trace_events(record.gm, after, 2 * index + 2, f"{record.name} after")
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"schema": TIMELINE_SCHEMA, **header}}
+
+
+def trace_events(gm, timeline, pid: int, label: str) -> list[dict]:
+    """Chrome trace events for one simulated order of ``gm`` (an ``overlapc.simulate.Timeline``):
+    process ``pid`` named ``label``, thread 0 "compute", threads 1.. "comm group <name>" (sorted
+    group names), "X" events for compute ("compute"), collectives ("comm") and compute stalls on
+    waits ("exposed"); ts and dur in microseconds. Deterministic."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    groups = sorted({t.collective.group for t in timeline.collectives.values()})
+    tid = {group: index + 1 for index, group in enumerate(groups)}
+    events = [{"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": label}},
+              {"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}},
+              {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}}]
+    events += [{"ph": "M", "pid": pid, "tid": tid[g], "name": "thread_name", "args": {"name": f"comm group {g}"}}
+               for g in groups]
+
+    def complete(cat, thread, name, start_ms, dur_ms, args):
+        return {"ph": "X", "cat": cat, "pid": pid, "tid": thread, "name": name,
+                "ts": round(start_ms * 1e3, 3), "dur": round(max(dur_ms, 0.0) * 1e3, 3), "args": args}
+
+    for name, (start, end) in timeline.compute.items():
+        if end > start:
+            events.append(complete("compute", 0, _event_name(nodes[name]), start, end - start, {"node": name}))
+    for name, t in timeline.collectives.items():
+        c = t.collective
+        args = {"node": name, "kind": c.kind, "group": c.group, "bytes": c.nbytes,
+                "issue_us": round(t.issue_ms * 1e3, 3), "exposed_us": round(t.exposed_ms * 1e3, 3)}
+        events.append(complete("comm", tid[c.group], _event_name(c.start), t.start_ms, t.duration_ms, args))
+        if t.exposed_ms > 0:
+            events.append(complete("exposed", 0, f"wait {name}", t.end_ms - t.exposed_ms, t.exposed_ms,
+                                   {"node": name}))
+    return events
+
+
+def _event_name(node) -> str:
+    """Op name ("addmm", "all_gather_into_tensor") plus the module path where known."""
+    from overlapc.report import module_path
+
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    op = packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
+    module = module_path(node)
+    return f"{op} {module}" if module else op
+
+
+def _write(path: str, trace: dict) -> None:
+    """The trace with one event per line (diff-friendly), keys sorted."""
+    events = ",\n".join(json.dumps(e, sort_keys=True) for e in trace["traceEvents"])
+    rest = json.dumps({k: v for k, v in trace.items() if k != "traceEvents"}, sort_keys=True)
+    with open(path, "w", encoding="utf-8", newline="\n") as out:
+        out.write('{"traceEvents": [\n' + events + "\n],\n" + rest[1:-1] + "}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

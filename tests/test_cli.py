@@ -1,0 +1,184 @@
+"""The overlapc CLI: dump, report, timeline, demo dispatch, and bad input.
+
+Commands run in-process through ``overlapc.cli.main`` at world size 8, rank 0:
+the CLI makes (and destroys) its own fake process group, or reuses the
+session's ``fake_pg`` (also world size 8) when an earlier test made it. One
+test runs ``python -m overlapc.cli`` in a subprocess.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import overlapc.cli as cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLGATHER = os.path.join(REPO, "examples", "allgather.py") + ":build"
+WORLD = ["--world-size", "8"]
+
+
+LOAD = """import importlib.util, sys
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+"""
+
+
+def example(name: str):
+    """examples/<name>.py as a module."""
+    scope = {}
+    exec(LOAD, scope)
+    return scope["load"](f"example_{name}", os.path.join(REPO, "examples", name + ".py"))
+
+
+def small_target(tmp_path, name: str, **sizes) -> str:
+    """A target file calling examples/<name>.py's build with smaller sizes (fast capture)."""
+    path = tmp_path / f"small_{name}.py"
+    path.write_text(LOAD + f"_build = load('example_{name}', {os.path.join(REPO, 'examples', name + '.py')!r}).build\n"
+                    f"def build():\n    return _build(**{sizes!r})\n")
+    return f"{path}:build"
+
+
+def run(capsys, *argv):
+    """(exit code, stdout, stderr) of one in-process CLI call."""
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dump_writes_four_files_per_graph_deterministically(tmp_path, capsys):
+    outputs = []
+    for name in ("a", "b"):
+        code, _, err = run(capsys, "dump", ALLGATHER, *WORLD, "--out", tmp_path / name)
+        assert code == 0, err
+        assert "capturing forward/backward" in err and "scheduled fw_0: 4 collectives" in err
+        outputs.append({os.path.relpath(os.path.join(folder, f), tmp_path / name):
+                        open(os.path.join(folder, f), "rb").read()
+                        for folder, _, files in os.walk(tmp_path / name) for f in files})
+    expected = {f"{g}/{f}" for g in ("fw_0", "bw_0")
+                for f in ("before.txt", "after.txt", "report.txt", "report.json")}
+    assert set(outputs[0]) == expected
+    assert outputs[0] == outputs[1]
+    document = json.loads(outputs[0]["fw_0/report.json"])
+    assert document["schema"] == "overlapc.report/1" and len(document["collectives"]) == 4
+    assert b"all_gather_into_tensor" in outputs[0]["fw_0/after.txt"]
+    assert outputs[0]["fw_0/report.txt"].startswith(b"fw_0: 4 collectives")
+
+
+def test_report_json_schema(capsys):
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--format", "json", "--quiet",
+                         "--max-in-flight", "none", "--device", "cpu", "--link", "ethernet")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["schema"] == cli.REPORT_SCHEMA
+    assert (doc["target"], doc["world_size"], doc["rank"]) == (ALLGATHER, 8, 0)
+    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": None, "enabled": True}
+    assert doc["profile"]["device"]["name"] == "cpu" and doc["profile"]["link"]["name"] == "ethernet"
+    assert [g["name"] for g in doc["graphs"]] == ["fw_0", "bw_0"]
+    for graph in doc["graphs"]:
+        assert len(graph["rows"]) == 4 and graph["summary"]["collectives"] == 4
+        assert {"name", "kind", "group", "verdict", "reason", "exposed_ms"} <= set(graph["rows"][0])
+        assert {"hidden_before", "hidden_after", "exposed_ms_before", "exposed_ms_after",
+                "peak_in_flight_bytes_after", "step_ms_after"} <= set(graph["summary"])
+        assert all(r["verdict"] in ("hidden", "exposed") for r in graph["rows"])
+
+
+def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
+    mlp = small_target(tmp_path, "mlp", dim=64, hidden=128, depth=2, tokens=64)
+    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw", "--max-in-flight-bytes", "64KiB")
+    assert code == 0, err
+    assert "schedule: max_in_flight=2, max_in_flight_bytes=65536" in out
+    assert "fw_0: 12 collectives (h100, nvlink)" in out and "bw_0" not in out
+    assert "hidden" in out and "exposed (" in out and "blocks.1.up" in out
+    assert "estimated exposed" in out and "peak in-flight" in out and "; step " in out
+    llama = small_target(tmp_path, "llama", vocab=64, dim=32, heads=2, hidden=64, depth=1, seq=16)
+    code, out, err = run(capsys, "report", llama, *WORLD, "--graph", "bw", "--quiet")
+    assert code == 0, err
+    assert "bw_0:" in out and "reduce_scatter" in out and "fw_0" not in out
+
+
+def test_timeline_trace_is_well_formed(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    code, _, err = run(capsys, "timeline", ALLGATHER, *WORLD, "-o", path, "--quiet")
+    assert code == 0 and err == ""
+    trace = json.loads(path.read_text())
+    assert trace["otherData"]["schema"] == cli.TIMELINE_SCHEMA
+    events = trace["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(processes.values()) == ["bw_0 after", "bw_0 before", "fw_0 after", "fw_0 before"]
+    complete = [e for e in events if e["ph"] == "X"]
+    for e in complete:
+        assert isinstance(e["ts"], (int, float)) and e["dur"] >= 0 and e["name"]
+        assert e["pid"] in processes and (e["pid"], e["tid"]) in threads and "node" in e["args"]
+    for pid in processes:
+        assert threads[(pid, 0)] == "compute" and threads[(pid, 1)] == "comm group 0"
+        cats = {e["cat"] for e in complete if e["pid"] == pid}
+        assert {"compute", "comm"} <= cats
+    gathers = [e for e in complete if e["pid"] == 2 and e["cat"] == "comm"]
+    assert len(gathers) == 4 and all(e["name"].startswith("all_gather_into_tensor") for e in gathers)
+    assert any(e["cat"] == "exposed" for e in complete)   # the first all-gather is waited on at once
+
+
+def _bad_return_target(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text("def build():\n    return 42\n")
+    return f"{path}:build"
+
+
+def _unwritable(tmp_path):
+    (tmp_path / "file").write_text("")
+    return ["--out", tmp_path / "file" / "sub"]
+
+
+@pytest.mark.parametrize("case, make_argv, expected", [
+    ("missing file", lambda t: ["report", t / "nope.py:build", *WORLD], "no such file"),
+    ("no such function", lambda t: ["report", ALLGATHER.replace(":build", ":buld"), *WORLD],
+     "has no function 'buld'; did you mean 'build'?"),
+    ("not (model, inputs)", lambda t: ["report", _bad_return_target(t), *WORLD],
+     "must return (model, example_inputs), got int"),
+    ("world size < 1", lambda t: ["report", ALLGATHER, "--world-size", "0"], "world size must be >= 1"),
+    ("rank out of range", lambda t: ["report", ALLGATHER, *WORLD, "--rank", "8"], "rank 8 is not in [0, 8)"),
+    ("unwritable output", lambda t: ["dump", ALLGATHER, *WORLD, *_unwritable(t)], "cannot write to"),
+    ("bad flag value", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight", "0"], "--max-in-flight"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, make_argv, expected):
+    code, out, err = run(capsys, *make_argv(tmp_path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("overlapc ") and expected in err, err
+
+
+def test_demo_dispatches_lazily(monkeypatch):
+    seen = []
+    monkeypatch.setitem(sys.modules, "overlapc.demo", types.SimpleNamespace(main=lambda argv: seen.append(argv) or 0))
+    assert cli.main(["demo", "--steps", "3"]) == 0 and seen == [["--steps", "3"]]
+
+
+def test_backend_dump_dir_writes_rank_folders(tmp_path, fake_pg):
+    model, inputs = example("allgather").build()
+    compiled = torch.compile(model, backend="overlapc",
+                             options={"dump_dir": str(tmp_path), "inner": "aot_eager"})
+    compiled(*inputs).sum().backward()
+    torch._dynamo.reset()
+    graphs = sorted(os.listdir(tmp_path / "rank0"))
+    assert [g.split("_")[0] for g in graphs] == ["bw", "fw"]
+    for graph in graphs:
+        assert sorted(os.listdir(tmp_path / "rank0" / graph)) == [
+            "after.txt", "before.txt", "report.json", "report.txt"]
+
+
+def test_python_dash_m_in_a_fresh_process():
+    done = subprocess.run([sys.executable, "-m", "overlapc.cli", "report", ALLGATHER, "--world-size", "2",
+                           "--rank", "1", "--format", "json", "--quiet"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(done.stdout)
+    assert (doc["world_size"], doc["rank"]) == (2, 1)
+    assert doc["graphs"][0]["rows"][0]["nbytes"] == 128 * 128 * 4
