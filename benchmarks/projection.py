@@ -1,0 +1,265 @@
+"""Simulated training step of a Llama-2-7B-shaped model at scale (nothing runs on a GPU).
+
+    python benchmarks/projection.py [--layers 32] [--world-sizes 8 64] [--seq 4096]
+                                    [--json benchmarks/results/projection.json]
+
+The model (benchmarks/llama.py): 32 layers, dim 4096, 32 heads, ffn 11008,
+vocab 32000, built on the meta device (nothing materialised), sharded with
+``overlapc.fsdp.shard(model, mesh, param_dtype=bfloat16, reduce_dtype=float32)``
+under the fake process group at each world size (each world size in its own
+subprocess, so each has a fresh fake PG). Inputs: batch 1 x seq 4096 tokens per
+GPU, on meta.
+
+World size 8 is one node (H100 + NVLink: ``costmodel.profile("h100", "nvlink")``),
+64 is 8 nodes (H100 + 400 Gb/s InfiniBand per GPU: ``profile("h100", "ib")``).
+
+For each world size the forward and backward graphs are captured the way the
+backend builds them (``overlapc.backend.capture``: Dynamo, AOTAutograd with
+Inductor's decompositions, overlapc.schedule) and simulated with
+``overlapc.simulate.simulate``; a step is forward + backward (their simulated
+times summed). Rows: the original order (``order=before_order``, what the
+graphs look like before overlapc) and overlapc with max_in_flight 1/2/3/None.
+
+By default capture runs once per world size and each option set's schedule is
+applied to a copy of the captured graphs with ``overlapc.schedule`` (the same
+call capture makes; one capture of 32 layers on meta takes minutes on 2
+cores). ``--recapture`` calls ``capture`` once per option set instead, and
+``--check-capture`` verifies on the first world size that both ways give the
+same node order.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+LINK_OF = {8: "nvlink"}  # larger world sizes: several nodes, InfiniBand
+OPTION_SETS = {
+    "overlapc_k1": {"max_in_flight": 1},
+    "overlapc_k2 (default)": {},
+    "overlapc_k3": {"max_in_flight": 3},
+    "overlapc_unlimited": {"max_in_flight": None},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[projection {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-2-7B: 32)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--batch", type=int, default=1, help="sequences per GPU")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--recapture", action="store_true", help="call capture() once per option set")
+    p.add_argument("--check-capture", action="store_true",
+                   help="check that schedule() on the captured graphs equals capture() with the options")
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child: one world size
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ one world size (child process)
+
+
+def _build(args, mesh):
+    import torch
+
+    import overlapc.fsdp
+    from llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.llama2_7b(args.layers))
+    overlapc.fsdp.shard(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    return model, (tokens, tokens)
+
+
+def _meta_shard_workaround():
+    """overlapc.fsdp._shard_param copies the parameter to the mesh's device
+    (``param.detach().to("cpu")``), which raises "Cannot copy out of meta
+    tensor" for meta parameters. Until fsdp.py handles meta, shard meta
+    parameters in place (no data, no communication). Applied only if needed."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import overlapc.fsdp as fsdp
+    original = fsdp._shard_param
+
+    def shard_param(param, mesh, qualname):
+        if param.is_meta:
+            dt = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
+            return torch.nn.Parameter(dt, requires_grad=param.requires_grad)
+        return original(param, mesh, qualname)
+
+    fsdp._shard_param = shard_param
+
+
+def one_world_size(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import overlapc
+    from overlapc import costmodel
+    from overlapc.backend import capture
+    from overlapc.simulate import simulate
+
+    n = args.one
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    mesh = init_device_mesh("cpu", (n,))
+    link = LINK_OF.get(n, "ib")
+    profile = costmodel.profile("h100", link)
+    try:
+        model, inputs = _build(args, mesh)
+        workaround = False
+    except NotImplementedError as exc:
+        if "meta" not in str(exc):
+            raise
+        _meta_shard_workaround()
+        model, inputs = _build(args, mesh)
+        workaround = True
+
+    def timed_capture(options):
+        t0 = time.perf_counter()
+        recs = capture(model, inputs, options)
+        log(f"  world {n}: capture {options} -> {[r.name for r in recs]} in {time.perf_counter() - t0:.1f} s")
+        return recs
+
+    rows: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    base = timed_capture({"enabled": False})
+    capture_s = time.perf_counter() - t0
+    n_nodes = {r.name: len(r.gm.graph.nodes) for r in base}
+
+    def add_row(name, graphs, orders=None):
+        step = exposed = 0.0
+        peak = 0
+        parts = {}
+        for i, gm in enumerate(graphs):
+            tl = simulate(gm, profile, order=None if orders is None else orders[i])
+            step += tl.step_ms
+            exposed += tl.exposed_ms
+            peak = max(peak, tl.peak_in_flight_bytes)
+            parts[base[i].name] = {"step_ms": tl.step_ms, "exposed_ms": tl.exposed_ms,
+                                   "peak_in_flight_bytes": tl.peak_in_flight_bytes,
+                                   "collectives": tl.total, "hidden": tl.hidden}
+        rows[name] = {"step_ms": step, "exposed_ms": exposed, "exposed_pct": 100 * exposed / step,
+                      "peak_in_flight_bytes": peak, "graphs": parts}
+
+    add_row("original order", [r.gm for r in base], [r.before_order for r in base])
+    checked = None
+    for name, options in OPTION_SETS.items():
+        if args.recapture:
+            recs = timed_capture(options)
+            assert [r.name for r in recs] == [r.name for r in base]
+            graphs = [r.gm for r in recs]
+        else:
+            graphs = []
+            for r in base:
+                gm = copy.deepcopy(r.gm)
+                overlapc.schedule(gm, overlapc.OverlapConfig.from_options(options, env={}))
+                graphs.append(gm)
+            if args.check_capture and checked is None:
+                recs = timed_capture(options)
+                checked = all([n.name for n in a.graph.nodes] == [n.name for n in b.gm.graph.nodes]
+                              for a, b in zip(graphs, recs))
+                log(f"  world {n}: schedule() on the captured graphs == capture({options}): {checked}")
+                if not checked:
+                    raise SystemExit("schedule() on a copy differs from capture() with the options")
+        add_row(name, graphs)
+    return {"world_size": n, "link": link, "profile": repr(profile), "rows": rows,
+            "capture_s": capture_s, "graph_nodes": n_nodes, "meta_shard_workaround": workaround,
+            "check_capture": checked}
+
+
+# ------------------------------------------------------------------ driver
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.one is not None:
+        import warnings
+        warnings.filterwarnings("ignore")
+        result = one_world_size(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return 0
+
+    t_start = time.perf_counter()
+    log(f"Llama-2-7B shape, {args.layers} layers{'' if args.layers == 32 else ' (NOT the full 32)'}, "
+        f"bf16 params (param_dtype), fp32 reduce-scatter, batch {args.batch} x seq {args.seq} per GPU, "
+        f"reshard_after_forward=True, meta device + fake process group")
+    results = []
+    import tempfile
+    for n in args.world_sizes:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            out = tmp.name
+        child_argv = [a for a in argv if a not in ("--json",)]
+        if args.json:  # drop --json PATH
+            i = argv.index("--json")
+            child_argv = argv[:i] + argv[i + 2:]
+        log(f"world size {n}: capturing in a subprocess ...")
+        t0 = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), *child_argv, "--one", str(n), "--out", out]
+        if args.check_capture and n != args.world_sizes[0]:
+            cmd.remove("--check-capture")
+        proc = subprocess.run(cmd, timeout=3600)
+        if proc.returncode != 0:
+            log(f"ERROR: world size {n} failed (exit {proc.returncode})")
+            return 1
+        with open(out) as f:
+            res = json.load(f)
+        os.unlink(out)
+        res["wall_s"] = time.perf_counter() - t0
+        results.append(res)
+        log(f"world size {n}: done in {res['wall_s']:.0f} s")
+
+    print()
+    for res in results:
+        print(f"world size {res['world_size']} ({'1 node, NVLink' if res['link'] == 'nvlink' else 'InfiniBand 400 Gb/s per GPU'}): "
+              f"{res['profile']}")
+        print(f"  graphs: {res['graph_nodes']} nodes; capture {res['capture_s']:.0f} s"
+              + ("; meta-shard workaround used" if res["meta_shard_workaround"] else ""))
+        print(f"  {'order':24s} {'step ms':>9s} {'exposed ms':>11s} {'exposed %':>10s} {'peak in-flight':>15s}")
+        for name, row in res["rows"].items():
+            print(f"  {name:24s} {row['step_ms']:9.2f} {row['exposed_ms']:11.2f} {row['exposed_pct']:9.2f}% "
+                  f"{_gb(row['peak_in_flight_bytes']):>15s}")
+        print()
+    first = next((r for r in results if r["world_size"] == 8), None)
+    if first is not None:
+        pct = first["rows"]["overlapc_k2 (default)"]["exposed_pct"]
+        print(f"goal: world size 8, defaults, exposed communication < 5% of the step: "
+              f"{pct:.2f}% -> {'MET' if pct < 5 else 'NOT MET'}")
+    total = time.perf_counter() - t_start
+    print(f"total time {total:.0f} s")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"model": {"name": "Llama-2-7B shape", "layers": args.layers, "dim": 4096, "heads": 32,
+                                 "ffn": 11008, "vocab": 32000, "param_dtype": "bfloat16",
+                                 "reduce_dtype": "float32", "reshard_after_forward": True},
+                       "batch_per_gpu": args.batch, "seq": args.seq, "device": "h100",
+                       "results": results, "total_s": total}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,620 @@
+"""Real training-step time on CPU, N gloo ranks, over a shaped link.
+
+    python benchmarks/step_time.py [--rate 500mbit] [--world-size 2] [--steps 10]
+                                   [--json benchmarks/results/step_time.json]
+
+The link: run as root with ``ip`` and ``tc`` available, the ranks run in a
+fresh network namespace whose loopback is shaped with a token bucket
+(``tc qdisc add dev lo root tbf rate RATE burst 256kb limit 64mb``), so a
+collective takes real wire time while the CPU stays free for compute. The
+parent re-executes this script inside the namespace (``ip netns exec X python
+step_time.py --worker ...``), the worker spawns the ranks, and the parent
+deletes the namespace at the end, on error, and on SIGINT/SIGTERM. Without
+root/ip/tc (or with ``--no-shape``) the ranks use plain loopback and the
+output says so.
+
+The model: a Llama-style decoder (benchmarks/llama.py), forward, backward and
+an optimizer step, one torch thread per rank. Variants, each its own model
+instance compiled up front, timed interleaved (A B C ... A B C ...):
+
+  fsdp2_eager                 torch's fully_shard per block + root (its prefetching)
+  inductor                    overlapc.fsdp.shard + torch.compile(backend="inductor")
+  inductor_reorder            ... + reorder_for_compute_comm_overlap=True
+  inductor_overlap_scheduler  ... + aten_distributed_optimizations.enable_overlap_scheduling
+  overlapc                    overlapc.fsdp.shard + backend="overlapc", default options
+  overlapc_k1/k2/k3/unlimited ... options={"max_in_flight": 1/2/3/None}
+
+and, in the same rotation, the bounds:
+
+  compute_only   the same steps on an unsharded local copy (Inductor), no communication
+  comm_only      the step's collectives alone: an all-gather of every parameter
+                 (forward), then in reverse an all-gather (re-gather, as
+                 reshard_after_forward does) and a reduce-scatter of every
+                 parameter (backward), same sizes and dtypes, issued back to back
+  edge_comm      the first block's all-gathers (embedding + block 0) and the last
+                 block's reduce-scatters (block 0 + embedding) alone
+  bound = max(compute_only + edge_comm, comm_only)
+
+Every multi-process part notices a dead rank and reports it (no hangs): the
+worker watches every rank's process sentinel with a deadline, gloo has a
+timeout, the parent has a deadline on the worker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+MODEL_VARIANTS = [
+    "fsdp2_eager", "inductor", "inductor_reorder", "inductor_overlap_scheduler",
+    "overlapc", "overlapc_k1", "overlapc_k2", "overlapc_k3", "overlapc_unlimited",
+]
+BOUND_VARIANTS = ["compute_only", "comm_only", "edge_comm"]
+LOSS_RTOL = 1e-3
+
+
+def log(msg: str) -> None:
+    print(f"[step_time {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", default="500mbit", help="tbf rate of the shaped loopback (tc syntax)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--no-shape", action="store_true", help="plain loopback, no namespace")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (the first compiles)")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=704)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--variants", nargs="*", default=None,
+                   help=f"subset of {MODEL_VARIANTS} (bounds always run)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run (s)")
+    p.add_argument("--gloo-timeout", type=float, default=900.0, help="per-collective gloo timeout (s)")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--link", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for v in args.variants or []:
+        if v not in MODEL_VARIANTS:
+            p.error(f"unknown variant {v!r}; valid: {', '.join(MODEL_VARIANTS)}")
+    return args
+
+
+def config_of(args) -> dict:
+    return {
+        "world_size": args.world_size, "rate": None if args.no_shape else args.rate,
+        "dim": args.dim, "layers": args.layers, "heads": args.heads, "ffn": args.ffn,
+        "vocab": args.vocab, "batch_per_rank": args.batch, "seq": args.seq, "optim": args.optim,
+        "steps": args.steps, "warmup": args.warmup, "dtype": "float32",
+        "reshard_after_forward": True, "torch_threads_per_rank": 1,
+        "variants": args.variants or MODEL_VARIANTS,
+        "cpus": os.cpu_count(), "loadavg_at_report": list(os.getloadavg()),
+    }
+
+
+# ------------------------------------------------------------------ parent: namespace
+
+
+def _can_shape() -> str | None:
+    """None when a shaped namespace can be made, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "not root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"no {tool!r} on PATH"
+    return None
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
+
+
+def parent(args, argv: list[str]) -> int:
+    reason = "--no-shape" if args.no_shape else _can_shape()
+    ns = None
+    child = None
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", *argv]
+        env = dict(os.environ)
+        if reason is None:
+            ns = f"overlapc_bench_{os.getpid()}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                "rate", args.rate, "burst", "256kb", "limit", "64mb")
+            link = f"loopback in netns {ns} shaped by tc tbf rate {args.rate} burst 256kb limit 64mb"
+            cmd = ["ip", "netns", "exec", ns, *cmd]
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        else:
+            link = f"plain loopback, NOT shaped ({reason})"
+        log(f"link: {link}")
+        cmd += ["--link", link]
+        child = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            return child.wait(timeout=args.timeout + 120)
+        except subprocess.TimeoutExpired:
+            log(f"ERROR: worker still running after {args.timeout + 120:.0f} s; killing it")
+            return 124
+    finally:
+        if child is not None and child.poll() is None:
+            _kill_group(child.pid)
+        if ns is not None:
+            result = _sh("ip", "netns", "del", ns, check=False)
+            log(f"deleted netns {ns}" if result.returncode == 0 else f"WARNING: ip netns del {ns}: {result.stderr.strip()}")
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _kill_group(pgid: int) -> None:
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+# ------------------------------------------------------------------ worker: ranks
+
+
+def worker(args) -> int:
+    import multiprocessing as mp
+    from multiprocessing import connection
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs, pipes = [], []
+    for rank in range(args.world_size):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=rank_entry, args=(rank, args.world_size, port, vars(args), send), daemon=True)
+        proc.start()
+        send.close()
+        procs.append(proc)
+        pipes.append(recv)
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+
+    results: dict[int, tuple] = {}
+    failure = None
+    deadline = time.time() + args.timeout
+    try:
+        waiting = {pipes[r]: r for r in range(args.world_size)}
+        sentinels = {procs[r].sentinel: r for r in range(args.world_size)}
+        while len(results) < args.world_size and failure is None:
+            left = deadline - time.time()
+            if left <= 0:
+                missing = [r for r in range(args.world_size) if r not in results]
+                failure = f"ranks {missing} still running after --timeout {args.timeout:.0f} s"
+                break
+            ready = connection.wait(list(waiting) + list(sentinels), timeout=min(left, 5.0))
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting.pop(obj)
+                    try:
+                        results[rank] = obj.recv()
+                    except EOFError:
+                        pass
+                    if rank in results and results[rank][0] == "error":
+                        failure = f"rank {rank} raised:\n{results[rank][1]}"
+                elif obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    if rank in results:
+                        continue
+                    # its result may still be in the pipe
+                    if pipes[rank].poll(1.0):
+                        try:
+                            results[rank] = pipes[rank].recv()
+                            waiting.pop(pipes[rank], None)
+                            if results[rank][0] == "error":
+                                failure = f"rank {rank} raised:\n{results[rank][1]}"
+                            continue
+                        except EOFError:
+                            pass
+                    procs[rank].join(1.0)
+                    failure = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) before reporting"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+    if failure is not None:
+        log(f"ERROR: {failure}")
+        if args.json:
+            _write_json(args.json, {"link": args.link, "config": config_of(args), "error": failure})
+        return 1
+    per_rank = [results[r][1] for r in range(args.world_size)]
+    if args.json:  # raw per-rank times and losses first, so a report bug loses nothing
+        _write_json(os.path.splitext(args.json)[0] + ".raw.json", {"link": args.link, "config": config_of(args),
+                                                                    "per_rank": per_rank})
+    return report(args, per_rank)
+
+
+def _describe_exit(code) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_entry(rank, world_size, port, argd, conn) -> None:
+    try:
+        out = ("ok", rank_main(rank, world_size, port, argparse.Namespace(**argd)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the worker
+        out = ("error", traceback.format_exc())
+    try:
+        conn.send(out)
+        conn.close()
+    finally:
+        import torch.distributed as dist
+        if out[0] == "ok" and dist.is_initialized():
+            dist.destroy_process_group()
+    if out[0] == "error":
+        os._exit(1)  # do not wait on collectives the other ranks will never join
+
+
+# ------------------------------------------------------------------ in each rank
+
+
+def rank_main(rank: int, world_size: int, port: int, args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=args.gloo_timeout))
+    say = log if rank == 0 else (lambda msg: None)
+
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+    inductor_config.compile_threads = 1
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llama import Llama, LlamaConfig, param_count
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      ffn_dim=args.ffn, vocab_size=args.vocab)
+    torch.manual_seed(0)
+    reference = Llama(cfg)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    n_params = param_count(reference)
+    say(f"model: Llama dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn {cfg.ffn_dim}, "
+        f"vocab {cfg.vocab_size}: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MiB fp32); "
+        f"batch {args.batch} x seq {args.seq} per rank, {world_size} ranks, optim {args.optim}")
+
+    rounds = args.warmup + args.steps
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
+             torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)) for _ in range(rounds)]
+
+    def fresh() -> torch.nn.Module:
+        model = Llama(cfg)
+        model.load_state_dict(state)
+        return model
+
+    def optimizer(model):
+        if args.optim == "adamw":
+            return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        return torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+
+    def train_step(model, opt):
+        def step(i):
+            opt.zero_grad(set_to_none=True)
+            loss = model(*data[i])
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+        return step
+
+    def build(name):
+        import overlapc.fsdp
+        if name == "fsdp2_eager":
+            from torch.distributed.fsdp import fully_shard
+            model = fresh()
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return train_step(model, optimizer(model))
+        if name == "compute_only":
+            model = fresh()
+            return train_step(torch.compile(model, backend="inductor"), optimizer(model))
+        if name in ("comm_only", "edge_comm"):
+            return comm_step(name, cfg, world_size)
+        model = overlapc.fsdp.shard(fresh(), mesh)
+        if name.startswith("inductor"):
+            options = {"inductor_reorder": {"reorder_for_compute_comm_overlap": True},
+                       "inductor_overlap_scheduler": {
+                           "aten_distributed_optimizations.enable_overlap_scheduling": True},
+                       }.get(name)
+            compiled = torch.compile(model, backend="inductor", options=options)
+        else:
+            k = {"overlapc": "default", "overlapc_k1": 1, "overlapc_k2": 2, "overlapc_k3": 3,
+                 "overlapc_unlimited": None}[name]
+            options = {} if k == "default" else {"max_in_flight": k}
+            compiled = torch.compile(model, backend="overlapc", options=options)
+        return train_step(compiled, optimizer(model))
+
+    names = list(args.variants or MODEL_VARIANTS) + BOUND_VARIANTS
+    steps, errors = {}, {}
+    for name in names:
+        try:
+            steps[name] = build(name)
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = f"build: {type(exc).__name__}: {exc}"
+        _agree(name, errors, say)
+
+    # First (compiling) step of every variant, one after another, errors recorded.
+    losses = {name: [] for name in names}
+    times = {name: [] for name in names}
+    compile_s = {}
+    for name in names:
+        if name not in steps:
+            continue
+        say(f"warm-up/compile {name} ...")
+        dist.barrier()
+        t0 = time.perf_counter()
+        try:
+            losses[name].append(steps[name](0))
+        except Exception as exc:  # noqa: BLE001
+            text = f"{type(exc).__name__}: {exc}"
+            errors[name] = text.strip().splitlines()[0][:300] + (
+                "\n" + "\n".join(text.strip().splitlines()[-3:]) if text.count("\n") > 3 else "")
+        compile_s[name] = time.perf_counter() - t0
+        if _agree(name, errors, say):
+            del steps[name]
+        else:
+            say(f"  {name}: first step {compile_s[name]:.1f} s")
+
+    # Interleaved rounds: A B C ... A B C ...
+    live = [n for n in names if n in steps]
+    for i in range(1, rounds):
+        timed = i >= args.warmup
+        for name in live:
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[name].append(steps[name](i))
+            dt = time.perf_counter() - t0
+            if timed:
+                times[name].append(dt)
+        if timed:
+            say(f"round {i - args.warmup + 1}/{args.steps}: " + "  ".join(
+                f"{n} {times[n][-1]:.2f}" for n in live))
+        else:
+            say(f"warm-up round {i + 1}/{args.warmup} done")
+    return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
+            "n_params": n_params}
+
+
+def _agree(name, errors, say) -> bool:
+    """All ranks agree whether ``name`` failed (so collectives stay matched); True if it did."""
+    import torch
+    import torch.distributed as dist
+    flag = torch.tensor([1.0 if name in errors else 0.0])
+    dist.all_reduce(flag)
+    if flag.item() > 0:
+        errors.setdefault(name, "failed on another rank")
+        say(f"  {name}: ERROR {errors[name].splitlines()[0]}")
+        return True
+    return False
+
+
+def comm_step(name: str, cfg, world_size: int):
+    """The step's collectives alone (see module docstring), as a step function."""
+    import torch
+    import torch.distributed as dist
+
+    from llama import Llama
+
+    with torch.device("meta"):
+        shapes = [(n, p.shape) for n, p in Llama(cfg).named_parameters()]
+    group = dist.group.WORLD.group_name
+    C = torch.ops._c10d_functional
+
+    def shard_numel(shape):
+        full = shape[0]
+        rows = -(-full // world_size)  # DTensor pads the gather to equal chunks
+        return rows * (torch.Size(shape[1:]).numel())
+
+    if name == "edge_comm":
+        first = [s for n, s in shapes if n.startswith(("tok_embeddings.", "layers.0."))]
+        gathers, backward = first, list(reversed(first))
+        regather = False
+    else:
+        gathers, backward = [s for _, s in shapes], [s for _, s in reversed(shapes)]
+        regather = True
+    ag_in = [torch.randn(shard_numel(s)) for s in gathers]
+    rs_in = [torch.randn(shard_numel(s) * world_size) for s in backward]
+    rg_in = [torch.randn(shard_numel(s)) for s in backward]
+
+    def step(i):
+        works = [C.all_gather_into_tensor(t, world_size, group) for t in ag_in]
+        for j in range(len(backward)):
+            if regather:
+                works.append(C.all_gather_into_tensor(rg_in[j], world_size, group))
+            works.append(C.reduce_scatter_tensor(rs_in[j], "avg", world_size, group))
+        for w in works:
+            C.wait_tensor(w)
+        return float("nan")
+    return step
+
+
+# ------------------------------------------------------------------ report
+
+
+def _q(xs, q):
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def report(args, per_rank: list[dict]) -> int:
+    r0 = per_rank[0]
+    names = list(r0["times"])
+    errors = {}
+    for res in per_rank:
+        for k, v in res["errors"].items():
+            if k not in errors or errors[k] == "failed on another rank":
+                errors[k] = v
+    # step time = slowest rank per step
+    stats = {}
+    for name in names:
+        if name in errors:
+            continue
+        per_step = [max(res["times"][name][i] for res in per_rank) for i in range(len(r0["times"][name]))]
+        stats[name] = {"median_s": statistics.median(per_step), "p25_s": _q(per_step, 0.25),
+                       "p75_s": _q(per_step, 0.75)}
+
+    # losses: every sharded variant equals fsdp2_eager (or the first that ran) step by step, per rank
+    sharded = [n for n in names if n not in BOUND_VARIANTS and n not in errors]
+    worst, worst_at = 0.0, None
+    ref = sharded[0] if sharded else None
+    for res in per_rank:
+        for name in sharded + (["compute_only"] if "compute_only" not in errors else []):
+            a, b = res["losses"][name], res["losses"][ref]
+            upto = 1 if name == "compute_only" else len(b)  # unsharded: no gradient averaging after step 0
+            for i in range(upto):
+                rel = abs(a[i] - b[i]) / max(abs(b[i]), 1e-12)
+                if rel > worst:
+                    worst, worst_at = rel, (name, i)
+    first_losses = {n: r0["losses"][n][:3] for n in sharded}
+
+    bounds = None
+    if all(b in stats for b in BOUND_VARIANTS):
+        c, m, e = (stats[b]["median_s"] for b in BOUND_VARIANTS)
+        bounds = {"compute_only_s": c, "comm_only_s": m, "edge_comm_s": e, "bound_s": max(c + e, m)}
+
+    print()
+    print(f"link: {args.link}")
+    print(f"config: {json.dumps(config_of(args))}")
+    print(f"params: {r0['n_params'] / 1e6:.2f} M; step time = slowest rank, {args.steps} timed steps per variant")
+    print()
+    print(f"{'variant':28s} {'median s':>9s} {'p25 s':>8s} {'p75 s':>8s} {'/bound':>7s} {'first step s':>13s}")
+    for name in names:
+        if name in errors:
+            print(f"{name:28s} ERROR: {errors[name].splitlines()[0][:150]}")
+            continue
+        s = stats[name]
+        ratio = f"{s['median_s'] / bounds['bound_s']:.2f}" if bounds else "-"
+        print(f"{name:28s} {s['median_s']:9.3f} {s['p25_s']:8.3f} {s['p75_s']:8.3f} {ratio:>7s} "
+              f"{r0['compile_s'].get(name, float('nan')):13.1f}")
+    if bounds:
+        print(f"{'bound = max(compute+edge, comm)':28s} {bounds['bound_s']:9.3f}")
+    print()
+    print(f"losses (rank 0, first 3 steps): {json.dumps(first_losses)}")
+    print(f"max relative loss difference vs {ref}: {worst:.2e}"
+          + (f" ({worst_at[0]}, step {worst_at[1]})" if worst_at else ""))
+
+    goals = {}
+    if "overlapc" in stats and bounds:
+        o = stats["overlapc"]["median_s"]
+        goals["overlapc/bound"] = o / bounds["bound_s"]
+        if "inductor" in stats:
+            goals["inductor/overlapc"] = stats["inductor"]["median_s"] / o
+        if "fsdp2_eager" in stats:
+            goals["fsdp2_eager/overlapc"] = stats["fsdp2_eager"]["median_s"] / o
+        others = {n: stats[n]["median_s"] / o for n in stats
+                  if n not in BOUND_VARIANTS and n != "overlapc"}
+        checks = [
+            ("overlapc within 1.10x of bound", goals["overlapc/bound"] <= 1.10, f"{goals['overlapc/bound']:.2f}x"),
+            ("overlapc >= 1.3x faster than inductor", goals.get("inductor/overlapc", 0) >= 1.3,
+             f"{goals.get('inductor/overlapc', float('nan')):.2f}x"),
+            ("overlapc faster than fsdp2_eager", goals.get("fsdp2_eager/overlapc", 0) > 1.0,
+             f"{goals.get('fsdp2_eager/overlapc', float('nan')):.2f}x"),
+            ("overlapc no slower than any other variant", all(v >= 1.0 for v in others.values()),
+             "slowest ratio " + ", ".join(f"{n} {v:.2f}x" for n, v in sorted(others.items(), key=lambda kv: kv[1])[:3])),
+        ]
+        print()
+        print("goals:")
+        for text, ok, detail in checks:
+            print(f"  [{'MET' if ok else 'NOT MET'}] {text}: {detail}")
+        goals["others/overlapc"] = others
+        goals["met"] = {text: ok for text, ok, _ in checks}
+
+    if args.json:
+        out = {"link": args.link, "config": config_of(args),
+               "variants": {n: ({"error": errors[n]} if n in errors else stats[n])
+                            for n in names if n not in BOUND_VARIANTS},
+               "bounds": bounds or {"error": {b: errors.get(b) for b in BOUND_VARIANTS}},
+               "bound_variants": {n: stats[n] for n in BOUND_VARIANTS if n in stats},
+               "ratios": goals, "max_rel_loss_diff": worst,
+               "first_step_s": r0["compile_s"], "n_params": r0["n_params"]}
+        _write_json(args.json, out)
+        print(f"wrote {args.json}")
+    if worst > LOSS_RTOL:
+        print(f"FAIL: losses differ by {worst:.2e} > {LOSS_RTOL:g} ({worst_at})", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _write_json(path, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    return parent(args, [a for a in argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
