@@ -88,10 +88,15 @@ class Analysis:
         self.pos = {node: index for index, node in enumerate(self.nodes)}
         self._index_regions()
         self.target: dict[fx.Node, fx.Node] = {}
+        self._shared_targets: set[fx.Node] = set()
         for wait, consumers in self.consumers.items():
             first = min([self.pos[u] for u in consumers] + [self.region_end(wait)])
             self.target[wait] = self.nodes[first]
-        self.key = {c.start: self.consumer_key(c) for c in self.movable}
+        seen: set[fx.Node] = set()
+        for target in self.target.values():
+            (self._shared_targets if target in seen else seen).add(target)
+        # Consumer keys order all-gathers (the only kind whose issue order is chosen).
+        self.key = {c.start: self.consumer_key(c) for c in self.movable if c.kind == "all_gather"}
         # blockers_before[i]: nodes at positions < i outside every bundle ("compute").
         self.blockers_before = [0]
         count = 0
@@ -104,8 +109,11 @@ class Analysis:
         if self.output.op != "output":
             self.output = next(n for n in reversed(self.nodes) if n.op == "output")
         # region[i]: number of barriers strictly before position i.
-        self.region: list[int] = []
+        self.region: list[int] = [0] * len(self.nodes)
         self.barrier_pos: list[int] = []
+        if not self.is_barrier:
+            return
+        self.region = []
         for index, node in enumerate(self.nodes):
             self.region.append(len(self.barrier_pos))
             if node in self.is_barrier:
@@ -182,8 +190,11 @@ class Analysis:
         return self._arg_order[target]
 
     def wait_key(self, wait: fx.Node) -> tuple[int, int, int]:
-        """Where a sunk wait stands: (target position, read order, own position)."""
+        """Where a sunk wait stands: (target position, read order, own position).
+        The read order is structural, so the key ranks waits alike in every pass."""
         target = self.target[wait]
+        if target not in self._shared_targets:
+            return self.pos[target], 0, self.pos[wait]
         read = self._order_read(target).get(wait, len(self.nodes))
         return self.pos[target], read, self.pos[wait]
 

@@ -135,7 +135,7 @@ class _Reorder:
         """Issue what is left of the current region before its closing barrier."""
         info = self.info
         left = [s for s in self.by_region.get(self.region, ()) if s not in self.issued]
-        left.sort(key=lambda s: (info.key[s], info.pos[s]))
+        left.sort(key=lambda s: (info.key.get(s, (info.pos[s], 0, info.pos[s])), info.pos[s]))
         for start in left:
             self._force(start)
 
