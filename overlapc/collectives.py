@@ -84,25 +84,24 @@ class Collective:
         return self.waits[0] if self.waits else None
 
 
-_PARTS_BY_ID: dict[int, tuple[object, tuple[str, str] | None]] = {}
+_PARTS_BY_ID: dict[int, tuple[object, tuple[str, str]]] = {}
+_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
 def _target_parts(target) -> tuple[str, str] | None:
-    """Cached by identity: OpOverload hashing is slow Python code."""
+    """(namespace, op name) of a torch op, else None. Cached by identity (torch
+    ops live for the process; hashing an OpOverload runs slow Python code)."""
+    if not isinstance(target, _OP_TYPES):
+        return None
     entry = _PARTS_BY_ID.get(id(target))
     if entry is not None and entry[0] is target:
         return entry[1]
-    parts = _parse_target(target)
+    if isinstance(target, torch._ops.OpOverload):
+        parts = target.namespace, target._schema.name.split("::")[-1]
+    else:
+        parts = target._qualified_op_name.split("::")[0], target._qualified_op_name.split("::")[-1]
     _PARTS_BY_ID[id(target)] = (target, parts)
     return parts
-
-
-def _parse_target(target) -> tuple[str, str] | None:
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace, target._schema.name.split("::")[-1]
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0], target._qualified_op_name.split("::")[-1]
-    return None
 
 
 def _op_parts(node: fx.Node) -> tuple[str, str] | None:
