@@ -211,6 +211,7 @@ def worker(args) -> int:
         signal.signal(s, on_signal)
 
     results: dict[int, tuple] = {}
+    progress: dict[int, dict] = {}  # latest per-round snapshot of each rank
     failure = None
     deadline = time.time() + args.timeout
     try:
@@ -225,11 +226,17 @@ def worker(args) -> int:
             ready = connection.wait(list(waiting) + list(sentinels), timeout=min(left, 5.0))
             for obj in ready:
                 if obj in waiting:
-                    rank = waiting.pop(obj)
+                    rank = waiting[obj]
                     try:
-                        results[rank] = obj.recv()
+                        message = obj.recv()
                     except EOFError:
-                        pass
+                        waiting.pop(obj)
+                        continue
+                    if message[0] == "progress":
+                        progress[rank] = message[1]
+                        continue
+                    waiting.pop(obj)
+                    results[rank] = message
                     if rank in results and results[rank][0] == "error":
                         failure = f"rank {rank} raised:\n{results[rank][1]}"
                 elif obj in sentinels:
@@ -237,15 +244,22 @@ def worker(args) -> int:
                     if rank in results:
                         continue
                     # its result may still be in the pipe
-                    if pipes[rank].poll(1.0):
+                    got = None
+                    while pipes[rank].poll(1.0):
                         try:
-                            results[rank] = pipes[rank].recv()
-                            waiting.pop(pipes[rank], None)
-                            if results[rank][0] == "error":
-                                failure = f"rank {rank} raised:\n{results[rank][1]}"
-                            continue
+                            message = pipes[rank].recv()
                         except EOFError:
-                            pass
+                            break
+                        if message[0] == "progress":
+                            progress[rank] = message[1]
+                        else:
+                            got = message
+                    if got is not None:
+                        results[rank] = got
+                        waiting.pop(pipes[rank], None)
+                        if got[0] == "error":
+                            failure = f"rank {rank} raised:\n{got[1]}"
+                        continue
                     procs[rank].join(1.0)
                     failure = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) before reporting"
     finally:
@@ -259,6 +273,13 @@ def worker(args) -> int:
                 proc.join(5.0)
     if failure is not None:
         log(f"ERROR: {failure}")
+        rounds = min((max(map(len, p["times"].values()), default=0) for p in progress.values()), default=0)
+        if len(progress) == args.world_size and rounds > 0:
+            log(f"reporting the {rounds} timed rounds every rank finished before the failure (INCOMPLETE)")
+            per_rank = [_truncate(progress[r], rounds) for r in range(args.world_size)]
+            args.failure = f"INCOMPLETE after {rounds}/{args.steps} timed rounds: {failure}"
+            report(args, per_rank)
+            return 1
         if args.json:
             _write_json(args.json, {"link": args.link, "config": config_of(args), "error": failure})
         return 1
@@ -267,6 +288,12 @@ def worker(args) -> int:
         _write_json(os.path.splitext(args.json)[0] + ".raw.json", {"link": args.link, "config": config_of(args),
                                                                     "per_rank": per_rank})
     return report(args, per_rank)
+
+
+def _truncate(res: dict, rounds: int) -> dict:
+    out = dict(res)
+    out["times"] = {n: t[:rounds] for n, t in res["times"].items()}
+    return out
 
 
 def _describe_exit(code) -> str:
@@ -288,8 +315,10 @@ def _free_port() -> int:
 
 
 def rank_entry(rank, world_size, port, argd, conn) -> None:
+    import faulthandler
+    faulthandler.enable()  # a crashing rank (SIGSEGV/SIGABRT) prints its Python stack
     try:
-        out = ("ok", rank_main(rank, world_size, port, argparse.Namespace(**argd)))
+        out = ("ok", rank_main(rank, world_size, port, argparse.Namespace(**argd), conn))
     except BaseException:  # noqa: BLE001 - everything goes back to the worker
         out = ("error", traceback.format_exc())
     try:
@@ -306,7 +335,7 @@ def rank_entry(rank, world_size, port, argd, conn) -> None:
 # ------------------------------------------------------------------ in each rank
 
 
-def rank_main(rank: int, world_size: int, port: int, args) -> dict:
+def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -434,6 +463,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> dict:
         if timed:
             say(f"round {i - args.warmup + 1}/{args.steps}: " + "  ".join(
                 f"{n} {times[n][-1]:.2f}" for n in live))
+            if conn is not None:  # so a rank that dies later does not lose the rounds done
+                conn.send(("progress", {"times": times, "losses": losses, "errors": errors,
+                                        "compile_s": compile_s, "n_params": n_params}))
         else:
             say(f"warm-up round {i + 1}/{args.warmup} done")
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
@@ -516,7 +548,8 @@ def report(args, per_rank: list[dict]) -> int:
     for name in names:
         if name in errors:
             continue
-        per_step = [max(res["times"][name][i] for res in per_rank) for i in range(len(r0["times"][name]))]
+        per_step = [max(res["times"][name][i] for res in per_rank)
+                    for i in range(min(len(res["times"][name]) for res in per_rank))]
         stats[name] = {"median_s": statistics.median(per_step), "p25_s": _q(per_step, 0.25),
                        "p75_s": _q(per_step, 0.75)}
 
@@ -540,6 +573,8 @@ def report(args, per_rank: list[dict]) -> int:
         bounds = {"compute_only_s": c, "comm_only_s": m, "edge_comm_s": e, "bound_s": max(c + e, m)}
 
     print()
+    if getattr(args, "failure", None):
+        print(f"WARNING: {args.failure}")
     print(f"link: {args.link}")
     print(f"config: {json.dumps(config_of(args))}")
     print(f"params: {r0['n_params'] / 1e6:.2f} M; step time = slowest rank, {args.steps} timed steps per variant")
@@ -587,7 +622,7 @@ def report(args, per_rank: list[dict]) -> int:
         goals["met"] = {text: ok for text, ok, _ in checks}
 
     if args.json:
-        out = {"link": args.link, "config": config_of(args),
+        out = {"link": args.link, "config": config_of(args), "failure": getattr(args, "failure", None),
                "variants": {n: ({"error": errors[n]} if n in errors else stats[n])
                             for n in names if n not in BOUND_VARIANTS},
                "bounds": bounds or {"error": {b: errors.get(b) for b in BOUND_VARIANTS}},
