@@ -15,7 +15,6 @@ classified for the passes:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from typing import Iterable
 
@@ -122,8 +121,10 @@ def collective_op(node: fx.Node) -> str | None:
 
 
 def is_wait(node: fx.Node) -> bool:
-    parts = _op_parts(node) if node.op == "call_function" else None
-    return parts is not None and parts[0] in _FUNCTIONAL_NAMESPACES and parts[1] == "wait_tensor"
+    if node.op != "call_function":
+        return False
+    parts = _target_parts(node.target)
+    return parts is not None and parts[1] == "wait_tensor" and parts[0] in _FUNCTIONAL_NAMESPACES
 
 
 def is_alias(node: fx.Node) -> bool:
@@ -156,10 +157,11 @@ def is_cheap(node: fx.Node) -> bool:
 def barrier_reason(node: fx.Node) -> str | None:
     """Why nothing may move across this node, or None when it is an ordinary node."""
     if node.op == "call_function":
-        try:
-            return _call_barrier_reason(node.target)
-        except TypeError:  # unhashable target: decide without the cache
-            return _call_barrier_reason.__wrapped__(node.target)
+        entry = _BARRIER_BY_ID.get(id(node.target))
+        if entry is None or entry[0] is not node.target:
+            # The entry keeps the target alive, so its id cannot be reused.
+            entry = _BARRIER_BY_ID[id(node.target)] = (node.target, _call_barrier_reason(node.target))
+        return entry[1]
     if node.op == "call_method":
         name = str(node.target)
         if name.endswith("_") and not name.endswith("__"):
@@ -170,7 +172,9 @@ def barrier_reason(node: fx.Node) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+_BARRIER_BY_ID: dict[int, tuple[object, str | None]] = {}
+
+
 def _call_barrier_reason(target) -> str | None:
     from torch._library.utils import is_impure
     if target is operator.getitem:
@@ -308,7 +312,12 @@ def collectives(gm: fx.GraphModule) -> list[Collective]:
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"overlapc.collectives expects a torch.fx.GraphModule, got {type(gm).__name__}")
     nodes = list(gm.graph.nodes)
-    position = {node: index for index, node in enumerate(nodes)}
+    return scan(nodes, {node: index for index, node in enumerate(nodes)})
+
+
+def scan(nodes: list[fx.Node], position: dict[fx.Node, int], first_consumers: bool = True) -> list[Collective]:
+    """collectives() over a node list; ``first_consumers=False`` leaves
+    ``first_consumer`` None (callers that find consumers themselves)."""
     rows = []
     for node in nodes:
         name = collective_op(node)
@@ -316,8 +325,9 @@ def collectives(gm: fx.GraphModule) -> list[Collective]:
             continue
         waits = wait_nodes(node)
         consumers = []
-        for wait in waits:
-            consumers.extend(position[c] for c in real_consumers(wait, alias_closure(wait)))
+        if first_consumers:
+            for wait in waits:
+                consumers.extend(position[c] for c in real_consumers(wait, alias_closure(wait)))
         value = node_value(node)
         group_size = _schema_arg(node, "group_size")
         rows.append(Collective(

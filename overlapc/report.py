@@ -68,7 +68,7 @@ from typing import Callable
 import torch.fx as fx
 
 from overlapc import costmodel
-from overlapc.collectives import Collective
+from overlapc.collectives import Collective, alias_closure, real_consumers
 from overlapc.passes.analysis import Analysis
 from overlapc.simulate import Timeline, checked_order, simulate
 
@@ -186,7 +186,11 @@ def _reason(c: Collective, info: Analysis, count: list[int], gather_waits: dict[
     ``count[i]``: compute nodes before position i; ``gather_waits``: group -> sorted
     positions of its all-gathers' waits."""
     pos = info.pos
-    consumer = pos[info.output] if c.first_consumer is None else c.first_consumer
+    if c.start in info.coll_of_start:
+        targets = [pos[info.target[w]] for w in c.waits]
+    else:  # kept in place: its first real consumer, as overlapc.collectives() finds it
+        targets = [pos[u] for w in c.waits for u in real_consumers(w, alias_closure(w))]
+    consumer = min(targets, default=pos[info.output])
     if info.nodes[consumer] is info.output or count[consumer] == 0:
         return "graph input/output"
     bundle = info.start_bundle.get(c.start, [c.start])

@@ -28,7 +28,7 @@ import operator
 import torch.fx as fx
 
 from overlapc.collectives import (
-    Collective, alias_closure, barrier_reason, collectives, is_cheap, is_wait, real_consumers,
+    Collective, alias_closure, barrier_reason, is_cheap, is_wait, real_consumers, scan,
 )
 
 
@@ -41,11 +41,17 @@ class Analysis:
         self.gm = gm
         self.nodes: list[fx.Node] = list(gm.graph.nodes)
         self.pos = {node: index for index, node in enumerate(self.nodes)}
-        self.barriers = [n for n in self.nodes if barrier_reason(n) is not None]
+        self.barriers, waits = [], []
+        for node in self.nodes:
+            if barrier_reason(node) is not None:
+                self.barriers.append(node)
+            elif is_wait(node):
+                waits.append(node)
         self.is_barrier = set(self.barriers)
         self._index_regions()
 
-        self.all: list[Collective] = collectives(gm)
+        # First consumers come from the region-bounded closures below (``target``).
+        self.all: list[Collective] = scan(self.nodes, self.pos, first_consumers=False)
         self.movable: list[Collective] = [
             c for c in self.all
             if c.movable and all(self.region_of(w) == self.region_of(c.start) for w in c.waits)
@@ -77,8 +83,7 @@ class Analysis:
         self.bundle_inputs = {start: self._external_inputs(bundle)
                               for start, bundle in self.start_bundle.items()}
         # Nodes that may stand between a wait and its consumer: bundle members and any wait.
-        self.bundled = set(self.start_of_member) | set(self.wait_of_member) | {
-            n for n in self.nodes if is_wait(n)}
+        self.bundled = set(self.start_of_member) | set(self.wait_of_member) | set(waits)
         self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
         self.refresh()
 
