@@ -577,7 +577,8 @@ def report(args, per_rank: list[dict]) -> int:
         print(f"WARNING: {args.failure}")
     print(f"link: {args.link}")
     print(f"config: {json.dumps(config_of(args))}")
-    print(f"params: {r0['n_params'] / 1e6:.2f} M; step time = slowest rank, {args.steps} timed steps per variant")
+    counted = min((len(t) for n, t in r0["times"].items() if n not in errors), default=0)
+    print(f"params: {r0['n_params'] / 1e6:.2f} M; step time = slowest rank, {counted} timed steps per variant")
     print()
     print(f"{'variant':28s} {'median s':>9s} {'p25 s':>8s} {'p75 s':>8s} {'/bound':>7s} {'first step s':>13s}")
     for name in names:
