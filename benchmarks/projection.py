@@ -92,26 +92,6 @@ def _build(args, mesh):
     return model, (tokens, tokens)
 
 
-def _meta_shard_workaround():
-    """overlapc.fsdp._shard_param copies the parameter to the mesh's device
-    (``param.detach().to("cpu")``), which raises "Cannot copy out of meta
-    tensor" for meta parameters. Until fsdp.py handles meta, shard meta
-    parameters in place (no data, no communication). Applied only if needed."""
-    import torch
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    import overlapc.fsdp as fsdp
-    original = fsdp._shard_param
-
-    def shard_param(param, mesh, qualname):
-        if param.is_meta:
-            dt = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
-            return torch.nn.Parameter(dt, requires_grad=param.requires_grad)
-        return original(param, mesh, qualname)
-
-    fsdp._shard_param = shard_param
-
-
 def one_world_size(args) -> dict:
     import torch
     import torch.distributed as dist
@@ -128,15 +108,7 @@ def one_world_size(args) -> dict:
     mesh = init_device_mesh("cpu", (n,))
     link = LINK_OF.get(n, "ib")
     profile = costmodel.profile("h100", link)
-    try:
-        model, inputs = _build(args, mesh)
-        workaround = False
-    except NotImplementedError as exc:
-        if "meta" not in str(exc):
-            raise
-        _meta_shard_workaround()
-        model, inputs = _build(args, mesh)
-        workaround = True
+    model, inputs = _build(args, mesh)
 
     def timed_capture(options):
         t0 = time.perf_counter()
@@ -197,7 +169,7 @@ def one_world_size(args) -> dict:
         add_row(name, graphs)
         add_row(name, graphs, gemm_only=True)
     return {"world_size": n, "link": link, "profile": repr(profile), "rows": rows, "rows_gemm_only": gemm_rows,
-            "capture_s": capture_s, "graph_nodes": n_nodes, "meta_shard_workaround": workaround,
+            "capture_s": capture_s, "graph_nodes": n_nodes,
             "check_capture": checked}
 
 
@@ -252,8 +224,7 @@ def main(argv=None) -> int:
     for res in results:
         print(f"world size {res['world_size']} ({'1 node, NVLink' if res['link'] == 'nvlink' else 'InfiniBand 400 Gb/s per GPU'}): "
               f"{res['profile']}")
-        print(f"  graphs: {res['graph_nodes']} nodes; capture {res['capture_s']:.0f} s"
-              + ("; meta-shard workaround used" if res["meta_shard_workaround"] else ""))
+        print(f"  graphs: {res['graph_nodes']} nodes; capture {res['capture_s']:.0f} s")
         for key, title in (("rows", "compute = costmodel roofline of every node (default)"),
                            ("rows_gemm_only", "sensitivity: compute = GEMMs only (mm/bmm/addmm), "
                                               "elementwise/softmax free, as if perfectly fused")):

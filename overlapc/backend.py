@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -108,6 +109,17 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
         return digest.hexdigest()
 
 
+def _warn_unbounded_gloo(cfg: OverlapConfig) -> None:
+    """gloo on torch 2.13 corrupts its heap with dozens of functional collectives
+    in flight (ranks die with SIGABRT/SIGSEGV; benchmarks/step_time.py hit it)."""
+    dist = torch.distributed
+    if (cfg.enabled and cfg.max_in_flight is None and cfg.max_in_flight_bytes is None
+            and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"):
+        warnings.warn("overlapc: max_in_flight=None on a gloo process group: gloo (torch 2.13) has "
+                      "crashed ranks with dozens of collectives in flight; set max_in_flight or "
+                      "max_in_flight_bytes", stacklevel=3)
+
+
 def _named(kind: str, compile_fn: Callable, index: int) -> Callable:
     """Wrap an AOT/Inductor compiler so the schedule pass knows which graph it sees."""
     def compile_named(gm, example_inputs, *args, **kwargs):
@@ -141,6 +153,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     cfg = OverlapConfig.from_options(options)
     index = _next_index()
     log.info("overlapc: compiling with %s", cfg)
+    _warn_unbounded_gloo(cfg)
     if cfg.inner == "aot_eager":
         if not cfg.enabled:
             from torch._dynamo.backends.debugging import aot_eager

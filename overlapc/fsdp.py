@@ -125,8 +125,11 @@ def _shard_param(param: nn.Parameter, mesh: DeviceMesh, qualname: str) -> nn.Par
         raise ValueError(f"parameter {qualname!r} is already a DTensor")
     if param.dim() == 0:
         raise ValueError(f"parameter {qualname!r} is 0-dim; Shard(0) needs at least one dimension")
-    full = param.detach().to(mesh.device_type)
-    return nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]), requires_grad=param.requires_grad)
+    if param.is_meta:  # shapes only (projections, captures): nothing to copy or send
+        sharded = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
+    else:
+        sharded = distribute_tensor(param.detach().to(mesh.device_type), mesh, [Shard(0)])
+    return nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 
 def _gather_on_read(module: nn.Module, names: list[str], gather: "_Gather", recompute: bool) -> None:

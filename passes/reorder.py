@@ -49,7 +49,6 @@ class _Reorder:
         self.ready: list[tuple[int, str]] = []
         pos = info.pos
         for c in info.movable:
-            bundle = info.start_bundle[c.start]
             inputs = info.bundle_inputs[c.start]
             self.missing[c.start] = len(inputs)
             for node in inputs:

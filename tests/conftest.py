@@ -1,6 +1,5 @@
 """Shared fixtures: a fake process group (no network) for graph-level tests."""
 import pytest
-import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -371,3 +371,17 @@ def test_tied_parameters_stay_tied(fake_pg):
     fsdp.shard(model, fake_pg)
     assert model[0]._parameters["weight"] is model[1]._parameters["weight"]
     assert len(list(model.parameters())) == 1
+
+
+def test_meta_parameters_shard_without_data(fake_pg):
+    """Projections and captures build models on the meta device: shapes only."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    import overlapc.fsdp as fsdp
+
+    with torch.device("meta"):
+        model = nn.Linear(16, 24)
+    fsdp.shard(model, fake_pg)
+    p = model._parameters["weight"]
+    assert isinstance(p, DTensor) and p.is_meta and tuple(p.placements) == (Shard(0),)
+    assert tuple(p.shape) == (24, 16) and tuple(p.to_local().shape) == (3, 16)
