@@ -154,6 +154,21 @@ def is_cheap(node: fx.Node) -> bool:
     return False
 
 
+_ROLE_BY_ID: dict[int, tuple[object, tuple[str | None, bool, str | None]]] = {}
+
+
+def role(node: fx.Node) -> tuple[str | None, bool, str | None]:
+    """(collective op it starts or None, is it a wait, barrier reason or None) in
+    one cached lookup per call target: the passes ask this of every node."""
+    if node.op != "call_function":
+        return None, False, barrier_reason(node)
+    entry = _ROLE_BY_ID.get(id(node.target))
+    if entry is None or entry[0] is not node.target:  # the entry keeps the target alive
+        entry = _ROLE_BY_ID[id(node.target)] = (
+            node.target, (collective_op(node), is_wait(node), barrier_reason(node)))
+    return entry[1]
+
+
 def barrier_reason(node: fx.Node) -> str | None:
     """Why nothing may move across this node, or None when it is an ordinary node."""
     if node.op == "call_function":

@@ -28,7 +28,7 @@ import operator
 import torch.fx as fx
 
 from overlapc.collectives import (
-    Collective, alias_closure, barrier_reason, is_cheap, is_wait, real_consumers, scan,
+    Collective, alias_closure, barrier_reason, is_cheap, real_consumers, role, scan,
 )
 
 
@@ -41,17 +41,20 @@ class Analysis:
         self.gm = gm
         self.nodes: list[fx.Node] = list(gm.graph.nodes)
         self.pos = {node: index for index, node in enumerate(self.nodes)}
-        self.barriers, waits = [], []
+        self.barriers, waits, starts = [], [], []
         for node in self.nodes:
-            if barrier_reason(node) is not None:
+            start, wait, barrier = role(node)
+            if barrier is not None:
                 self.barriers.append(node)
-            elif is_wait(node):
+            if wait:
                 waits.append(node)
+            if start is not None:
+                starts.append(node)
         self.is_barrier = set(self.barriers)
         self._index_regions()
 
         # First consumers come from the region-bounded closures below (``target``).
-        self.all: list[Collective] = scan(self.nodes, self.pos, first_consumers=False)
+        self.all: list[Collective] = scan(starts, self.pos, first_consumers=False)
         self.movable: list[Collective] = [
             c for c in self.all
             if c.movable and all(self.region_of(w) == self.region_of(c.start) for w in c.waits)
