@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import hashlib
+import itertools
 import logging
 import os
 import warnings
@@ -177,10 +178,9 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
     the scheduled graphs. Inductor's own post-grad rewrites and code generation
     are skipped, so nothing is compiled to machine code."""
     from torch._inductor.decomposition import select_decomp_table
-    cfg = OverlapConfig.from_options(options)
+    cfg = dataclasses.replace(OverlapConfig.from_options(options), dump_dir=None)
     records: list[GraphRecord] = []
-    cfg = dataclasses.replace(cfg, dump_dir=None)
-    graphs = iter(range(1 << 30))
+    graphs = itertools.count()
 
     def backend(gm, example_inputs):
         return _aot_eager(cfg, next(graphs), sink=records.append,
