@@ -103,16 +103,11 @@ def _target_parts(target) -> tuple[str, str] | None:
     return parts
 
 
-def _op_parts(node: fx.Node) -> tuple[str, str] | None:
-    """(namespace, op name) of an OpOverload / OpOverloadPacket target, else None."""
-    return _target_parts(node.target)
-
-
 def collective_op(node: fx.Node) -> str | None:
     """Name of the functional collective a node starts (e.g. 'all_reduce'), else None."""
     if node.op != "call_function":
         return None
-    parts = _op_parts(node)
+    parts = _target_parts(node.target)
     if parts is None or parts[0] not in _FUNCTIONAL_NAMESPACES:
         return None
     if parts[1] in _MOVABLE_KINDS or parts[1] in _FIXED_KINDS:
@@ -132,7 +127,7 @@ def is_alias(node: fx.Node) -> bool:
     if node.op == "call_function":
         if node.target is operator.getitem:
             return True
-        parts = _op_parts(node)
+        parts = _target_parts(node.target)
         if parts is not None:
             return parts[0] == "aten" and parts[1] in _ALIAS_PACKETS
         return getattr(node.target, "__name__", None) in _ALIAS_METHODS and \
@@ -147,7 +142,7 @@ def is_cheap(node: fx.Node) -> bool:
     if is_alias(node):
         return True
     if node.op == "call_function":
-        parts = _op_parts(node)
+        parts = _target_parts(node.target)
         return parts is not None and parts[0] in ("aten", "prims") and parts[1] in _CAST_PACKETS
     if node.op == "call_method":
         return node.target in _CAST_METHODS

@@ -145,10 +145,9 @@ def _verify(info: Analysis, cfg: OverlapConfig) -> int:
     return peak
 
 
-def _landmarks(info: Analysis) -> dict[fx.Node, tuple[int, int]]:
-    """For each collective start and wait: (barriers before it, compute nodes before it)."""
-    return {node: (info.region_of(node), info.blockers_before[info.pos[node]])
-            for c in info.movable for node in (c.start, *c.waits)}
+def _regions(info: Analysis) -> dict[fx.Node, int]:
+    """For each movable collective start and wait: the number of barriers before it."""
+    return {node: info.region_of(node) for c in info.movable for node in (c.start, *c.waits)}
 
 
 def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
@@ -171,15 +170,15 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     if not info.movable:
         return gm
     original = list(info.nodes)
-    marks_before = _landmarks(info)
+    regions_before = _regions(info)
     try:
         reorder_in_graph(gm, info)
         limit_in_graph(gm, cfg.max_in_flight, cfg.max_in_flight_bytes, info)
         sink_in_graph(gm, info=info)
         peak = _verify(info, cfg)
-        marks_after = _landmarks(info)
-        for node, (region, _) in marks_before.items():
-            if marks_after[node][0] != region:
+        regions_after = _regions(info)
+        for node, region in regions_before.items():
+            if regions_after[node] != region:
                 raise _fail(info, node, "moved across a barrier")
     except Exception as error:
         apply_order(gm, original)
