@@ -5,6 +5,7 @@ FSDP2 fully_shard in eager, and (bf16 param_dtype) the eager bf16 run within
 bf16 tolerance; a schedule that fails falls back with a warning and still
 trains the same.
 """
+import sys
 import warnings
 
 import torch
@@ -89,15 +90,29 @@ def _job_bf16_and_fallback(rank, world_size, port):
     return result
 
 
+def _run_ranks_past_gloo_aborts(job):
+    """run_ranks, tried once more when a rank dies of SIGABRT/SIGSEGV: gloo on
+    torch 2.13 corrupts its heap at random with 4+ functional collectives in
+    flight (a plain script of all-gathers reproduces it without overlapc; see
+    README, Known issues). Any other failure, or a second crash, fails the test."""
+    try:
+        return run_ranks(job, world_size=2, timeout=600)
+    except AssertionError as error:
+        if "SIGABRT" not in str(error) and "SIGSEGV" not in str(error):
+            raise
+        print(f"gloo crashed a rank ({error}); running the job once more", file=sys.stderr)
+        return run_ranks(job, world_size=2, timeout=600)
+
+
 def test_overlapc_trains_like_eager_and_fsdp2_in_both_reshard_modes():
-    for result in run_ranks(_job_fp32, world_size=2, timeout=600):
+    for result in _run_ranks_past_gloo_aborts(_job_fp32):
         for name in ("overlapc_reshard_True", "overlapc_reshard_False", "fsdp2"):
             torch.testing.assert_close(result[name], result["eager"], rtol=1e-5, atol=1e-6, msg=name)
         assert result["eager"][-1] < result["eager"][0]     # it does learn
 
 
 def test_bf16_params_and_fallback_on_a_broken_schedule():
-    for result in run_ranks(_job_bf16_and_fallback, world_size=2, timeout=600):
+    for result in _run_ranks_past_gloo_aborts(_job_bf16_and_fallback):
         torch.testing.assert_close(result["overlapc_bf16"], result["eager_bf16"], rtol=2e-2, atol=1e-3)
         torch.testing.assert_close(result["overlapc_bf16"], result["eager"], rtol=5e-2, atol=1e-2)
         torch.testing.assert_close(result["fallback"], result["eager"], rtol=1e-5, atol=1e-6)
