@@ -24,6 +24,14 @@ instance compiled up front, timed interleaved (A B C ... A B C ...):
   overlapc                    overlapc.fsdp.shard + backend="overlapc", default options
   overlapc_k1/k2/k3/unlimited ... options={"max_in_flight": 1/2/3/None}
 
+A variant whose effective OverlapConfig equals an earlier one's (overlapc_k2 =
+overlapc while the default is K=2) is compiled and timed once and reported
+under both names ("same_as" in the JSON). Inductor's overlap scheduler is first
+tried on a 1-block model, so on a CPU-only install its error costs seconds.
+Every variant's functional all-gathers go through
+overlapc.backend.route_gloo_all_gathers (gloo's coalesced all-gather crashes
+ranks with many in flight; see README, Known issues).
+
 and, in the same rotation, the bounds:
 
   compute_only   the same steps on an unsharded local copy (Inductor), no communication
@@ -62,6 +70,8 @@ MODEL_VARIANTS = [
     "overlapc", "overlapc_k1", "overlapc_k2", "overlapc_k3", "overlapc_unlimited",
 ]
 BOUND_VARIANTS = ["compute_only", "comm_only", "edge_comm"]
+OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_k1": {"max_in_flight": 1}, "overlapc_k2": {"max_in_flight": 2},
+                    "overlapc_k3": {"max_in_flight": 3}, "overlapc_unlimited": {"max_in_flight": None}}
 LOSS_RTOL = 1e-3
 
 
@@ -343,6 +353,8 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.gloo_timeout))
     say = log if rank == 0 else (lambda msg: None)
+    from overlapc.backend import route_gloo_all_gathers
+    route_gloo_all_gathers()  # what backend="overlapc" does on gloo; here for every variant alike
 
     import warnings
     warnings.filterwarnings("ignore")
@@ -391,6 +403,8 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         return step
 
     def build(name):
+        import dataclasses
+
         import overlapc.fsdp
         if name == "fsdp2_eager":
             from torch.distributed.fsdp import fully_shard
@@ -410,21 +424,27 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
                        "inductor_overlap_scheduler": {
                            "aten_distributed_optimizations.enable_overlap_scheduling": True},
                        }.get(name)
+            if name == "inductor_overlap_scheduler":
+                # It fails on a CPU-only install (Inductor asks Triton for GPU memory
+                # bandwidth): one step of a 1-block model first gets its error in seconds.
+                tiny = overlapc.fsdp.shard(Llama(dataclasses.replace(cfg, n_layers=1)), mesh)
+                train_step(torch.compile(tiny, backend="inductor", options=options), optimizer(tiny))(0)
             compiled = torch.compile(model, backend="inductor", options=options)
         else:
-            k = {"overlapc": "default", "overlapc_k1": 1, "overlapc_k2": 2, "overlapc_k3": 3,
-                 "overlapc_unlimited": None}[name]
-            options = {} if k == "default" else {"max_in_flight": k}
-            compiled = torch.compile(model, backend="overlapc", options=options)
+            compiled = torch.compile(model, backend="overlapc", options=OVERLAPC_OPTIONS[name])
         return train_step(compiled, optimizer(model))
 
-    names = list(args.variants or MODEL_VARIANTS) + BOUND_VARIANTS
+    names = list(args.variants or MODEL_VARIANTS)
+    aliases = _same_config(names)
+    say("measured once: " + ", ".join(f"{a} = {b} (same OverlapConfig)" for a, b in aliases.items())
+        if aliases else "every overlapc variant has its own config")
+    names = [n for n in names if n not in aliases] + BOUND_VARIANTS
     steps, errors = {}, {}
     for name in names:
         try:
             steps[name] = build(name)
         except Exception as exc:  # noqa: BLE001
-            errors[name] = f"build: {type(exc).__name__}: {exc}"
+            errors[name] = "build: " + _error_text(exc)
         _agree(name, errors, say)
 
     # First (compiling) step of every variant, one after another, errors recorded.
@@ -440,14 +460,12 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         try:
             losses[name].append(steps[name](0))
         except Exception as exc:  # noqa: BLE001
-            text = f"{type(exc).__name__}: {exc}"
-            errors[name] = text.strip().splitlines()[0][:300] + (
-                "\n" + "\n".join(text.strip().splitlines()[-3:]) if text.count("\n") > 3 else "")
+            errors[name] = _error_text(exc)
         compile_s[name] = time.perf_counter() - t0
         if _agree(name, errors, say):
             del steps[name]
         else:
-            say(f"  {name}: first step {compile_s[name]:.1f} s")
+            say(f"  {name}: first step {compile_s[name]:.1f} s ({_cache_counts()})")
 
     # Interleaved rounds: A B C ... A B C ...
     live = [n for n in names if n in steps]
@@ -469,7 +487,38 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         else:
             say(f"warm-up round {i + 1}/{args.warmup} done")
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
-            "n_params": n_params}
+            "n_params": n_params, "aliases": aliases}
+
+
+def _error_text(exc: BaseException) -> str:
+    """First line (300 chars) and, for long messages, the last three lines."""
+    lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return lines[0][:300] + ("\n" + "\n".join(lines[-3:]) if len(lines) > 4 else "")
+
+
+def _same_config(names: list[str]) -> dict[str, str]:
+    """overlapc variants whose effective OverlapConfig equals an earlier one's
+    (``overlapc_k2`` and ``overlapc`` with the default K=2): variant -> earlier."""
+    from overlapc.config import OverlapConfig
+    first: dict = {}
+    aliases = {}
+    for name in names:
+        if name in OVERLAPC_OPTIONS:
+            cfg = OverlapConfig.from_options(OVERLAPC_OPTIONS[name])
+            if cfg in first:
+                aliases[name] = first[cfg]
+            else:
+                first[cfg] = name
+    return aliases
+
+
+def _cache_counts() -> str:
+    """Inductor FX-graph and AOTAutograd cache hits/misses so far in this rank."""
+    from torch._dynamo.utils import counters
+    fx, aot = counters["inductor"], counters["aot_autograd"]
+    return (f"fx graph cache {fx['fxgraph_cache_hit']} hit/{fx['fxgraph_cache_miss']} miss/"
+            f"{fx['fxgraph_cache_bypass']} bypass, aot cache {aot['autograd_cache_hit']} hit/"
+            f"{aot['autograd_cache_miss']} miss/{aot['autograd_cache_bypass']} bypass")
 
 
 def _agree(name, errors, say) -> bool:
@@ -537,7 +586,9 @@ def _q(xs, q):
 
 def report(args, per_rank: list[dict]) -> int:
     r0 = per_rank[0]
-    names = list(r0["times"])
+    measured = list(r0["times"])
+    aliases = r0.get("aliases", {})
+    names = [n for n in list(args.variants or MODEL_VARIANTS) + BOUND_VARIANTS if n in measured or n in aliases]
     errors = {}
     for res in per_rank:
         for k, v in res["errors"].items():
@@ -545,16 +596,21 @@ def report(args, per_rank: list[dict]) -> int:
                 errors[k] = v
     # step time = slowest rank per step
     stats = {}
-    for name in names:
+    for name in measured:
         if name in errors:
             continue
         per_step = [max(res["times"][name][i] for res in per_rank)
                     for i in range(min(len(res["times"][name]) for res in per_rank))]
         stats[name] = {"median_s": statistics.median(per_step), "p25_s": _q(per_step, 0.25),
                        "p75_s": _q(per_step, 0.75)}
+    for alias, target in aliases.items():
+        if target in errors:
+            errors[alias] = errors[target]
+        elif target in stats:
+            stats[alias] = dict(stats[target], same_as=target)
 
     # losses: every sharded variant equals fsdp2_eager (or the first that ran) step by step, per rank
-    sharded = [n for n in names if n not in BOUND_VARIANTS and n not in errors]
+    sharded = [n for n in measured if n not in BOUND_VARIANTS and n not in errors]
     worst, worst_at = 0.0, None
     ref = sharded[0] if sharded else None
     for res in per_rank:
@@ -588,7 +644,8 @@ def report(args, per_rank: list[dict]) -> int:
         s = stats[name]
         ratio = f"{s['median_s'] / bounds['bound_s']:.2f}" if bounds else "-"
         print(f"{name:28s} {s['median_s']:9.3f} {s['p25_s']:8.3f} {s['p75_s']:8.3f} {ratio:>7s} "
-              f"{r0['compile_s'].get(name, float('nan')):13.1f}")
+              + (f"{'same config as ' + s['same_as']:>13s}" if "same_as" in s
+                 else f"{r0['compile_s'].get(name, float('nan')):13.1f}"))
     if bounds:
         print(f"{'bound = max(compute+edge, comm)':28s} {bounds['bound_s']:9.3f}")
     print()
