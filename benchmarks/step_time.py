@@ -483,7 +483,7 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
                 f"{n} {times[n][-1]:.2f}" for n in live))
             if conn is not None:  # so a rank that dies later does not lose the rounds done
                 conn.send(("progress", {"times": times, "losses": losses, "errors": errors,
-                                        "compile_s": compile_s, "n_params": n_params}))
+                                        "compile_s": compile_s, "n_params": n_params, "aliases": aliases}))
         else:
             say(f"warm-up round {i + 1}/{args.warmup} done")
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
@@ -587,7 +587,7 @@ def _q(xs, q):
 def report(args, per_rank: list[dict]) -> int:
     r0 = per_rank[0]
     measured = list(r0["times"])
-    aliases = r0.get("aliases", {})
+    aliases = r0["aliases"]
     names = [n for n in list(args.variants or MODEL_VARIANTS) + BOUND_VARIANTS if n in measured or n in aliases]
     errors = {}
     for res in per_rank:

@@ -1,0 +1,59 @@
+"""benchmarks/step_time.py's bookkeeping on made-up per-rank results (nothing is timed)."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def step_time():
+    path = os.path.join(HERE, os.pardir, "benchmarks", "step_time.py")
+    spec = importlib.util.spec_from_file_location("step_time_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_identical_overlapc_configs_are_measured_once(step_time):
+    names = ["overlapc_k1", "overlapc", "overlapc_k2", "overlapc_k3", "inductor"]
+    assert step_time._same_config(names) == {"overlapc_k2": "overlapc"}
+    assert step_time._same_config(["overlapc_k2", "overlapc"]) == {"overlapc": "overlapc_k2"}
+    assert step_time._same_config(["overlapc_k1", "overlapc_unlimited"]) == {}
+
+
+def _rank(times, rank, aliases):
+    return {"times": times, "losses": {n: [1.0 + rank, 0.9 + rank] for n in times},
+            "errors": {"inductor_overlap_scheduler": "build: no triton"} if rank == 0 else
+                      {"inductor_overlap_scheduler": "failed on another rank"},
+            "compile_s": {n: 1.0 for n in times}, "n_params": 10, "aliases": aliases}
+
+
+def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_time, tmp_path, capsys):
+    variants = ["fsdp2_eager", "inductor", "inductor_overlap_scheduler", "overlapc", "overlapc_k2",
+                "overlapc_unlimited"]
+    rank0 = {"fsdp2_eager": [3.0, 3.0, 3.0], "inductor": [2.6, 2.6, 2.6], "overlapc": [1.9, 2.0, 2.1],
+             "overlapc_unlimited": [1.8, 1.8, 1.8], "compute_only": [0.9, 0.9, 0.9],
+             "comm_only": [1.8, 1.8, 1.8], "edge_comm": [0.2, 0.2, 0.2],
+             "inductor_overlap_scheduler": []}                 # as rank_main: failed, never timed
+    rank1 = {n: list(t) for n, t in rank0.items()}
+    rank1["overlapc"] = [2.0, 2.2, 2.0]                        # slower than rank 0 at steps 0 and 1
+    out = tmp_path / "st.json"
+    args = step_time.parse_args(["--variants", *variants, "--steps", "3", "--json", str(out)])
+    args.link = "test"
+    aliases = {"overlapc_k2": "overlapc"}
+    assert step_time.report(args, [_rank(rank0, 0, aliases), _rank(rank1, 1, aliases)]) == 0
+
+    result = json.loads(out.read_text())
+    overlapc = result["variants"]["overlapc"]
+    assert overlapc["median_s"] == pytest.approx(2.1)          # median of per-step max 2.0, 2.2, 2.1
+    assert result["variants"]["overlapc_k2"] == dict(overlapc, same_as="overlapc")
+    assert result["variants"]["inductor_overlap_scheduler"] == {"error": "build: no triton"}
+    assert result["bounds"]["bound_s"] == pytest.approx(1.8)   # max(0.9 + 0.2, 1.8)
+    met = result["ratios"]["met"]
+    assert met["overlapc >= 1.3x faster than inductor"] is False      # 2.6 / 2.1 = 1.24
+    assert met["overlapc faster than fsdp2_eager"] is True
+    assert met["overlapc no slower than any other variant"] is False  # unlimited 1.8
+    assert "same config as overlapc" in capsys.readouterr().out
