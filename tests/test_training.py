@@ -63,6 +63,8 @@ def _job_fp32(rank, world_size, port):
     fully_shard(reference.block, mesh=mesh)
     fully_shard(reference, mesh=mesh)
     result["fsdp2"] = _train(reference, rank)
+    from overlapc.backend import route_gloo_all_gathers
+    result["backend_routed_gloo"] = not route_gloo_all_gathers()   # False: already installed
     dist.destroy_process_group()
     return result
 
@@ -111,6 +113,7 @@ def test_overlapc_trains_like_eager_and_fsdp2_in_both_reshard_modes():
         for name in ("overlapc_reshard_True", "overlapc_reshard_False", "fsdp2"):
             torch.testing.assert_close(result[name], result["eager"], rtol=1e-5, atol=1e-6, msg=name)
         assert result["eager"][-1] < result["eager"][0]     # it does learn
+        assert result["backend_routed_gloo"]
 
 
 def test_bf16_params_and_fallback_on_a_broken_schedule():
