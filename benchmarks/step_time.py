@@ -50,6 +50,7 @@ timeout, the parent has a deadline on the worker.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -403,8 +404,6 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         return step
 
     def build(name):
-        import dataclasses
-
         import overlapc.fsdp
         if name == "fsdp2_eager":
             from torch.distributed.fsdp import fully_shard

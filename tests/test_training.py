@@ -103,7 +103,6 @@ def _job_many_all_gathers_in_flight(rank, world_size, port, route, rounds):
         gathered = [ops.all_gather_into_tensor(s, world_size, group) for s in shards]
         junk = [torch.randn(64, 64) @ torch.randn(64, 64) for _ in range(4)]
         gathered = [ops.wait_tensor(g) for g in gathered]
-        del junk
     dist.destroy_process_group()
     return [[g[r * len(s)].tolist()[0] for r in range(world_size)] for g, s in zip(gathered, shards)]
 
