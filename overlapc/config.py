@@ -14,11 +14,24 @@ _INNER = ("inductor", "aot_eager")
 class OverlapConfig:
     """How overlapc schedules a graph.
 
-    max_in_flight: all-gathers of one process group issued and not yet waited,
-        at most (int >= 1), or None for no limit.
-    max_in_flight_bytes: bytes of those all-gathers' outputs in flight, at most
-        (int >= 1), or None for no limit. An all-gather larger than this on its
-        own is issued only when nothing else of its group is in flight.
+    max_in_flight: collectives of one process group and kind issued and not
+        yet waited, at most (int >= 1), or None for no count limit. A bucket
+        counts as one.
+    max_in_flight_bytes: the in-flight budget of one process group: bytes of
+        all-gather outputs plus bytes of reduce-scatter / all-reduce /
+        all-to-all inputs, issued and not yet waited (int >= 1), "auto"
+        (derived per graph and group from its collectives' sizes, see
+        ``overlapc.passes.inflight.auto_budget``), or None for no limit.
+    bucket: merge small collectives before scheduling: None (off), "module"
+        (one bucket per block of the model where the graph records modules, a
+        byte target otherwise) or an int byte target.
+    chunks: split collectives on the critical path into this many pipelined
+        pieces (int >= 1; 1 = off).
+    profile: estimates for reports and logs: a built-in "device:link" name
+        (e.g. "h100:nvlink", "cpu:ethernet") or the path of a profile file
+        written by ``overlapc calibrate``; None = "h100:nvlink".
+    inductor_mode: an Inductor mode ("default", "reduce-overhead",
+        "max-autotune", ...) to combine with overlapc options, or None.
     on_error: "fallback" warns and leaves the graph unscheduled; "raise" raises.
     enabled: False leaves every graph as it is (env OVERLAPC_DISABLE=1).
     inner: compiler the backend hands scheduled graphs to.
@@ -27,17 +40,28 @@ class OverlapConfig:
     """
 
     max_in_flight: int | None = 2
-    max_in_flight_bytes: int | None = None
+    max_in_flight_bytes: int | str | None = "auto"
+    bucket: str | int | None = None
+    chunks: int = 1
+    profile: str | None = None
+    inductor_mode: str | None = None
     on_error: str = "fallback"
     enabled: bool = True
     inner: str = "inductor"
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_in_flight", "max_in_flight_bytes"):
+        _positive_or_none("max_in_flight", self.max_in_flight)
+        if self.max_in_flight_bytes != "auto":
+            _positive_or_none("max_in_flight_bytes", self.max_in_flight_bytes, extra=', "auto"')
+        if self.bucket is not None and self.bucket != "module":
+            _positive_or_none("bucket", self.bucket, extra=', "module"')
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"OverlapConfig.chunks must be an int >= 1 (1 = off), got {self.chunks!r}")
+        for name in ("profile", "inductor_mode"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"OverlapConfig.{name} must be an int >= 1 or None (no limit), got {value!r}")
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"OverlapConfig.{name} must be a string or None, got {value!r}")
         if self.on_error not in _ON_ERROR:
             raise ValueError(f"OverlapConfig.on_error must be one of {_ON_ERROR}, got {self.on_error!r}")
         if self.inner not in _INNER:
@@ -58,12 +82,7 @@ class OverlapConfig:
         """
         env = os.environ if env is None else env
         options = dict(options or {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in options:
-            if key not in names:
-                close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.0)
-                raise ValueError(f"unknown overlapc option {key!r}; did you mean {close[0]!r}? "
-                                 f"valid options: {', '.join(names)}")
+        _check_names(options)
         values: dict[str, Any] = {}
         if env.get("OVERLAPC_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
             values["enabled"] = False
@@ -71,3 +90,30 @@ class OverlapConfig:
             values["dump_dir"] = env["OVERLAPC_DUMP_DIR"]
         values.update(options)
         return cls(**values)
+
+
+def _positive_or_none(name: str, value, extra: str = "") -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"OverlapConfig.{name} must be an int >= 1{extra} or None, got {value!r}")
+
+
+def _check_names(values: Mapping[str, Any]) -> None:
+    """ValueError naming the closest field for the first unknown key."""
+    names = [f.name for f in dataclasses.fields(OverlapConfig)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.0)
+            raise ValueError(f"unknown overlapc option {key!r}; did you mean {close[0]!r}? "
+                             f"valid options: {', '.join(names)}")
+
+
+_dataclass_init = OverlapConfig.__init__
+
+
+def _init_with_suggestions(self, *args, **kwargs) -> None:
+    _check_names(kwargs)
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init_with_suggestions.__doc__ = _dataclass_init.__doc__
+OverlapConfig.__init__ = _init_with_suggestions

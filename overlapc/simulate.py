@@ -13,8 +13,11 @@ Nodes are walked in program order:
   stream stalls is that collective's *exposed* time.
 
 A collective is *hidden* when its waits stall compute for less than 1% of its
-duration or less than 1 us. In-flight bytes count, in program order, the
-outputs of collectives issued and not yet fully waited.
+duration or less than 1 us. In-flight bytes are counted by the scheduler's own
+tracker (``overlapc.passes.inflight.InFlight``): what collectives issued and
+not yet fully waited hold (an all-gather's output and input, another
+collective's input). Peak memory is the memory tracker's
+(``overlapc.passes.memory``) liveness peak along the order.
 
 Costs come from ``overlapc.costmodel`` for the given Profile, or from the
 ``compute_ms(node)`` / ``comm_ms(collective)`` callables when given (tests and
@@ -30,6 +33,9 @@ import torch.fx as fx
 
 from overlapc import costmodel
 from overlapc.collectives import Collective, collectives
+from overlapc.passes.inflight import InFlight
+from overlapc.passes.memory import peak_bytes
+from overlapc.passes.structure import held_bytes
 
 HIDDEN_FRACTION = 0.01   # stalls below this fraction of the collective's duration ...
 HIDDEN_MS = 1e-3         # ... or below 1 us count as hidden
@@ -67,9 +73,9 @@ class Timeline:
     collectives: start node name -> CollectiveTime, in issue order.
     step_ms: when the compute stream finishes.
     exposed_ms: total compute-stream stall on waits.
-    peak_in_flight_bytes: most all-gather output bytes (all groups together)
-        issued and not yet waited at any point of the order.
-    peak_in_flight_bytes_all: the same over collectives of every kind.
+    peak_in_flight_bytes: most bytes held by collectives in flight (all groups
+        and kinds together) at any point of the order.
+    peak_bytes: most bytes live at any point of the order (the memory tracker).
     """
 
     compute: dict[str, tuple[float, float]]
@@ -77,7 +83,7 @@ class Timeline:
     step_ms: float
     exposed_ms: float
     peak_in_flight_bytes: int
-    peak_in_flight_bytes_all: int
+    peak_bytes: int
 
     @property
     def total(self) -> int:
@@ -132,7 +138,7 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
     compute: dict[str, tuple[float, float]] = {}
     issued: dict[fx.Node, list[float]] = {}    # start -> [issue, start, end, exposed]
     waits_left = {c.start: len(c.waits) for c in found}
-    gather_bytes = all_bytes = peak_gather = peak_all = 0
+    flight = InFlight({c.start: held_bytes(c) for c in found})
     for node in order:
         c = of_start.get(node)
         if c is not None:
@@ -141,10 +147,7 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
             group_free[c.group] = end
             issued[node] = [now, begin, end, 0.0]
             if c.waits:
-                size = c.nbytes or 0
-                all_bytes += size
-                gather_bytes += size if c.kind == "all_gather" else 0
-                peak_all, peak_gather = max(peak_all, all_bytes), max(peak_gather, gather_bytes)
+                flight.open(c)
             continue
         c = of_wait.get(node)
         if c is not None:
@@ -153,9 +156,7 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
             now = max(now, record[2])
             waits_left[c.start] -= 1
             if waits_left[c.start] == 0:
-                size = c.nbytes or 0
-                all_bytes -= size
-                gather_bytes -= size if c.kind == "all_gather" else 0
+                flight.close(c)
             continue
         cost = compute_ms(node)
         compute[node.name] = (now, now + cost)
@@ -166,4 +167,4 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
         times[start.name] = CollectiveTime(of_start[start], issue, begin, end, exposed)
     return Timeline(compute=compute, collectives=times, step_ms=now,
                     exposed_ms=sum(t.exposed_ms for t in times.values()),
-                    peak_in_flight_bytes=peak_gather, peak_in_flight_bytes_all=peak_all)
+                    peak_in_flight_bytes=flight.peak_total, peak_bytes=peak_bytes(order))

@@ -1,33 +1,24 @@
-"""schedule = reorder -> limit -> sink -> verify, and the checks behind verify."""
+"""schedule = [chunk, bucket] -> core -> invariants -> commit or roll back; verify; the presets."""
 from __future__ import annotations
 
+import copy
+import gc
 import logging
 import warnings
 
 import torch.fx as fx
 
+from overlapc.collectives import collectives as overlapc_collectives
 from overlapc.config import OverlapConfig
-from overlapc.passes.analysis import Analysis, apply_order
-from overlapc.passes.limit import limit_in_graph
-from overlapc.passes.reorder import reorder_in_graph
-from overlapc.passes.sink_waits import sink_in_graph
+from overlapc.passes import invariants
+from overlapc.passes.inflight import Budget, budget_for
+from overlapc.passes.invariants import ScheduleError, fail
+from overlapc.passes.scheduler import UNBOUNDED, schedule_order
+from overlapc.passes.structure import Structure, apply_order
 
 log = logging.getLogger("overlapc")
 
-
-class ScheduleError(RuntimeError):
-    """A schedule guarantee does not hold (or scheduling failed) at a named node."""
-
-    def __init__(self, message: str, node: fx.Node | None = None, group: str | None = None,
-                 position: int | None = None):
-        self.node, self.group, self.position = node, group, position
-        self.op = None if node is None else str(node.target)
-        where = []
-        if node is not None:
-            where.append(f"node {node.name} (op {self.op}")
-            where[-1] += f", group {group}" if group is not None else ""
-            where[-1] += f", position {position})" if position is not None else ")"
-        super().__init__(f"{where[0]}: {message}" if where else message)
+__all__ = ["ScheduleError", "schedule", "verify", "reorder_all_gathers", "limit_in_flight", "sink_waits"]
 
 
 def _config(config) -> OverlapConfig:
@@ -46,142 +37,114 @@ def _check_graph(gm) -> None:
                         "trace the function first (make_fx or torch.fx.symbolic_trace)")
 
 
-def verify(gm: fx.GraphModule, config: OverlapConfig | None = None) -> None:
-    """Check the schedule guarantees on ``gm`` as it stands; raise ScheduleError
-    naming the first node that breaks one.
-
-    Checked: the graph lints (valid topological order); all-gathers of a group
-    and region are issued in first-consumer order; the in-flight bounds of
-    ``config`` hold; every wait has only waits, collective starts (with their
-    input chains) and views of waited tensors between it and its target; every
-    start stands right after the latest of its inputs, its region's barrier,
-    the previous all-gather of its group and (when bounded) the last wait of
-    its group. Collectives overlapc keeps in place are not checked.
-    """
+def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> dict:
+    """Check the schedule guarantees on ``gm`` as it stands (``invariants.py``:
+    consumer order, waits, the in-flight budget of ``config``, the memory
+    guarantee); raise ScheduleError naming the first node that breaks one.
+    Returns the measured peaks (see ``invariants.check``)."""
     _check_graph(gm)
     cfg = _config(config)
     try:
         gm.graph.lint()
     except Exception as error:
         raise ScheduleError(f"graph is not a valid FX graph: {error}") from error
-    _verify(Analysis(gm), cfg)
+    s = Structure(gm)
+    return invariants.check(s, s.nodes, budget_for(s.movable, cfg))
 
 
-def _fail(info: Analysis, node: fx.Node, message: str) -> ScheduleError:
-    c = info.coll_of_start.get(node) or info.coll_of_wait.get(node)
-    return ScheduleError(message, node=node, group=c.group if c else None, position=info.pos[node])
+def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
+             kinds: tuple[str, ...] | None = None) -> dict | None:
+    """Schedule ``gm.graph`` in place with the core and check the result; None when
+    nothing is movable. ``budget_of(movable collectives)`` gives the Budget."""
+    s = Structure(gm)
+    if not s.movable:
+        return None
+    budget: Budget = budget_of(s.movable)
+    order = schedule_order(s, budget, mode, kinds)
+    _check_kept(s, order)
+    apply_order(gm, order)
+    if mode == "sink":   # starts were not placed by the core: only the above applies
+        return {}
+    return invariants.check(s, order, budget, reference=s.nodes)
 
 
-def _verify(info: Analysis, cfg: OverlapConfig) -> int:
-    """Raise ScheduleError at the first broken guarantee; return the peak number
-    of all-gathers of one group in flight."""
-    pos, nodes = info.pos, info.nodes
-
-    for c in info.movable:
-        for wait in c.waits:
-            target = info.target[wait]
-            if info.compute_between(pos[wait] + 1, pos[target]):
-                between = next(n for n in nodes[pos[wait] + 1:pos[target]] if n not in info.bundled)
-                raise _fail(info, wait, f"wait of {c.kind} {c.start.name} is not just before its first "
-                                        f"consumer {target.name} (position {pos[target]}): {between.name} "
-                                        "stands between")
-
-    lanes: dict[tuple[str, int], list] = {}
-    for c in info.movable:
-        if c.kind == "all_gather":
-            lanes.setdefault((c.group, info.region_of(c.start)), []).append(c)
-    for starts in lanes.values():
-        starts.sort(key=lambda c: pos[c.start])
-        for before, after in zip(starts, starts[1:]):
-            if info.key[before.start][0] > info.key[after.start][0]:
-                raise _fail(info, after.start,
-                            f"all-gather issued after {before.start.name} but consumed first "
-                            f"(at {nodes[info.key[after.start][0]].name} vs "
-                            f"{nodes[info.key[before.start][0]].name}): consumer order broken")
-
-    bounded = cfg.max_in_flight is not None or cfg.max_in_flight_bytes is not None
-    peak = 0
-    count: dict[str, int] = {}
-    nbytes: dict[str, int] = {}
-    waits_left = {c.start: len(c.waits) for c in info.movable}
-    for node in nodes:
-        c = info.coll_of_start.get(node)
-        if c is not None and c.kind == "all_gather" and c.waits:
-            count[c.group] = count.get(c.group, 0) + 1
-            nbytes[c.group] = nbytes.get(c.group, 0) + (c.nbytes or 0)
-            peak = max(peak, count[c.group])
-            if cfg.max_in_flight is not None and count[c.group] > cfg.max_in_flight:
-                raise _fail(info, node, f"{count[c.group]} all-gathers in flight, limit {cfg.max_in_flight}")
-            if (cfg.max_in_flight_bytes is not None and count[c.group] > 1
-                    and nbytes[c.group] > cfg.max_in_flight_bytes):
-                raise _fail(info, node, f"{nbytes[c.group]} bytes of all-gathers in flight, "
-                                        f"limit {cfg.max_in_flight_bytes}")
-        c = info.coll_of_wait.get(node)
-        if c is not None and c.kind == "all_gather":
-            waits_left[c.start] -= 1
-            if waits_left[c.start] == 0:
-                count[c.group] -= 1
-                nbytes[c.group] -= c.nbytes or 0
-
-    last_gather: dict[tuple[str, int], int] = {}
-    last_gather_wait: dict[str, int] = {}
-    for node in nodes:
-        c = info.coll_of_start.get(node)
-        if c is not None:
-            earliest = max([info.region_start(node)] + [pos[i] for i in info.bundle_inputs[node]])
-            if c.kind == "all_gather":
-                lane = (c.group, info.region_of(node))
-                earliest = max(earliest, last_gather.get(lane, -1))
-                if bounded:
-                    earliest = max(earliest, last_gather_wait.get(c.group, -1))
-                last_gather[lane] = pos[node]
-            if info.compute_between(earliest + 1, pos[node]):
-                late = next(n for n in nodes[earliest + 1:pos[node]] if n not in info.bundled)
-                raise _fail(info, node, f"{c.kind} could be issued before {late.name}: its inputs are "
-                                        f"ready at position {earliest}")
-        c = info.coll_of_wait.get(node)
-        if c is not None and c.kind == "all_gather":
-            last_gather_wait[c.group] = pos[node]
-    return peak
+def _check_kept(s: Structure, order: list[fx.Node]) -> None:
+    """Compute (the spine) kept its order, and no movable start or wait changed region."""
+    spine = [n for n in s.nodes if n not in s.start_of_member and n not in s.wait_of_member]
+    placed = [n for n in order if n not in s.start_of_member and n not in s.wait_of_member]
+    if placed != spine:
+        moved = next(a for a, b in zip(placed, spine) if a is not b)
+        raise fail(s, moved, "compute order changed", order)
+    barriers_before, region = {}, 0
+    for node in order:
+        barriers_before[node] = region
+        region += node in s.is_barrier
+    for c in s.movable:
+        for node in (c.start, *c.waits):
+            if barriers_before[node] != s.region_of(node):
+                raise fail(s, node, "moved across a barrier", order)
 
 
-def _regions(info: Analysis) -> dict[fx.Node, int]:
-    """For each movable collective start and wait: the number of barriers before it."""
-    return {node: info.region_of(node) for c in info.movable for node in (c.start, *c.waits)}
+def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig) -> dict | None:
+    """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured."""
+    if cfg.chunks > 1:
+        from overlapc.passes.chunk import chunk_collectives
+        chunk_collectives(gm, cfg.chunks)
+    if cfg.bucket is not None:
+        from overlapc.passes.bucket import bucket_collectives
+        bucket_collectives(gm, bucket=cfg.bucket)
+    if cfg.chunks > 1 or cfg.bucket is not None:
+        gm.meta["overlapc_unscheduled_order"] = [n.name for n in gm.graph.nodes]
+    return _reorder(gm, lambda movable: budget_for(movable, cfg))
+
+
+def unscheduled_order(gm: fx.GraphModule, before: list[str]) -> list[str]:
+    """Node names of ``gm`` just before the scheduling core ran: ``before`` (the
+    order ``schedule`` was given) unless bucketing or chunking rewrote the graph."""
+    return gm.meta.get("overlapc_unscheduled_order", before)
+
+
+def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node]) -> None:
+    """Put ``gm.graph`` back as it was: its node order, or (when a pass added or
+    removed nodes) a copy of every node of ``saved``, in the same Graph object."""
+    graph = gm.graph
+    if saved is None or len(graph.nodes) == len(order) and all(n.graph is graph for n in order):
+        apply_order(gm, order)
+        return
+    for node in reversed(list(graph.nodes)):
+        graph.erase_node(node)
+    value, output = graph.graph_copy(saved, {}, return_output_node=True)
+    graph.output(value, type_expr=output.type).meta.update(output.meta)
 
 
 def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
              recompile: bool = True) -> fx.GraphModule:
     """Reschedule ``gm`` in place so communication overlaps compute; return it.
 
-    Runs reorder_all_gathers -> limit_in_flight -> sink_waits, then verify.
+    Runs the chunk and bucket passes when ``config`` asks for them, then the
+    scheduling core under the config's budget, then the invariant check.
     Deterministic: the same graph gives the same order in every process. A
     graph without movable collectives (or config.enabled False) comes back
-    untouched. On failure the original order is restored; on_error="raise"
-    raises ScheduleError, "fallback" warns (node, op, group, position) and
-    returns the unscheduled graph. ``recompile=False`` skips regenerating
+    untouched. On failure the graph is restored; on_error="raise" raises
+    ScheduleError, "fallback" warns (node, op, group, position) and returns
+    the unscheduled graph. ``recompile=False`` skips regenerating
     ``gm.forward`` (for callers that read only ``gm.graph``, such as Inductor).
     """
     _check_graph(gm)
     cfg = _config(config)
     if not cfg.enabled:
         return gm
-    info = Analysis(gm)
-    if not info.movable:
-        return gm
-    original = list(info.nodes)
-    regions_before = _regions(info)
+    original = list(gm.graph.nodes)
+    gm.meta.pop("overlapc_unscheduled_order", None)
+    rewrites = cfg.chunks > 1 or cfg.bucket is not None
+    saved = copy.deepcopy(gm.graph) if rewrites else None
+    collectives_before = len(overlapc_collectives(gm)) if rewrites and log.isEnabledFor(logging.INFO) else None
+    collecting = gc.isenabled()
+    gc.disable()   # the pass allocates many small objects; collections would cost more than it does
     try:
-        reorder_in_graph(gm, info)
-        limit_in_graph(gm, cfg.max_in_flight, cfg.max_in_flight_bytes, info)
-        sink_in_graph(gm, info=info)
-        peak = _verify(info, cfg)
-        regions_after = _regions(info)
-        for node, region in regions_before.items():
-            if regions_after[node] != region:
-                raise _fail(info, node, "moved across a barrier")
+        stats = _run_passes(gm, cfg)
     except Exception as error:
-        apply_order(gm, original)
+        _restore(gm, saved, original)
         if recompile:
             gm.recompile()
         failure = error if isinstance(error, ScheduleError) else ScheduleError(
@@ -191,17 +154,54 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
         warnings.warn(f"overlapc left the graph unscheduled: {failure}", stacklevel=2)
         log.warning("overlapc left the graph unscheduled: %s", failure)
         return gm
+    finally:
+        if collecting:
+            gc.enable()
+    if stats is None and not rewrites:
+        return gm
     if recompile:
         gm.recompile()
     if log.isEnabledFor(logging.INFO):
         from overlapc import report
-        before = [n.name for n in original]
-        line = report.summary_line(report.summary(gm, before))
-        log.info("overlapc: %s; peak %d all-gathers in flight (limit %s)", line, peak, cfg.max_in_flight)
-        if log.isEnabledFor(logging.DEBUG):
-            for row in report.rows(gm, before):
-                log.debug("overlapc: %s %s group %s, %s bytes: issue %s -> %s, wait %s -> %s, %s%s",
-                          row.kind, row.name, row.group, row.nbytes, row.issue_before, row.issue_after,
-                          row.wait_before, row.wait_after, row.verdict,
-                          f" ({row.reason})" if row.reason else "")
+        before = unscheduled_order(gm, [n.name for n in original])
+        summary = report.summary(gm, before, cfg.profile)
+        rewritten = f"collectives {collectives_before} -> {summary['collectives']} (buckets/chunks); " \
+            if collectives_before is not None else ""
+        log.info("overlapc: %s%s; %s", rewritten, report.summary_line(summary), report.memory_text(summary))
+    return gm
+
+
+# -- presets of the core, one job each -----------------------------------------------------
+
+def reorder_all_gathers(gm: fx.GraphModule) -> fx.GraphModule:
+    """Issue every collective as early as its inputs allow (all-gathers in consumer
+    order per group and region) and wait each just before its first real consumer,
+    with no in-flight bound. In place; returns ``gm`` recompiled."""
+    if _reorder(gm, lambda movable: UNBOUNDED) is not None:
+        gm.recompile()
+    return gm
+
+
+def limit_in_flight(gm: fx.GraphModule, max_in_flight: int | None | OverlapConfig = 2,
+                    max_in_flight_bytes: int | str | None = None) -> fx.GraphModule:
+    """Schedule ``gm`` under the bound: at most ``max_in_flight`` collectives of
+    one group and kind, and at most ``max_in_flight_bytes`` held bytes per group
+    ("auto" derives it), in flight; takes the two limits or an OverlapConfig.
+    In place; returns ``gm`` recompiled."""
+    if not isinstance(max_in_flight, OverlapConfig):
+        max_in_flight = OverlapConfig(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes)
+    cfg = max_in_flight
+    if _reorder(gm, lambda movable: budget_for(movable, cfg)) is not None:
+        gm.recompile()
+    return gm
+
+
+def sink_waits(gm: fx.GraphModule, kinds=None) -> fx.GraphModule:
+    """Move each wait (with the views that read only through it) to just before
+    its first real consumer, never past the barrier closing its region; starts
+    stay where they are. ``kinds`` restricts the pass to those collective kinds
+    (e.g. ``("all_gather",)``). In place; returns ``gm`` recompiled."""
+    kinds = None if kinds is None else tuple(kinds)
+    if _reorder(gm, lambda movable: UNBOUNDED, mode="sink", kinds=kinds) is not None:
+        gm.recompile()
     return gm

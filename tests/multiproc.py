@@ -29,7 +29,11 @@ _DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)  # hung ranks dump their stacks 
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:
-    """One torch thread per rank, then the default gloo group over tcp://127.0.0.1:port."""
+    """One torch thread per rank, then the default gloo group over tcp://127.0.0.1:port.
+
+    gloo's per-collective timeout is generous (240 s): ranks compile on their own,
+    and on a loaded 2-core machine one rank's compile can keep its peer waiting
+    over a minute. Hangs are caught by ``run_ranks``' deadline, not by gloo."""
     import torch
     import torch.distributed as dist
 
@@ -39,7 +43,7 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=240),
     )
 
 

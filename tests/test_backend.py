@@ -62,6 +62,15 @@ def collective_events(code):
     return events
 
 
+def serial_pairs(events):
+    """The all-gather issues and waits of ``events``, checked to be strictly serial:
+    issue b, wait b, issue c, wait c, ... Returns the buffers in order."""
+    flow = [e for e in events if e[0] in ("issue", "wait")]
+    issued = [b for kind, b in flow if kind == "issue"]
+    assert flow == [e for b in issued for e in (("issue", b), ("wait", b))], flow
+    return issued
+
+
 def compile_and_run(model, options=None, backward=True):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="overlapc", options=options)
@@ -96,10 +105,18 @@ def test_inductor_code_keeps_consumer_order_bound_and_overlap(fake_pg):
         end = events.index(("wait", buf))
         assert any(kind == "compute" for kind, _ in events[start:end]), buf
     back = collective_events(backward)
+    scattered = [b for kind, b in back if kind == "rs"]
+    assert len(scattered) == 4
+    open_, rs_peak = set(), 0
+    for kind, buf in back:                                # reduce-scatters: as late as the bound allows
+        if kind == "rs":
+            open_.add(buf)
+            rs_peak = max(rs_peak, len(open_))
+        elif kind == "wait":
+            open_.discard(buf)
+    assert rs_peak == 2
     last_compute = max(i for i, (kind, _) in enumerate(back) if kind == "compute")
-    rs_waits = [i for i, (kind, b) in enumerate(back) if kind == "wait"]
-    assert len([1 for kind, _ in back if kind == "rs"]) == 4
-    assert rs_waits and min(rs_waits) > last_compute     # reduce-scatter waits at the end
+    assert all(back.index(("wait", b)) > last_compute for b in scattered[-2:])   # the last two at the end
 
 
 def test_plain_inductor_serialises_the_same_model(fake_pg):
@@ -107,9 +124,7 @@ def test_plain_inductor_serialises_the_same_model(fake_pg):
     torch._dynamo.reset()
     compiled = torch.compile(GatheredMLP(), backend="inductor")
     _, (forward, _) = run_and_get_code(lambda: compiled(torch.randn(16, 64)).sum().backward())
-    events = [e for e in collective_events(forward) if e[0] in ("issue", "wait")]
-    assert events == [e for pair in zip(events[::2], events[1::2]) for e in pair]
-    assert all(a[0] == "issue" and b[0] == "wait" and a[1] == b[1] for a, b in zip(events[::2], events[1::2]))
+    assert len(serial_pairs(collective_events(forward))) == 4
 
 
 def test_disable_env_turns_scheduling_off(fake_pg, monkeypatch, caplog):
@@ -117,8 +132,7 @@ def test_disable_env_turns_scheduling_off(fake_pg, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="overlapc"):
         _, (forward, _) = compile_and_run(GatheredMLP())
     assert not any("moved" in r.getMessage() for r in caplog.records)
-    events = [e for e in collective_events(forward) if e[0] in ("issue", "wait")]
-    assert all(a[0] == "issue" and b[0] == "wait" for a, b in zip(events[::2], events[1::2]))
+    assert len(serial_pairs(collective_events(forward))) == 4
 
 
 def test_one_info_summary_per_graph_and_config_logged(fake_pg, caplog):
@@ -135,24 +149,81 @@ def test_failure_falls_back_to_the_unscheduled_graph(fake_pg, monkeypatch):
     def broken(gm, *args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(pipeline, "sink_in_graph", broken)
+    monkeypatch.setattr(pipeline, "_run_passes", broken)   # schedule() calls it through the module
     with pytest.warns(UserWarning, match="unscheduled.*injected failure"):
         _, (forward, _) = compile_and_run(GatheredMLP())
-    events = [e for e in collective_events(forward) if e[0] in ("issue", "wait")]
-    assert all(a[0] == "issue" and b[0] == "wait" for a, b in zip(events[::2], events[1::2]))
+    assert len(serial_pairs(collective_events(forward))) == 4   # Inductor's own serial order
 
 
 def test_raise_mode_raises_schedule_error(fake_pg, monkeypatch):
     import overlapc.passes.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "sink_in_graph", lambda *a, **k: 1 / 0)
-    with pytest.raises(Exception, match="ZeroDivisionError"):
+    monkeypatch.setattr(pipeline, "_run_passes", lambda *a, **k: 1 / 0)
+    with pytest.raises(torch._inductor.exc.InductorError) as error:   # Inductor wraps what its pass raises
         compile_and_run(GatheredMLP(), {"on_error": "raise"})
+    inner = error.value.inner_exception
+    assert type(inner) is overlapc.ScheduleError
+    assert str(inner) == "ZeroDivisionError: division by zero"
+    assert isinstance(inner.__cause__, ZeroDivisionError)
 
 
 def test_option_typo_is_a_value_error_naming_the_closest_option(fake_pg):
-    with pytest.raises(Exception) as error:
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as error:
         compile_and_run(GatheredMLP(), {"max_in_fligt": 1})
-    assert "did you mean 'max_in_flight'" in str(error.value)
+    inner = error.value.inner_exception
+    assert type(inner) is ValueError
+    assert str(inner).startswith("unknown overlapc option 'max_in_fligt'; did you mean 'max_in_flight'?")
+
+
+def test_inductor_mode_option_patches_inductor_alongside_overlapc(fake_pg, monkeypatch, caplog):
+    """torch.compile refuses mode= with options=; options["inductor_mode"] carries it."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import list_mode_options
+
+    seen = []
+    original = compile_fx_module.compile_fx
+
+    def recording(gm, inputs, *args, **kwargs):
+        seen.append(dict(kwargs.get("config_patches") or {}))
+        return original(gm, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
+    mode = "max-autotune-no-cudagraphs"
+    model = GatheredMLP()
+    expected = model(torch.ones(16, 64))
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="overlapc", options={"inductor_mode": mode, "on_error": "raise"})
+        out = compiled(torch.ones(16, 64))
+    assert torch.allclose(out, expected)
+    assert seen    # seen[0]: overlapc's call (compile_fx then calls itself with the patches applied)
+    assert {k: seen[0][k] for k in list_mode_options(mode)} == list_mode_options(mode)   # the mode's settings
+    assert seen[0]["reorder_for_peak_memory"] is False                                     # and overlapc's
+    assert type(seen[0]["post_grad_custom_post_pass"]) is SchedulePass
+    assert sum("moved" in r.getMessage() for r in caplog.records) == 1   # the pass ran on the graph
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"inductor_mode": "fastest"}, "unknown inductor_mode 'fastest'"),
+    ({"inductor_mode": "default", "inner": "aot_eager"}, "inductor_mode='default' needs inner='inductor'"),
+    ({"profile": "no/such/profile.json"}, "no profile file 'no/such/profile.json'"),
+])
+def test_bad_mode_or_profile_is_a_value_error(fake_pg, options, message):
+    from overlapc.backend import overlapc_backend
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        overlapc_backend(gm, [torch.randn(2)], options=options)
+
+
+def test_profile_option_sets_the_dump_estimates(fake_pg, tmp_path):
+    compiled = torch.compile(GatheredMLP(), backend="overlapc", options={
+        "dump_dir": str(tmp_path), "inner": "aot_eager", "profile": "cpu:ethernet"})
+    torch._dynamo.reset()
+    compiled(torch.randn(16, 64)).sum().backward()
+    torch._dynamo.reset()
+    (forward,) = [g for g in os.listdir(tmp_path / "rank0") if g.startswith("fw_")]   # numbered per process
+    text = (tmp_path / "rank0" / forward / "report.txt").read_text()
+    assert text.startswith(f"{forward}: 4 collectives (cpu, ethernet)")
+    assert text.splitlines()[-1] == "estimates: built-in cpu:ethernet"
 
 
 def test_graph_cache_key_changes_with_the_config():

@@ -30,9 +30,9 @@ def test_thunder_shape_is_issued_in_consumer_order_two_in_flight(fake_pg):
     overlapc.schedule(gm, STRICT)
     # all_gather_into_tensor_3 gathers w0 (the first layer's weight).
     assert body(gm) == [
-        "all_gather_into_tensor_3", "all_gather_into_tensor_2", "wait_tensor_3",
-        "all_gather_into_tensor_1", "t", "mm", "relu",
-        "wait_tensor_2", "all_gather_into_tensor", "t_1", "mm_1", "relu_1",
+        "all_gather_into_tensor_3", "all_gather_into_tensor_2", "wait_tensor_3", "t",
+        "all_gather_into_tensor_1", "mm", "relu",
+        "wait_tensor_2", "t_1", "all_gather_into_tensor", "mm_1", "relu_1",
         "wait_tensor_1", "t_2", "mm_2", "relu_2",
         "wait_tensor", "t_3", "mm_3", "relu_3"]
     overlapc.verify(gm, STRICT)
@@ -40,7 +40,8 @@ def test_thunder_shape_is_issued_in_consumer_order_two_in_flight(fake_pg):
 
 def test_thunder_shape_unlimited_issues_everything_first_in_order(fake_pg):
     gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
-    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, on_error="raise"))
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, max_in_flight_bytes=None,
+                                                 on_error="raise"))
     assert body(gm)[:5] == ["all_gather_into_tensor_3", "all_gather_into_tensor_2",
                             "all_gather_into_tensor_1", "all_gather_into_tensor", "wait_tensor_3"]
 
@@ -77,24 +78,27 @@ def test_all_gather_returned_as_output_is_waited_just_before_output(fake_pg):
     assert list(gm.graph.nodes)[-2].name == "wait_tensor_1"
 
 
-def two_groups_fn(x, w0, w1, v0, v1):
-    for w, v in ((w0, v0), (w1, v1)):
-        x = torch.relu(x @ wait(ag(w, "0")).t())
-        x = torch.relu(x @ wait(ag(v, "1")).t())
-    return x
+def two_groups_fn(other_group):
+    def fn(x, w0, w1, v0, v1):
+        for w, v in ((w0, v0), (w1, v1)):
+            x = torch.relu(x @ wait(ag(w, "0")).t())
+            x = torch.relu(x @ wait(ag(v, other_group)).t())
+        return x
+    return fn
 
 
 def test_two_process_groups_are_bounded_separately(fake_pg, two_groups):
-    assert two_groups[0].group_name == "1"
-    gm = trace(two_groups_fn, (4, 16), *[(2, 16)] * 4)
+    other = two_groups[0].group_name
+    assert other != "0"
+    gm = trace(two_groups_fn(other), (4, 16), *[(2, 16)] * 4)
     overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, on_error="raise"))
     assert body(gm) == [
-        "all_gather_into_tensor", "all_gather_into_tensor_1", "wait_tensor",
-        "all_gather_into_tensor_2", "t", "mm", "relu",
-        "wait_tensor_1", "all_gather_into_tensor_3", "t_1", "mm_1", "relu_1",
+        "all_gather_into_tensor", "all_gather_into_tensor_1", "wait_tensor", "t",
+        "all_gather_into_tensor_2", "mm", "relu",
+        "wait_tensor_1", "t_1", "all_gather_into_tensor_3", "mm_1", "relu_1",
         "wait_tensor_2", "t_2", "mm_2", "relu_2",
         "wait_tensor_3", "t_3", "mm_3", "relu_3"]
-    assert [c.group for c in overlapc.collectives(gm)] == ["0", "1", "0", "1"]
+    assert [c.group for c in overlapc.collectives(gm)] == ["0", other, "0", other]
 
 
 def all_kinds(x, w0):
@@ -109,13 +113,27 @@ def all_kinds(x, w0):
 
 def test_reduce_scatter_all_reduce_all_to_all_issue_early_and_wait_late(fake_pg):
     gm = trace(all_kinds, (16, 16), (2, 16))
-    overlapc.schedule(gm, STRICT)
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight_bytes=None, on_error="raise"))
     assert body(gm) == [
         "all_gather_into_tensor", "wait_tensor", "t", "mm",
         "reduce_scatter_tensor", "all_reduce", "relu", "all_to_all_single",
         "wait_tensor_2", "add", "wait_tensor_3", "mul", "wait_tensor_1"]
     kinds = [c.kind for c in overlapc.collectives(gm)]
     assert kinds == ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+
+
+def test_a_collective_over_the_byte_budget_waits_the_oldest_open_one_first(fake_pg):
+    # The auto budget is twice the largest held bytes: the all-gather's 1 KiB output
+    # plus its 128 B input, 2304 bytes. The reduce-scatter and all-reduce hold their
+    # 1 KiB inputs; the all-to-all's 1 KiB would exceed it, so the reduce-scatter,
+    # oldest, is waited before the all-to-all is issued.
+    gm = trace(all_kinds, (16, 16), (2, 16))
+    overlapc.schedule(gm, STRICT)
+    assert body(gm) == [
+        "all_gather_into_tensor", "wait_tensor", "t", "mm",
+        "reduce_scatter_tensor", "all_reduce", "relu", "wait_tensor_1", "all_to_all_single",
+        "wait_tensor_2", "add", "wait_tensor_3", "mul"]
+    assert overlapc.verify(gm, STRICT)["peak_in_flight_bytes"] == 2048
 
 
 def through_views(x, w0, w1):
@@ -178,7 +196,7 @@ def test_coalesced_all_gather_holds_its_slot_until_its_last_wait(fake_pg):
 
 def test_byte_limit_bounds_gathered_bytes(fake_pg):
     gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
-    one = 16 * 16 * 4
+    one = 16 * 16 * 4 + 2 * 16 * 4     # held while in flight: gathered output and input shard
     overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, max_in_flight_bytes=3 * one,
                                                  on_error="raise"))
     assert body(gm)[:4] == ["all_gather_into_tensor_3", "all_gather_into_tensor_2",
@@ -201,7 +219,7 @@ def test_passes_one_by_one_compose_to_the_same_schedule(fake_pg):
     reference = trace(mixed_precision, (4, 16), *[(2, 16)] * 3)
     overlapc.schedule(reference, STRICT)
     reorder_all_gathers(gm)
-    limit_in_flight(gm, 2)
+    limit_in_flight(gm, STRICT)
     sink_waits(gm)
     assert body(gm) == body(reference)
     overlapc.verify(gm, STRICT)
@@ -232,7 +250,7 @@ def test_failure_falls_back_with_a_warning_and_restores_the_order(fake_pg, monke
     def broken(gm, *args, **kwargs):
         raise overlapc.ScheduleError("injected", node=next(iter(gm.graph.nodes)), group="0", position=0)
 
-    monkeypatch.setattr(pipeline, "sink_in_graph", broken)
+    monkeypatch.setattr(pipeline, "_run_passes", broken)
     with pytest.warns(UserWarning, match="unscheduled.*injected"):
         overlapc.schedule(gm)
     assert body(gm) == original
@@ -272,8 +290,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
 import overlapc, test_passes
 from graphs import trace, body
-dist.new_group(list(range(8)))
-gm = trace(test_passes.two_groups_fn, (4, 16), *[(2, 16)] * 4)
+other = dist.new_group(list(range(8))).group_name
+gm = trace(test_passes.two_groups_fn(other), (4, 16), *[(2, 16)] * 4)
 overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, on_error="raise"))
 print(",".join(body(gm)))
 """

@@ -2,9 +2,11 @@
 
 After scheduling: the graph lints, every node keeps its inputs, the scheduled
 graph computes the same values as the original (collectives replaced by local
-stand-ins with the same shapes), consumer order and the in-flight bound hold
-(checked here independently of overlapc.verify), waits stand just before their
-first real consumer, and scheduling is deterministic.
+stand-ins with the same shapes), and, checked here independently of
+overlapc.verify, barriers included: consumer order, waits before their first
+real consumer (an all-gather's just before it), the count and byte budget, and
+peak live bytes <= the original order's peak + the bytes in flight; scheduling
+is deterministic.
 """
 import operator
 
@@ -14,6 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
 from overlapc.collectives import is_cheap
+from overlapc.passes.memory import peak_bytes
 from graphs import F, ag, trace, wait
 
 N_MAX = 6
@@ -25,9 +28,9 @@ def programs(draw):
     flags = lambda p=0.5: draw(st.lists(st.booleans(), min_size=n, max_size=n))  # noqa: E731
     return dict(
         n=n,
-        group=draw(st.lists(st.sampled_from(["0", "1"]), min_size=n, max_size=n)),
+        group=draw(st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n)),   # index into the groups
         cast=flags(), view=flags(), rs=flags(), ar=flags(), out=flags(),
-        barrier=draw(st.lists(st.booleans().filter(lambda b: True), min_size=n, max_size=n)),
+        barrier=flags(),
         upfront=draw(st.booleans()),
         wait_early=draw(st.booleans()),
         perm=draw(st.permutations(list(range(n)))),
@@ -35,13 +38,16 @@ def programs(draw):
     )
 
 
-def build(p):
+def build(p, groups):
+    """The program ``p`` as a function; ``groups``: the two process group names."""
+    group = [groups[i] for i in p["group"]]
+
     def fn(x, *ws):
         started, waited, outs = {}, {}, []
 
         def start(i):
             w = ws[i].to(torch.bfloat16) if p["cast"][i] else ws[i]
-            started[i] = ag(w, p["group"][i])
+            started[i] = ag(w, group[i])
 
         if p["upfront"]:
             for i in p["perm"]:
@@ -58,9 +64,9 @@ def build(p):
             full = full.view(16, 16).t() if p["view"][i] else full.t()
             x = torch.tanh(x @ full)
             if p["rs"][i]:
-                outs.append(wait(F.reduce_scatter_tensor(x, "sum", 8, p["group"][i])))
+                outs.append(wait(F.reduce_scatter_tensor(x, "sum", 8, group[i])))
             if p["ar"][i]:
-                x = x + wait(F.all_reduce(x, "sum", p["group"][i]))
+                x = x + wait(F.all_reduce(x, "sum", group[i]))
             if p["use_barriers"] and p["barrier"][i]:
                 x = torch.ops.aten.add_(x, 1)
             if p["out"][i]:
@@ -93,48 +99,78 @@ def order(gm):
     return [n.name for n in gm.graph.nodes]
 
 
-def independent_checks(gm, cfg):
+def held(c):
+    """Bytes a collective holds in flight (all-gather: output + input; others: input)."""
+    inputs = sum(i.meta["val"].numel() * i.meta["val"].element_size() for i in c.start.all_input_nodes)
+    return (c.nbytes if c.kind == "all_gather" else 0) + inputs
+
+
+def independent_checks(gm, cfg, before_peak):
+    """The guarantees, recomputed here from the graph without overlapc.verify."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     is_barrier = [n.target == torch.ops.aten.add_.Tensor for n in nodes]
-    has_barrier = any(is_barrier)
     region = [sum(is_barrier[:i]) for i in range(len(nodes))]
+    region_end = {}
+    for i in reversed(range(len(nodes))):
+        region_end[region[i]] = i if is_barrier[i] or nodes[i].op == "output" else region_end.get(region[i], i)
     # Collectives whose start and wait lie on two sides of a barrier stay where they are.
     rows = [c for c in overlapc.collectives(gm)
             if c.movable and all(region[pos[w]] == region[pos[c.start]] for w in c.waits)]
-    # consumer order per group
-    if not has_barrier:
-        for group in ("0", "1"):
-            firsts = [c.first_consumer for c in rows if c.kind == "all_gather" and c.group == group]
+    first = {c.start: min(c.first_consumer if c.first_consumer is not None else len(nodes),
+                          region_end[region[pos[c.start]]]) for c in rows}
+    # consumer order per group and region
+    for group in sorted({c.group for c in rows}):
+        for r in sorted(set(region)):
+            gathers = sorted((c for c in rows if c.kind == "all_gather" and c.group == group
+                              and region[pos[c.start]] == r), key=lambda c: pos[c.start])
+            firsts = [first[c.start] for c in gathers]
             assert firsts == sorted(firsts), (group, firsts)
-    # in-flight bound per group
-    live = {}
+    # waits: before the first consumer; an all-gather's only waits, starts and cheap nodes away
+    starts = {c.start for c in rows}
+    for c in rows:
+        for w in c.waits:
+            assert pos[w] < first[c.start], (w.name, first[c.start])
+            if c.kind == "all_gather":
+                between = nodes[pos[w] + 1:first[c.start]]
+                assert all(n.target in (F.wait_tensor.default, operator.getitem) or is_cheap(n)
+                           or n in starts for n in between), (w.name, [n.name for n in between])
+    # the bound: count per group and kind, held bytes per group
+    budget = cfg.max_in_flight_bytes
+    if budget == "auto":
+        budget = {g: 2 * max(held(c) for c in rows if c.group == g) for g in {c.group for c in rows}}
+    elif budget is not None:
+        budget = {g: budget for g in {c.group for c in rows}}
+    live, peak_total = {}, 0
     for node in nodes:
         for c in rows:
-            if c.kind == "all_gather" and node is c.start:
-                live.setdefault(c.group, set()).add(c.start)
+            if node is c.start:
+                live.setdefault(c.group, []).append(c)
+                same_kind = [o for o in live[c.group] if o.kind == c.kind]
                 if cfg.max_in_flight is not None:
-                    assert len(live[c.group]) <= cfg.max_in_flight, node.name
-            if c.kind == "all_gather" and node in c.waits:
-                live[c.group].discard(c.start)
-    # only waits, starts and cheap nodes between a wait and its first real consumer
-    if not has_barrier:
-        for c in rows:
-            for w in c.waits:
-                between = nodes[pos[w] + 1:c.first_consumer]
-                assert all((
-                    n.target in (F.wait_tensor.default, operator.getitem) or is_cheap(n)
-                    or any(n is r.start for r in rows)) for n in between), (w.name, [n.name for n in between])
+                    assert len(same_kind) <= cfg.max_in_flight, node.name
+                total = sum(held(o) for o in live[c.group])
+                if budget is not None and total > budget[c.group]:
+                    others = [o for o in live[c.group] if o is not c and (c.kind == "all_gather"
+                                                                          or o.kind != "all_gather")]
+                    assert not others, (node.name, total, budget[c.group], [o.start.name for o in others])
+                peak_total = max(peak_total, sum(held(o) for g in live for o in live[g]))
+            if node is c.waits[-1]:
+                live[c.group].remove(c)
+    # memory: no more than the original order's peak plus what was in flight
+    assert peak_bytes(nodes) <= before_peak + peak_total, (peak_bytes(nodes), before_peak, peak_total)
 
 
 @settings(max_examples=int(__import__("os").environ.get("OVERLAPC_EXAMPLES", "120")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(p=programs(), limit=st.sampled_from([1, 2, 3, None]), byte_limit=st.sampled_from([None, 2048, 4096]))
+@given(p=programs(), limit=st.sampled_from([1, 2, 3, None]), byte_limit=st.sampled_from([None, 2048, 4096, "auto"]))
 def test_random_graphs_keep_every_guarantee(fake_pg, two_groups, p, limit, byte_limit):
     cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, on_error="raise")
     shapes = [(16, 16)] + [(2, 16)] * p["n"]
-    gm = trace(build(p), *shapes)
+    groups = (fake_pg.group_name, two_groups[0].group_name)
+    gm = trace(build(p, groups), *shapes)
     expected = LocalCollectives(gm).run(*inputs_for(p))
     args_before = {n.name: (repr(n.args), repr(n.kwargs)) for n in gm.graph.nodes}
+    before_peak = peak_bytes(list(gm.graph.nodes))
 
     overlapc.schedule(gm, cfg)
 
@@ -144,8 +180,8 @@ def test_random_graphs_keep_every_guarantee(fake_pg, two_groups, p, limit, byte_
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     overlapc.verify(gm, cfg)
-    independent_checks(gm, cfg)
+    independent_checks(gm, cfg, before_peak)
 
-    again = trace(build(p), *shapes)
+    again = trace(build(p, groups), *shapes)
     overlapc.schedule(again, cfg)
     assert order(again) == order(gm)

@@ -82,7 +82,7 @@ def _job_bf16_and_fallback(rank, world_size, port):
     def broken(*args, **kwargs):
         raise RuntimeError("injected scheduling failure")
 
-    pipeline.sink_in_graph = broken
+    pipeline._run_passes = broken
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result["fallback"] = _train(_fresh(mesh), rank, {})

@@ -1,48 +1,57 @@
-"""What every pass needs to know about a graph's current order.
+"""What is fixed about a graph for one scheduling: collectives, bundles, regions, targets.
 
-``Analysis(gm)`` snapshots the node order and derives, for the collectives the
-passes may move:
+``Structure(gm)`` reads the graph in its current order and derives, for the
+collectives the scheduler may move:
 
 * start bundles: the start, the cheap input chain that feeds only it (casts,
-  views of a parameter) and the getitems of list results;
+  views of a parameter, and nodes a pass marked with
+  ``meta["overlapc_input_chain"]``, such as a bucket's copy-in) and the
+  getitems of list results;
 * wait bundles: the wait and the aliasing views that read only through it;
-* regions: barriers (see ``overlapc.collectives.barrier_reason``) cut the graph
+* regions: barriers (``overlapc.collectives.barrier_reason``) cut the graph
   into regions; nothing moves from one region to another;
-* each wait's target: its first real consumer, or the next barrier, or the
-  output node, whichever comes first;
+* each wait's target: its first real consumer, else the barrier that closes
+  its region, else the output node;
 * consumer keys: all-gathers sort by (target position, order in which the
-  target reads its inputs), which is the same order ``sink_waits`` leaves
-  waits in before a shared consumer.
+  target reads its inputs, own position);
+* the spine: every node outside the bundles (compute, placeholders, barriers,
+  collectives kept in place, the output), whose relative order the scheduler
+  keeps.
 
-A collective is *movable* when its op is understood and its start and waits
-share a region. Everything here is a pure function of the graph's structure
-and order: no sets or object-keyed dicts are iterated where order matters.
-Hot loops read ``node._input_nodes`` (the dict behind ``all_input_nodes``,
-stable since torch 1.8): building the list on every call costs more than the
-rest of the pass on 100k-node graphs.
+A collective is *movable* when its op is understood, it has a wait, and its
+start and waits share a region. Everything here is a pure function of the
+graph's structure and order: no sets or object-keyed dicts are iterated where
+order matters. Hot loops read ``node._input_nodes`` (the dict behind
+``all_input_nodes``, stable since torch 1.8): building the list on every call
+costs more than the rest of the pass on 100k-node graphs.
 """
 from __future__ import annotations
 
 import heapq
 import operator
+
 import torch.fx as fx
 
 from overlapc.collectives import (
-    Collective, alias_closure, barrier_reason, is_cheap, real_consumers, role, scan,
+    Collective, alias_closure, barrier_reason, is_cheap, node_value, real_consumers, role, scan,
+    tensor_nbytes,
 )
 
 
-class Analysis:
-    """Structure (collectives, bundles, barriers) is computed once; ``refresh()``
-    re-reads the node order after a pass moved nodes. Passes keep every node's
-    region, so the structure stays valid across them."""
+class Structure:
+    """The graph as it stands; nothing here changes while a schedule is built."""
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
         self.nodes: list[fx.Node] = list(gm.graph.nodes)
         self.pos = {node: index for index, node in enumerate(self.nodes)}
-        self.barriers, waits, starts = [], [], []
+        self.output = next(n for n in reversed(self.nodes) if n.op == "output")
+        self.barriers: list[fx.Node] = []
+        waits, starts = [], []
+        # region[i]: number of barriers strictly before position i.
+        self.region: list[int] = []
         for node in self.nodes:
+            self.region.append(len(self.barriers))
             start, wait, barrier = role(node)
             if barrier is not None:
                 self.barriers.append(node)
@@ -50,21 +59,20 @@ class Analysis:
                 waits.append(node)
             if start is not None:
                 starts.append(node)
+        self.barrier_pos = [self.pos[b] for b in self.barriers]
         self.is_barrier = set(self.barriers)
-        self._index_regions()
 
-        # First consumers come from the region-bounded closures below (``target``).
         self.all: list[Collective] = scan(starts, self.pos, first_consumers=False)
         self.movable: list[Collective] = [
             c for c in self.all
-            if c.movable and all(self.region_of(w) == self.region_of(c.start) for w in c.waits)
+            if c.movable and c.waits and all(self.region_of(w) == self.region_of(c.start) for w in c.waits)
         ]
         self.coll_of_start = {c.start: c for c in self.movable}
         self.coll_of_wait = {w: c for c in self.movable for w in c.waits}
 
         self.wait_bundle: dict[fx.Node, list[fx.Node]] = {}
         self.wait_of_member: dict[fx.Node, fx.Node] = {}
-        self.consumers: dict[fx.Node, list[fx.Node]] = {}
+        self.target: dict[fx.Node, fx.Node] = {}
         for c in self.movable:
             for wait in c.waits:
                 end = self.region_end(wait)
@@ -73,7 +81,8 @@ class Analysis:
                 self.wait_bundle[wait] = [wait, *closure]
                 for member in self.wait_bundle[wait]:
                     self.wait_of_member[member] = wait
-                self.consumers[wait] = real_consumers(wait, closure)
+                first = min([self.pos[u] for u in real_consumers(wait, closure)] + [end])
+                self.target[wait] = self.nodes[first]
 
         self.start_bundle: dict[fx.Node, list[fx.Node]] = {}
         self.start_of_member: dict[fx.Node, fx.Node] = {}
@@ -87,45 +96,15 @@ class Analysis:
                               for start, bundle in self.start_bundle.items()}
         # Nodes that may stand between a wait and its consumer: bundle members and any wait.
         self.bundled = set(self.start_of_member) | set(self.wait_of_member) | set(waits)
-        self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
-        self.refresh()
+        self.held = {c.start: held_bytes(c) for c in self.movable}
 
-    def refresh(self) -> None:
-        """Re-read the graph's node order: positions, regions, wait targets, consumer keys."""
-        self.nodes = list(self.gm.graph.nodes)
-        self.pos = {node: index for index, node in enumerate(self.nodes)}
-        self._index_regions()
-        self.target: dict[fx.Node, fx.Node] = {}
-        self._shared_targets: set[fx.Node] = set()
-        for wait, consumers in self.consumers.items():
-            first = min([self.pos[u] for u in consumers] + [self.region_end(wait)])
-            self.target[wait] = self.nodes[first]
+        shared: set[fx.Node] = set()
         seen: set[fx.Node] = set()
         for target in self.target.values():
-            (self._shared_targets if target in seen else seen).add(target)
-        # Consumer keys order all-gathers (the only kind whose issue order is chosen).
+            (shared if target in seen else seen).add(target)
+        self._shared_targets = shared
+        self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
         self.key = {c.start: self.consumer_key(c) for c in self.movable if c.kind == "all_gather"}
-        # blockers_before[i]: nodes at positions < i outside every bundle ("compute").
-        self.blockers_before = [0]
-        count = 0
-        for node in self.nodes:
-            count += node not in self.bundled
-            self.blockers_before.append(count)
-
-    def _index_regions(self) -> None:
-        self.output = self.nodes[-1]
-        if self.output.op != "output":
-            self.output = next(n for n in reversed(self.nodes) if n.op == "output")
-        # region[i]: number of barriers strictly before position i.
-        self.region: list[int] = [0] * len(self.nodes)
-        self.barrier_pos: list[int] = []
-        if not self.is_barrier:
-            return
-        self.region = []
-        for index, node in enumerate(self.nodes):
-            self.region.append(len(self.barrier_pos))
-            if node in self.is_barrier:
-                self.barrier_pos.append(index)
 
     # -- positions and regions -------------------------------------------------
     def region_of(self, node: fx.Node) -> int:
@@ -136,14 +115,9 @@ class Analysis:
         index = self.region_of(node)
         return self.barrier_pos[index] if index < len(self.barrier_pos) else self.pos[self.output]
 
-    def region_start(self, node: fx.Node) -> int:
-        """Position of the barrier that opens ``node``'s region, or -1."""
-        index = self.region_of(node)
-        return self.barrier_pos[index - 1] if index > 0 else -1
-
     # -- bundles -----------------------------------------------------------------
     def _input_chain(self, start: fx.Node) -> list[fx.Node]:
-        """Cheap nodes in ``start``'s region whose every use is ``start`` or the chain."""
+        """Cheap (or marked) nodes in ``start``'s region whose every use is ``start`` or the chain."""
         chain: set[fx.Node] = set()
         region = self.region_of(start)
         heap = [(-self.pos[i], i.name) for i in start._input_nodes]
@@ -156,7 +130,8 @@ class Analysis:
             if node in seen:
                 continue
             seen.add(node)
-            if (node.op in ("placeholder", "get_attr", "output") or not is_cheap(node)
+            if (node.op in ("placeholder", "get_attr", "output")
+                    or not (is_cheap(node) or node.meta.get("overlapc_input_chain"))
                     or node in self.wait_of_member or node in self.coll_of_start
                     or self.region_of(node) != region
                     or barrier_reason(node) is not None
@@ -173,10 +148,6 @@ class Analysis:
         inside = set(members)
         found = {i for m in members for i in m._input_nodes if i not in inside}
         return sorted(found, key=self.pos.__getitem__)
-
-    def compute_between(self, first: int, last: int) -> int:
-        """Number of nodes outside every bundle at positions first..last-1."""
-        return self.blockers_before[max(last, first)] - self.blockers_before[first]
 
     # -- consumer order ------------------------------------------------------------
     def _order_read(self, target: fx.Node) -> dict[fx.Node, int]:
@@ -198,8 +169,8 @@ class Analysis:
         return self._arg_order[target]
 
     def wait_key(self, wait: fx.Node) -> tuple[int, int, int]:
-        """Where a sunk wait stands: (target position, read order, own position).
-        The read order is structural, so the key ranks waits alike in every pass."""
+        """Where a wait stands among waits for the same target: (target position,
+        read order, own position). Structural, so every order ranks waits alike."""
         target = self.target[wait]
         if target not in self._shared_targets:
             return self.pos[target], 0, self.pos[wait]
@@ -207,9 +178,18 @@ class Analysis:
         return self.pos[target], read, self.pos[wait]
 
     def consumer_key(self, c: Collective) -> tuple[int, int, int]:
-        if not c.waits:
-            return len(self.nodes), 0, self.pos[c.start]
         return min(self.wait_key(w) for w in c.waits)
+
+
+def held_bytes(c: Collective) -> int:
+    """Bytes a collective holds while in flight beyond what issuing and waiting it
+    back to back would: an all-gather's output and input (the gathered buffer and
+    the shard, or the cast copy made for it), another collective's input (the
+    c10d work keeps it until the wait). Unknown sizes count 0."""
+    inputs = tensor_nbytes([node_value(i) for i in c.start._input_nodes]) or 0
+    if c.kind == "all_gather":
+        return (c.nbytes or 0) + inputs
+    return inputs
 
 
 def apply_order(gm: fx.GraphModule, order: list[fx.Node]) -> None:

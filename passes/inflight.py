@@ -1,0 +1,149 @@
+"""Open collectives along an order, and the budget that bounds them.
+
+One tracker for the scheduler, the invariant check and the simulator alike.
+A collective is *open* from its start until its last wait. Per process group:
+the number open of each kind, and the bytes they hold (``structure.held_bytes``:
+an all-gather's output and input, another collective's input).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import torch.fx as fx
+
+from overlapc.collectives import Collective
+from overlapc.config import OverlapConfig
+from overlapc.passes.structure import held_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What may be in flight per process group.
+
+    max_count: collectives of one kind (all-gathers, reduce-scatters, ...) open
+        at once, or None.
+    max_bytes: group -> held bytes open at once, or None for no limit.
+    reserve: group -> bytes all-gathers issued ahead of need leave free, so the
+        group's largest other collective always fits once no other one is open
+        (0 when the group has no other kind).
+    """
+
+    max_count: int | None
+    max_bytes: dict[str, int | None]
+    reserve: dict[str, int]
+
+    def gather_room(self, group: str) -> int | None:
+        """Bytes open all-gathers of ``group`` may hold, or None for no limit."""
+        limit = self.max_bytes.get(group)
+        return None if limit is None else limit - self.reserve.get(group, 0)
+
+
+def auto_budget(collectives: list[Collective]) -> dict[str, int]:
+    """The "auto" byte budget per group: twice the bytes held by the group's
+    largest collective (so the next one can be in flight while the largest
+    one is, as FSDP2's one-ahead prefetch does)."""
+    largest: dict[str, int] = {}
+    for c in collectives:
+        largest[c.group] = max(largest.get(c.group, 0), held_bytes(c))
+    return {group: max(1, 2 * size) for group, size in largest.items()}
+
+
+def budget_for(collectives: list[Collective], cfg: OverlapConfig) -> Budget:
+    """The Budget ``cfg`` sets for a graph holding ``collectives``."""
+    groups = sorted({c.group for c in collectives})
+    if cfg.max_in_flight_bytes == "auto":
+        max_bytes: dict[str, int | None] = dict(auto_budget(collectives))
+    else:
+        max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
+    reserve: dict[str, int] = {}
+    for c in collectives:
+        if c.kind != "all_gather":
+            reserve[c.group] = max(reserve.get(c.group, 0), held_bytes(c))
+    return Budget(cfg.max_in_flight, max_bytes, reserve)
+
+
+class InFlight:
+    """Collectives issued and not yet fully waited, per group, oldest first.
+
+    ``held`` maps a start node to the bytes its collective holds in flight.
+    Records the peak held bytes per group and over all groups, and the peak
+    count per (group, kind)."""
+
+    def __init__(self, held: dict[fx.Node, int]):
+        self.held = held
+        self.queue: dict[str, deque[Collective]] = {}
+        self.is_open: set[fx.Node] = set()
+        self.counts: dict[tuple[str, str], int] = {}
+        self.bytes: dict[str, int] = {}
+        self.total = 0
+        self.peak_total = 0
+        self.peak_bytes: dict[str, int] = {}
+        self.peak_counts: dict[tuple[str, str], int] = {}
+
+    def open(self, c: Collective) -> None:
+        self.queue.setdefault(c.group, deque()).append(c)
+        self.is_open.add(c.start)
+        key = (c.group, c.kind)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.peak_counts[key] = max(self.peak_counts.get(key, 0), self.counts[key])
+        size = self.held[c.start]
+        self.bytes[c.group] = self.bytes.get(c.group, 0) + size
+        self.total += size
+        self.peak_total = max(self.peak_total, self.total)
+        self.peak_bytes[c.group] = max(self.peak_bytes.get(c.group, 0), self.bytes[c.group])
+
+    def close(self, c: Collective) -> None:
+        self.is_open.discard(c.start)
+        self.counts[(c.group, c.kind)] -= 1
+        size = self.held[c.start]
+        self.bytes[c.group] -= size
+        self.total -= size
+
+    def count(self, group: str, kind: str) -> int:
+        return self.counts.get((group, kind), 0)
+
+    def nbytes(self, group: str) -> int:
+        return self.bytes.get(group, 0)
+
+    def gather_bytes(self, group: str) -> int:
+        return sum(self.held[c.start] for c in self.open_in(group) if c.kind == "all_gather")
+
+    def open_in(self, group: str) -> list[Collective]:
+        """Open collectives of ``group``, oldest first."""
+        queue = self.queue.get(group)
+        if not queue:
+            return []
+        while queue and queue[0].start not in self.is_open:
+            queue.popleft()
+        return [c for c in queue if c.start in self.is_open]
+
+    def oldest(self, group: str, kind: str | None = None, gathers: bool = False) -> Collective | None:
+        """Oldest open collective of ``group``: of ``kind`` when given, else of any
+        kind but all-gather (or of any kind at all when ``gathers``)."""
+        for c in self.open_in(group):
+            if kind is not None and c.kind != kind:
+                continue
+            if kind is None and not gathers and c.kind == "all_gather":
+                continue
+            return c
+        return None
+
+
+def replay(found: list[Collective], order: list[fx.Node]) -> InFlight:
+    """An InFlight that has seen ``order`` (collectives ``found``, open from their
+    start to their last wait); its peaks describe the whole order."""
+    flight = InFlight({c.start: held_bytes(c) for c in found})
+    of_start = {c.start: c for c in found if c.waits}
+    of_wait = {w: c for c in found for w in c.waits}
+    waits_left = {c.start: len(c.waits) for c in found}
+    for node in order:
+        c = of_start.get(node)
+        if c is not None:
+            flight.open(c)
+        c = of_wait.get(node)
+        if c is not None:
+            waits_left[c.start] -= 1
+            if waits_left[c.start] == 0:
+                flight.close(c)
+    return flight

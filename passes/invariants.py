@@ -1,0 +1,156 @@
+"""The guarantees a schedule keeps, checked on a graph as it stands.
+
+``check(s, order, budget)`` raises ScheduleError at the first node of
+``order`` (a new order of the nodes of Structure ``s``) that breaks one:
+
+1. consumer order: within a group and region, all-gathers are issued in the
+   order of their first real consumer;
+2. waits: no wait after its target (first real consumer, region end, output);
+   an all-gather's wait just before it (only waits, starts with their input
+   chains and views of waited tensors in between);
+3. in-flight bound: per group and kind at most ``max_count`` open; per group
+   at most ``max_bytes`` held, except when the collective just issued holds
+   more than the budget allows on its own terms: then nothing else of its
+   group is open (or, for another kind than all-gather, only all-gathers);
+4. memory: peak live bytes <= a reference order's peak + the most bytes held
+   in flight at once. ``schedule`` compares with the order it started from;
+   ``verify`` on a graph alone with the serial order (same spine, all-gathers
+   issued right before their waits, everything else waited right after its
+   start: the least memory any placement of the collectives needs).
+
+Valid topological order (lint) and "nothing crossed a barrier / compute kept
+its order" need the order before scheduling; ``pipeline.schedule`` checks
+those. Whether a start could have been issued earlier is a quality figure for
+the report, not an error.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from overlapc.passes.inflight import Budget, InFlight
+from overlapc.passes.memory import Liveness
+from overlapc.passes.scheduler import schedule_order
+from overlapc.passes.structure import Structure
+
+
+class ScheduleError(RuntimeError):
+    """A schedule guarantee does not hold (or scheduling failed) at a named node."""
+
+    def __init__(self, message: str, node: fx.Node | None = None, group: str | None = None,
+                 position: int | None = None):
+        self.node, self.group, self.position = node, group, position
+        self.op = None if node is None else str(node.target)
+        where = []
+        if node is not None:
+            where.append(f"node {node.name} (op {self.op}")
+            where[-1] += f", group {group}" if group is not None else ""
+            where[-1] += f", position {position})" if position is not None else ")"
+        super().__init__(f"{where[0]}: {message}" if where else message)
+
+
+class _Order:
+    """Positions of a new order of ``s``'s nodes, with ``s``'s structure."""
+
+    def __init__(self, s: Structure, order: list[fx.Node]):
+        self.s, self.nodes = s, order
+        self.pos = {node: index for index, node in enumerate(order)}
+
+    def fail(self, node: fx.Node, message: str) -> ScheduleError:
+        c = self.s.coll_of_start.get(node) or self.s.coll_of_wait.get(node)
+        return ScheduleError(message, node=node, group=c.group if c else None, position=self.pos[node])
+
+
+def fail(s: Structure, node: fx.Node, message: str, order: list[fx.Node] | None = None) -> ScheduleError:
+    """ScheduleError at ``node`` (its group and position in ``order``, default ``s.nodes``)."""
+    return _Order(s, s.nodes if order is None else order).fail(node, message)
+
+
+def check(s: Structure, order: list[fx.Node], budget: Budget,
+          reference: list[fx.Node] | None = None) -> dict:
+    """Raise ScheduleError at the first broken guarantee; return what was measured:
+    peak_bytes, reference_peak_bytes, peak_in_flight_bytes (all groups) and
+    peak_count (most collectives of one group and kind open). The memory
+    guarantee compares with ``reference`` (``schedule`` passes the order before
+    scheduling), by default the serial order."""
+    o = _Order(s, order)
+    _check_waits(o)
+    _check_consumer_order(o)
+    flight, peak_count = _check_bounds(o, budget)
+    liveness = Liveness(s.nodes)
+    peak = liveness.peak_bytes(order)
+    what = "order before scheduling" if reference is not None else "serial order"
+    reference = liveness.peak_bytes(reference if reference is not None else schedule_order(s, mode="serial"))
+    if peak > reference + flight.peak_total:
+        raise ScheduleError(f"peak live bytes {peak} exceed the {what}'s {reference} plus the "
+                            f"{flight.peak_total} bytes in flight")
+    return {"peak_bytes": peak, "reference_peak_bytes": reference,
+            "peak_in_flight_bytes": flight.peak_total, "peak_count": peak_count}
+
+
+def _compute_between(o: _Order, first: int, last: int) -> fx.Node | None:
+    """First node at positions first..last-1 outside every bundle, or None."""
+    for node in o.nodes[first:last]:
+        if node not in o.s.bundled:
+            return node
+    return None
+
+
+def _check_waits(o: _Order) -> None:
+    s, pos = o.s, o.pos
+    for c in s.movable:
+        for wait in c.waits:
+            target = s.target[wait]
+            if pos[wait] > pos[target]:
+                raise o.fail(wait, f"wait of {c.kind} {c.start.name} comes after its first consumer "
+                                   f"{target.name} (position {pos[target]})")
+            if c.kind == "all_gather":
+                between = _compute_between(o, pos[wait] + 1, pos[target])
+                if between is not None:
+                    raise o.fail(wait, f"wait of all-gather {c.start.name} is not just before its first "
+                                       f"consumer {target.name} (position {pos[target]}): {between.name} "
+                                       "stands between")
+
+
+def _check_consumer_order(o: _Order) -> None:
+    s = o.s
+    lanes: dict[tuple[str, int], list] = {}
+    for c in s.movable:
+        if c.kind == "all_gather":
+            lanes.setdefault((c.group, s.region_of(c.start)), []).append(c)
+    for starts in lanes.values():
+        starts.sort(key=lambda c: o.pos[c.start])
+        for before, after in zip(starts, starts[1:]):
+            if s.key[before.start][:2] > s.key[after.start][:2]:
+                raise o.fail(after.start,
+                             f"all-gather issued after {before.start.name} but consumed first (at "
+                             f"{s.nodes[s.key[after.start][0]].name} vs {s.nodes[s.key[before.start][0]].name}): "
+                             "consumer order broken")
+
+
+def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
+    s = o.s
+    flight = InFlight(s.held)
+    waits_left = {c.start: len(c.waits) for c in s.movable}
+    peak_count = 0
+    for node in o.nodes:
+        c = s.coll_of_start.get(node)
+        if c is not None:
+            flight.open(c)
+            count = flight.count(c.group, c.kind)
+            peak_count = max(peak_count, count)
+            if budget.max_count is not None and count > budget.max_count:
+                raise o.fail(node, f"{count} {c.kind} collectives of group {c.group} in flight, "
+                                   f"limit {budget.max_count}")
+            limit = budget.max_bytes.get(c.group)
+            if limit is not None and flight.nbytes(c.group) > limit:
+                others = [x for x in flight.open_in(c.group) if x is not c
+                          and (c.kind == "all_gather" or x.kind != "all_gather")]
+                if others:
+                    raise o.fail(node, f"{flight.nbytes(c.group)} bytes in flight in group {c.group}, "
+                                       f"limit {limit}, with {others[0].start.name} still open")
+        c = s.coll_of_wait.get(node)
+        if c is not None:
+            waits_left[c.start] -= 1
+            if waits_left[c.start] == 0:
+                flight.close(c)
+    return flight, peak_count

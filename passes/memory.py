@@ -1,0 +1,110 @@
+"""Live bytes along an order of a graph's nodes (the memory tracker).
+
+Model: a node that is not an alias allocates its output (``meta["val"]``
+sizes) when it runs; views, getitem and waits alias their input's storage (a
+wait returns its collective's buffer, allocated at the start). A storage is
+freed after the last node that reads it or any alias of it; graph outputs live
+to the end. A collective's inputs are held until its last wait (the c10d work
+keeps them). Placeholders are live from the top until their last use, the same
+in every order. Unknown sizes count 0. Deterministic, O(nodes + edges).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from overlapc.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
+
+
+class Liveness:
+    """What liveness needs of a graph's nodes, independent of their order; then
+    ``live_bytes(order)`` / ``peak_bytes(order)`` for any topological order of them."""
+
+    def __init__(self, nodes: list[fx.Node]):
+        """``nodes``: every node of one graph, each after its inputs (graph order)."""
+        self.root: dict[fx.Node, fx.Node] = {}
+        self.size: dict[fx.Node, int] = {}
+        self.reads: dict[fx.Node, list[fx.Node]] = {}       # node -> storages it reads
+        self.held_until: dict[fx.Node, tuple] = {}          # start -> its waits
+        root, size, reads = self.root, self.size, self.reads
+        for node in nodes:
+            start, wait, _ = role(node)
+            inputs = node._input_nodes
+            if inputs and (wait or _aliases(node)):
+                root[node] = root[next(iter(inputs))]
+            else:
+                root[node] = node
+                size[node] = 0 if node.op == "output" else _nbytes(node)
+            reads[node] = [root[i] for i in inputs]
+            if start is not None:
+                waits = wait_nodes(node)
+                if waits:
+                    self.held_until[node] = waits
+
+    def live_bytes(self, order: list[fx.Node]) -> list[int]:
+        """Bytes live while each node of ``order`` runs (its output allocated, its
+        inputs not yet freed)."""
+        pos = {node: index for index, node in enumerate(order)}
+        last = {root: pos[root] for root in self.size}
+        held_until = self.held_until
+        for node in order:
+            until = pos[node]
+            waits = held_until.get(node)
+            if waits is not None:
+                until = max(pos[w] for w in waits)
+            for r in self.reads[node]:
+                if last[r] < until:
+                    last[r] = until
+        change = [0] * (len(order) + 1)
+        for r, nbytes in self.size.items():
+            if nbytes:
+                change[pos[r]] += nbytes
+                change[last[r] + 1] -= nbytes
+        live, running = [], 0
+        for delta in change[:-1]:
+            running += delta
+            live.append(running)
+        return live
+
+    def peak_bytes(self, order: list[fx.Node]) -> int:
+        """Most bytes live at any point of ``order`` (0 for an empty order)."""
+        return max(self.live_bytes(order), default=0)
+
+
+_ALIAS_BY_TARGET: dict[int, tuple[object, bool]] = {}
+
+
+def _aliases(node: fx.Node) -> bool:
+    """``is_alias(node)``, cached per call target (the entry keeps the target alive)."""
+    if node.op != "call_function":
+        return is_alias(node)
+    entry = _ALIAS_BY_TARGET.get(id(node.target))
+    if entry is None or entry[0] is not node.target:
+        entry = _ALIAS_BY_TARGET[id(node.target)] = (node.target, is_alias(node))
+    return entry[1]
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        try:
+            return value.numel() * value.element_size()
+        except Exception:  # unbacked symbolic sizes
+            return 0
+    return tensor_nbytes(node_value(node)) or 0
+
+
+def _topological(nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes``, checked to list every node after its inputs (ValueError otherwise)."""
+    seen: set[fx.Node] = set()
+    for node in nodes:
+        if any(i not in seen for i in node._input_nodes):
+            raise ValueError(f"{node.name} comes before its inputs: not a topological order")
+        seen.add(node)
+    return nodes
+
+
+def peak_bytes(order: list[fx.Node]) -> int:
+    """Most bytes live at any point of ``order``, a topological order of one graph
+    (ValueError naming the first node placed before its inputs otherwise)."""
+    return Liveness(_topological(order)).peak_bytes(order)

@@ -1,0 +1,277 @@
+"""The scheduling core: one pass that keeps the spine's order and places collectives.
+
+``schedule_order(structure, budget)`` walks the spine (every node outside the
+collectives' bundles, see ``structure.py``) in its order and places around it:
+
+* other collectives (reduce-scatter, all-reduce, all-to-all) are issued as
+  soon as their inputs are placed; when one does not fit the budget, the
+  oldest open non-all-gather collectives of its group are waited first;
+* all-gathers are issued in consumer order per group and region, each as
+  soon as its inputs are placed and it fits the room the budget leaves to
+  all-gathers (``Budget.gather_room``); one that never fits is issued right
+  before its wait, after waiting what else of its group is open;
+* every wait is placed just before its target (first real consumer, or the
+  barrier closing its region, or the output) unless the budget waited it
+  earlier; all-gathers are never waited early for room.
+
+Modes: "schedule" (the above), "sink" (starts stay where they are; only waits
+move, no budget), "serial" (the memory reference: all-gathers issued right
+before their wait, every other collective waited right after its start).
+Deterministic: ties break on graph positions, never on hashes.
+"""
+from __future__ import annotations
+
+import heapq
+
+import torch.fx as fx
+
+from overlapc.collectives import Collective
+from overlapc.passes.inflight import Budget, InFlight
+from overlapc.passes.structure import Structure
+
+UNBOUNDED = Budget(None, {}, {})
+MODES = ("schedule", "sink", "serial")
+
+
+def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedule",
+                   kinds: tuple[str, ...] | None = None) -> list[fx.Node]:
+    """A new order of ``s.nodes``: the spine in its order, collectives placed by
+    ``mode`` under ``budget``. ``kinds`` limits which collectives move (default all)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return _Core(s, budget, mode, kinds).run()
+
+
+class _Core:
+    def __init__(self, s: Structure, budget: Budget, mode: str, kinds: tuple[str, ...] | None):
+        self.s, self.budget, self.mode = s, budget, mode
+        managed = [c for c in s.movable if kinds is None or c.kind in kinds]
+        self.managed = {c.start: c for c in managed}
+        self.move_starts = mode != "sink"
+        # In "sink" mode a wait already in place (no compute before its target) stays.
+        compute_before = [0]
+        for node in s.nodes:
+            compute_before.append(compute_before[-1] + (node not in s.bundled))
+        self.moving: set[fx.Node] = set()   # members of bundles placed by the core, not the spine
+        self.waits_at: dict[fx.Node, list[fx.Node]] = {}    # target -> waits placed just before it
+        for c in managed:
+            if self.move_starts:
+                self.moving.update(s.start_bundle[c.start])
+            for wait in c.waits:
+                target = s.target[wait]
+                if not self.move_starts and compute_before[s.pos[target]] == compute_before[s.pos[wait] + 1]:
+                    continue
+                self.moving.update(s.wait_bundle[wait])
+                self.waits_at.setdefault(target, []).append(wait)
+        for waits in self.waits_at.values():
+            waits.sort(key=s.wait_key)
+        self.flight = InFlight(s.held)
+        self.order: list[fx.Node] = []
+        self.placed: set[fx.Node] = set()
+        self.issued: set[fx.Node] = set()
+        self.waits_left = {c.start: len(c.waits) for c in managed}
+        self.region = 0
+        self.dirty = True
+
+
+        # Readiness: a start may issue once every external input of its bundle is
+        # placed; an input that is another collective's wait counts once that
+        # collective is issued (issuing then places the wait first).
+        self.missing: dict[fx.Node, int] = {}
+        self.blocked_on: dict[fx.Node, list[fx.Node]] = {}
+        self.ready: list[tuple[int, str]] = []              # other kinds, by position
+        self.later: dict[int, list[fx.Node]] = {}            # region -> ready starts not yet in ready
+        self.by_name: dict[str, Collective] = {}
+        self.lanes: dict[tuple[str, int], list[fx.Node]] = {}  # all-gathers in consumer order
+        self.head: dict[tuple[str, int], int] = {}
+        if self.move_starts:
+            for c in managed:
+                self.by_name[c.start.name] = c
+                inputs = [self._producer(i) for i in s.bundle_inputs[c.start]]
+                self.missing[c.start] = len(inputs)
+                for node in inputs:
+                    self.blocked_on.setdefault(node, []).append(c.start)
+                if c.kind == "all_gather":
+                    self.lanes.setdefault(self._lane(c), []).append(c.start)
+            for lane, starts in self.lanes.items():
+                starts.sort(key=lambda start: (s.key[start], s.pos[start]))
+                self.head[lane] = 0
+            self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
+
+    # -- bookkeeping -----------------------------------------------------------------
+    def _producer(self, node: fx.Node) -> fx.Node:
+        """What readiness waits for: the start of the collective whose wait bundle
+        holds ``node``, else ``node`` itself."""
+        wait = self.s.wait_of_member.get(node)
+        if wait is not None and node in self.moving:
+            return self.s.coll_of_wait[wait].start
+        return node
+
+    def _release(self, region: int) -> None:
+        """Move ready starts of ``region`` (now open) onto the ready heap."""
+        for start in self.later.pop(region, ()):
+            heapq.heappush(self.ready, (self.s.pos[start], start.name))
+
+    def _lane(self, c: Collective) -> tuple[str, int]:
+        return c.group, self.s.region_of(c.start)
+
+    def _place(self, node: fx.Node) -> None:
+        self.order.append(node)
+        self.placed.add(node)
+        for start in self.blocked_on.get(node, ()):
+            self.missing[start] -= 1
+            if self.missing[start] == 0:
+                self.dirty = True
+            if self.missing[start] == 0 and self.managed[start].kind != "all_gather":
+                if self.s.region_of(start) <= self.region:
+                    heapq.heappush(self.ready, (self.s.pos[start], start.name))
+                else:
+                    self.later.setdefault(self.s.region_of(start), []).append(start)
+
+    def _issue(self, c: Collective) -> None:
+        for node in self.s.bundle_inputs[c.start]:
+            self._ensure(node)
+        self.issued.add(c.start)
+        for member in self.s.start_bundle[c.start]:
+            self._place(member)
+        self.flight.open(c)
+        if c.kind == "all_gather":
+            lane = self._lane(c)
+            starts = self.lanes[lane]
+            while self.head[lane] < len(starts) and starts[self.head[lane]] in self.issued:
+                self.head[lane] += 1
+        if self.mode == "serial" and c.kind != "all_gather":
+            self._wait(c)
+
+    def _ensure(self, node: fx.Node) -> None:
+        """Place ``node`` now if it is a bundle member not yet placed (something
+        placed next reads it): issue its collective, and wait it for a wait's member."""
+        if node in self.placed:
+            return
+        start = self.s.start_of_member.get(node)
+        wait = self.s.wait_of_member.get(node)
+        if node not in self.moving or (start is None and wait is None):
+            raise AssertionError(f"overlapc internal error: {node.name} is read before it is placed")
+        c = self.managed[start] if start is not None else self.s.coll_of_wait[wait]
+        if c.start not in self.issued:
+            self._force_issue(c)
+        if wait is not None:
+            self._wait(c)
+
+    def _wait_one(self, wait: fx.Node) -> None:
+        c = self.s.coll_of_wait[wait]
+        for member in self.s.wait_bundle[wait]:
+            self._place(member)
+        self.waits_left[c.start] -= 1
+        if self.waits_left[c.start] == 0:
+            self.flight.close(c)
+            self.dirty = True
+
+    def _wait(self, c: Collective) -> None:
+        """Place every wait of ``c`` not yet placed, in wait order."""
+        for wait in sorted(c.waits, key=self.s.wait_key):
+            if wait not in self.placed:
+                self._wait_one(wait)
+
+    # -- the budget ----------------------------------------------------------------------
+    def _count_full(self, c: Collective) -> bool:
+        limit = self.budget.max_count
+        return limit is not None and self.flight.count(c.group, c.kind) >= limit
+
+    def _bytes_over(self, c: Collective) -> bool:
+        limit = self.budget.max_bytes.get(c.group)
+        return limit is not None and self.flight.nbytes(c.group) + self.s.held[c.start] > limit
+
+    def _gather_fits(self, c: Collective) -> bool:
+        """May all-gather ``c`` be issued ahead of its consumer now (waiting open
+        collectives of other kinds for room if needed)?"""
+        if self.mode == "serial" or self._count_full(c):
+            return False
+        room = self.budget.gather_room(c.group)
+        return room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room
+
+    def _make_room(self, c: Collective, gathers: bool) -> None:
+        """Wait the oldest open collectives of ``c``'s group until ``c`` fits or
+        nothing more may be waited (all-gathers only when ``gathers``)."""
+        while True:
+            if self._count_full(c):
+                victim = self.flight.oldest(c.group, kind=c.kind)
+            elif self._bytes_over(c):
+                victim = self.flight.oldest(c.group, gathers=gathers)
+            else:
+                return
+            if victim is None:
+                return
+            self._wait(victim)
+
+    # -- issuing ---------------------------------------------------------------------------
+    def _issue_ready(self) -> None:
+        """Issue what may go now: ready non-all-gathers, then all-gathers that fit.
+        Nothing to do unless a start became ready, a wait freed room or a region opened."""
+        if not self.move_starts or not self.dirty:
+            return
+        self.dirty = False
+        while self.ready:
+            _, name = heapq.heappop(self.ready)
+            c = self.by_name[name]
+            if c.start in self.issued:
+                continue
+            self._make_room(c, gathers=False)
+            self._issue(c)
+        for lane in self.lane_order:
+            if lane[1] != self.region:
+                continue
+            starts = self.lanes[lane]
+            while self.head[lane] < len(starts):
+                c = self.managed[starts[self.head[lane]]]
+                if self.missing[c.start] or not self._gather_fits(c):
+                    break
+                self._make_room(c, gathers=False)
+                self._issue(c)
+
+    def _force_issue(self, c: Collective) -> None:
+        """Issue ``c`` now because its wait is due (all-gathers before it in its lane first)."""
+        if c.kind == "all_gather":
+            lane, starts = self._lane(c), self.lanes[self._lane(c)]
+            while c.start not in self.issued:
+                earlier = self.managed[starts[self.head[lane]]]
+                self._make_room(earlier, gathers=True)
+                self._issue(earlier)
+        else:
+            self._make_room(c, gathers=False)
+            self._issue(c)
+
+    # -- the walk ---------------------------------------------------------------------------
+    def run(self) -> list[fx.Node]:
+        s = self.s
+        spine = [n for n in s.nodes if n not in self.moving]
+        placed, waits_at = self.placed, self.waits_at
+        for index, node in enumerate(spine):
+            due = waits_at.get(node)
+            if due:
+                for wait in due:
+                    if wait in placed:
+                        continue
+                    c = s.coll_of_wait[wait]
+                    if self.move_starts and c.start not in self.issued:
+                        self._force_issue(c)
+                    if wait not in placed:
+                        self._wait_one(wait)
+                self._issue_ready()   # a wait freed room: the next all-gather goes now
+            for i in node._input_nodes:
+                if i not in placed:
+                    self._ensure(i)
+            self._place(node)
+            if not self.move_starts and node in self.managed:
+                self.flight.open(self.managed[node])
+            if node in s.is_barrier:
+                self.region += 1
+                self._release(self.region)
+                self.dirty = True
+            following = spine[index + 1] if index + 1 < len(spine) else None
+            if node.op == "placeholder" and following is not None and following.op == "placeholder":
+                continue   # keep placeholders together at the top
+            self._issue_ready()
+        if len(self.order) != len(s.nodes):
+            raise AssertionError("overlapc internal error: schedule lost nodes")
+        return self.order

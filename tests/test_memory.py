@@ -1,0 +1,81 @@
+"""The memory tracker and the memory guarantee on captured training graphs."""
+import copy
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import overlapc
+from overlapc.backend import capture
+from overlapc.passes.memory import Liveness, peak_bytes
+from graphs import F
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def test_live_bytes_by_hand(fake_pg):
+    def f(x, w):
+        g = F.all_gather_into_tensor(w, 8, "0")      # output 8 x 2 x 4 floats, input held to its wait
+        y = torch.relu(x)                            # 16 floats
+        full = F.wait_tensor(g).view(16, 4)          # aliases g: no new bytes
+        return (y @ full.t()).sum()
+
+    gm = make_fx(f)(torch.randn(4, 4), torch.randn(2, 4))
+    nodes = list(gm.graph.nodes)
+    live = dict(zip([n.name for n in nodes], Liveness(nodes).live_bytes(nodes)))
+    x, w, g, y = 16 * 4, 8 * 4, 64 * 4, 16 * 4
+    assert live["all_gather_into_tensor"] == x + w + g
+    assert live["relu"] == x + w + g + y                 # w held by the all-gather until its wait
+    assert live["wait_tensor"] == w + g + y               # x freed after relu; w read by the wait
+    assert live["mm"] == g + y + 4 * 16 * 4               # the gathered weight lives until mm
+    assert peak_bytes(nodes) == live["mm"] > live["relu"]
+
+
+def _build(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build()
+
+
+@pytest.fixture(scope="module")
+def captured(fake_pg):
+    """Forward and backward graphs of two example models, as captured before scheduling."""
+    graphs = {}
+    for name in ("llama", "mlp"):
+        model, inputs = _build(name)
+        for record in capture(model, inputs, {"enabled": False}):
+            graphs[f"{name}/{record.name}"] = record.gm
+    return graphs
+
+
+def _peak_ratio(gm, options):
+    before = peak_bytes(list(gm.graph.nodes))
+    scheduled = copy.deepcopy(gm)
+    overlapc.schedule(scheduled, dict(options, on_error="raise"), recompile=False)
+    return peak_bytes(list(scheduled.graph.nodes)) / before
+
+
+def test_default_schedule_keeps_peak_memory_within_ten_percent(captured):
+    assert sorted(captured) == ["llama/bw_0", "llama/fw_0", "mlp/bw_0", "mlp/fw_0"]
+    for name, gm in captured.items():
+        assert len(overlapc.collectives(gm)) >= 8, name
+        assert _peak_ratio(gm, {}) <= 1.10, name
+
+
+def test_without_a_byte_budget_the_backward_holds_its_gradients(captured):
+    """The regression the budget fixes: reduce-scatters held to the end of the backward."""
+    unlimited = {"max_in_flight": None, "max_in_flight_bytes": None}
+    assert _peak_ratio(captured["llama/bw_0"], unlimited) > 1.10
+    assert _peak_ratio(captured["llama/bw_0"], {}) < _peak_ratio(captured["llama/bw_0"], unlimited)
+
+
+def test_verify_reports_the_peaks_it_checked(captured):
+    gm = copy.deepcopy(captured["llama/bw_0"])
+    overlapc.schedule(gm, {"on_error": "raise"}, recompile=False)
+    stats = overlapc.verify(gm)
+    assert stats["peak_bytes"] == peak_bytes(list(gm.graph.nodes))
+    assert stats["peak_bytes"] <= stats["reference_peak_bytes"] + stats["peak_in_flight_bytes"]
+    assert 0 < stats["peak_in_flight_bytes"]
