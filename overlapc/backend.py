@@ -1,8 +1,18 @@
 """The torch.compile backend: AOTAutograd -> overlapc.schedule -> Inductor.
 
-``torch.compile(model, backend="overlapc", options={...}, mode=...)`` finds this
-module through the ``torch_dynamo_backends`` entry point, so no import of
-overlapc is needed (and importing it registers nothing twice).
+``torch.compile(model, backend="overlapc", options={...})`` finds this module
+through the ``torch_dynamo_backends`` entry point, so no import of overlapc is
+needed (and importing it registers nothing twice). torch.compile rejects
+``mode=`` together with ``options=``; name the Inductor mode among the options
+instead, and its Inductor settings are applied with overlapc's own::
+
+    torch.compile(model, backend="overlapc",
+                  options={"max_in_flight": 2, "inductor_mode": "max-autotune"})
+
+``options={"profile": "cpu:ethernet" | "path/to/profile.json"}`` sets the
+estimates of the per-graph INFO line and of the ``dump_dir`` reports (a
+built-in "device:link" or a file written by ``overlapc calibrate``; default
+h100:nvlink).
 
 With ``inner="inductor"`` (default) the schedule runs as Inductor's
 ``post_grad_custom_post_pass`` on the forward and backward graphs, after
@@ -27,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from overlapc.config import OverlapConfig
-from overlapc.passes.pipeline import schedule
+from overlapc.passes.pipeline import schedule, unscheduled_order
 
 log = logging.getLogger("overlapc")
 
@@ -73,6 +83,8 @@ def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
     schedule(gm, cfg, recompile=recompile)
     if not want_record:
         return
+    # After bucketing/chunking, "before" is the rewritten graph's order before scheduling.
+    before_order = unscheduled_order(gm, before_order)
     record = GraphRecord(_graph_name.get(), gm, before_order, before_code,
                          gm.print_readable(print_output=False))
     if sink is not None:
@@ -80,7 +92,7 @@ def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
     if cfg.dump_dir:
         from overlapc.report import write_artifacts
         folder = os.path.join(cfg.dump_dir, f"rank{_rank()}", record.name)
-        write_artifacts(record, folder)
+        write_artifacts(record, folder, cfg.profile)
         log.info("overlapc: wrote %s", folder)
 
 
@@ -176,8 +188,17 @@ def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None) -
 def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None,
                      mode: str | None = None):
     """torch.compile backend. ``options`` keys are OverlapConfig fields (unknown
-    key -> ValueError naming the closest); ``mode`` goes to Inductor unchanged."""
+    key -> ValueError naming the closest). The Inductor mode is
+    ``options["inductor_mode"]`` (or ``mode``, for direct callers): its
+    ``torch._inductor.list_mode_options`` settings are patched in with
+    overlapc's own (``INDUCTOR_PATCHES`` win where both set a key). ValueError
+    for an unknown mode, a mode with ``inner="aot_eager"``, both ``mode`` and
+    ``inductor_mode``, or a profile that does not resolve."""
     cfg = OverlapConfig.from_options(options)
+    mode = _inductor_mode(cfg, mode)
+    if cfg.profile is not None:
+        from overlapc import costmodel
+        costmodel.resolve(cfg.profile)   # a bad path fails now, not in the first dump
     index = _next_index()
     log.info("overlapc: compiling with %s", cfg)
     if cfg.enabled and _uses_gloo():
@@ -196,6 +217,24 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
     return compile_fx(gm, example_inputs, inner_compile=_named("fw", compile_fx_inner, index),
                       config_patches=patches)
+
+
+def _inductor_mode(cfg: OverlapConfig, mode: str | None) -> str | None:
+    """The one Inductor mode asked for (options' inductor_mode or the mode argument), checked."""
+    if mode is not None and cfg.inductor_mode is not None and mode != cfg.inductor_mode:
+        raise ValueError(f"overlapc: mode={mode!r} and options['inductor_mode']={cfg.inductor_mode!r} "
+                         f"disagree; give the mode once, as options['inductor_mode']")
+    mode = mode if mode is not None else cfg.inductor_mode
+    if mode is None:
+        return None
+    if cfg.inner != "inductor":
+        raise ValueError(f"overlapc: inductor_mode={mode!r} needs inner='inductor', got inner={cfg.inner!r}")
+    from torch._inductor import list_mode_options
+    try:
+        list_mode_options(mode)
+    except RuntimeError as error:
+        raise ValueError(f"overlapc: unknown inductor_mode {mode!r}: {error}") from None
+    return mode
 
 
 def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | None = None) -> list[GraphRecord]:

@@ -1,4 +1,4 @@
-"""``overlapc dump | report | timeline | demo``: capture, schedule and explain a model's graphs.
+"""``overlapc dump | report | timeline | calibrate | demo``: capture, schedule and explain a model's graphs.
 
 TARGET is ``path/to/file.py:function`` or ``module:function``. The function
 takes no arguments and returns ``(model, example_inputs)``; it runs after the
@@ -7,10 +7,16 @@ world size) of ``--world-size`` ranks as ``--rank``, so it may build device
 meshes and shard the model (``overlapc.fsdp.shard``). The CLI then runs one
 forward and backward through ``overlapc.backend.capture`` and works on the
 scheduled graphs ("fw_0", "bw_0", ...; ``--graph fw|bw|all`` selects). The
-schedule's options are ``--max-in-flight K|none`` and
-``--max-in-flight-bytes B|none`` (B may end in KiB, MiB or GiB); the estimates
-use ``--device``/``--link`` and any of ``--tflops --mem-gbps --link-gbps
---latency-us`` (``overlapc.costmodel.profile``).
+schedule's options are ``--max-in-flight K|none``,
+``--max-in-flight-bytes B|auto|none`` (B may end in KiB, MiB or GiB),
+``--bucket module|B|none`` and ``--chunks N``. The estimates
+use ``--profile NAME|FILE`` (a built-in "device:link" name or a file written
+by ``overlapc calibrate``), else ``--device``/``--link`` (default h100 and
+nvlink: a plan for that machine, not a measurement of this one), with any of
+``--tflops --mem-gbps --link-gbps --latency-us`` replacing the profile's own
+numbers (``overlapc.costmodel.profile``); ``--profile`` beats
+``--device``/``--link``. Every report names the profile it used and where it
+came from.
 
     overlapc dump TARGET --world-size N [--out DIR]
         DIR/<graph>/before.txt, after.txt, report.txt, report.json
@@ -19,6 +25,13 @@ use ``--device``/``--link`` and any of ``--tflops --mem-gbps --link-gbps
         Per-collective rows and a summary per graph, on stdout.
     overlapc timeline TARGET --world-size N [-o trace.json]
         The simulated schedule before and after, as a Chrome / Perfetto trace.
+    overlapc calibrate [--world-size N] [-o profile.json] [--quick]
+        Measure this machine (``overlapc.calibrate``): collectives on N local
+        gloo ranks on 127.0.0.1 (N >= 2; spawned here), or on the ranks of a
+        torchrun launch (RANK/WORLD_SIZE/MASTER_ADDR in the environment: every
+        rank runs the command, rank 0 writes), or compute only (N = 1, the
+        default without torchrun; ``--link`` names the built-in link to
+        record). Writes the profile file ("overlapc.profile/1").
     overlapc demo [ARGS...]
         ``overlapc.demo.main(ARGS)``.
 
@@ -35,9 +48,11 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
 
     {"schema": "overlapc.cli.report/1",
      "target": "examples/mlp.py:build", "world_size": 8, "rank": 0,
-     "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | null, "enabled": bool},
+     "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | null,
+                "bucket": "module" | int | null, "chunks": int, "enabled": bool},
      "profile": {"device": {"name", "tflops", "mem_gbps"},
-                 "link": {"name", "gbps", "latency_us"}},
+                 "link": {"name", "gbps", "latency_us", "per_kind": [[kind, gbps, latency_us], ...]},
+                 "name": "h100:nvlink" | profile file path, "source": where the numbers came from},
      "graphs": [{"name": "fw_0",
                  "rows": [<overlapc.report.Row fields>, ...],   # issue order after
                  "summary": {<overlapc.report.summary keys>}}, ...]}
@@ -85,10 +100,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def _limit(text: str) -> int | None:
-    """'none' -> None; '8', '64MiB', '1GiB' -> int >= 1."""
+def _limit(text: str) -> int | str | None:
+    """'none' -> None; 'auto' and 'module' pass through; '8', '64MiB', '1GiB' -> int >= 1."""
     if text.strip().lower() == "none":
         return None
+    if text.strip().lower() in ("auto", "module"):
+        return text.strip().lower()
     match = re.fullmatch(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*", text)
     if not match or int(match.group(1)) < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1 (may end in KiB, MiB, GiB) or 'none', "
@@ -106,11 +123,17 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--rank", type=int, default=0, metavar="R", help="this process's rank (default 0)")
     common.add_argument("--graph", choices=("fw", "bw", "all"), default="all", help="graphs to show (default all)")
     common.add_argument("--max-in-flight", type=_limit, default=argparse.SUPPRESS, metavar="K|none",
-                        help="all-gathers of one group in flight, at most (default: OverlapConfig's)")
-    common.add_argument("--max-in-flight-bytes", type=_limit, default=argparse.SUPPRESS, metavar="B|none",
-                        help="bytes of all-gathers in flight, at most (e.g. 64MiB)")
-    common.add_argument("--device", choices=sorted(costmodel.DEVICES), default="h100", help="(default h100)")
-    common.add_argument("--link", choices=sorted(costmodel.LINKS), default="nvlink", help="(default nvlink)")
+                        help="collectives of one group and kind in flight, at most (default: OverlapConfig's)")
+    common.add_argument("--max-in-flight-bytes", type=_limit, default=argparse.SUPPRESS, metavar="B|auto|none",
+                        help="bytes held in flight per group, at most (e.g. 64MiB; default auto)")
+    common.add_argument("--bucket", type=_limit, default=argparse.SUPPRESS, metavar="module|B|none",
+                        help="merge collectives: one bucket per block, a byte target, or none")
+    common.add_argument("--chunks", type=int, default=argparse.SUPPRESS, metavar="N",
+                        help="split critical-path collectives into N pipelined pieces (default 1: off)")
+    common.add_argument("--profile", metavar="NAME|FILE", help="estimates from a built-in 'device:link' "
+                        "profile or a file written by `overlapc calibrate` (beats --device/--link)")
+    common.add_argument("--device", choices=sorted(costmodel.DEVICES), help="(default h100)")
+    common.add_argument("--link", choices=sorted(costmodel.LINKS), help="(default nvlink)")
     common.add_argument("--tflops", type=float, help="device FLOP rate, TFLOP/s")
     common.add_argument("--mem-gbps", type=float, help="device memory bandwidth, GB/s")
     common.add_argument("--link-gbps", type=float, help="link bus bandwidth, GB/s")
@@ -128,6 +151,17 @@ def _parser() -> argparse.ArgumentParser:
                                    "Chrome/Perfetto trace")
     timeline.add_argument("-o", "--out", default="overlapc-trace.json", metavar="FILE",
                           help="(default overlapc-trace.json)")
+    calibrate = commands.add_parser("calibrate", help="measure collectives and compute here; write a profile")
+    calibrate.add_argument("--world-size", type=int, metavar="N", help="local gloo ranks to spawn (>= 2 measures "
+                           "collectives; 1 = compute only; default: torchrun's WORLD_SIZE, else 1)")
+    calibrate.add_argument("-o", "--out", default="overlapc-profile.json", metavar="FILE",
+                           help="(default overlapc-profile.json)")
+    calibrate.add_argument("--quick", action="store_true", help="a short sweep (3 sizes, 5 runs each)")
+    calibrate.add_argument("--link", choices=sorted(costmodel.LINKS), default="ethernet",
+                           help="built-in link recorded when no collective is measured (default ethernet)")
+    calibrate.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                           help="give up (and kill the spawned ranks) after S seconds (default 600)")
+    calibrate.add_argument("--quiet", action="store_true", help="no progress on stderr")
     commands.add_parser("demo", help="run overlapc.demo (arguments pass through)", add_help=False)
     return parser
 
@@ -141,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         return _run(args)
     except UsageError as error:
-        command = next((a for a in argv if a in ("dump", "report", "timeline")), "")
+        command = next((a for a in argv if a in ("dump", "report", "timeline", "calibrate")), "")
         message = " ".join(str(error).split())
         print(f"overlapc{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2
@@ -160,20 +194,82 @@ def _demo(argv: list[str]) -> int:
     return int(demo.main(argv) or 0)
 
 
+def estimates(args: argparse.Namespace):
+    """The Profile the flags ask for: --profile beats --device/--link; explicit numbers beat both."""
+    from overlapc import costmodel
+
+    numbers = dict(tflops=args.tflops, mem_gbps=args.mem_gbps, link_gbps=args.link_gbps,
+                   latency_us=args.latency_us)
+    if args.profile is not None:
+        if all(v is None for v in numbers.values()):
+            return costmodel.resolve(args.profile)
+        return costmodel.profile(args.profile, **numbers)
+    if args.device is None and args.link is None and all(v is None for v in numbers.values()):
+        return costmodel.resolve(None)
+    return costmodel.profile(args.device or "h100", args.link or "nvlink", **numbers)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from overlapc import calibrate
+
+    env_world = os.environ.get("WORLD_SIZE")
+    torchrun = env_world is not None and os.environ.get("MASTER_ADDR") is not None and "RANK" in os.environ
+    world_size = args.world_size if args.world_size is not None else (int(env_world) if torchrun else 1)
+    if world_size < 1:
+        raise UsageError(f"world size must be >= 1, got {world_size}")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be > 0, got {args.timeout}")
+    if os.path.isdir(args.out):
+        raise UsageError(f"{args.out} is a folder; -o takes a file name")
+    _check_writable(os.path.dirname(os.path.abspath(args.out)))
+
+    def say(message: str) -> None:
+        if not args.quiet:
+            print(f"overlapc calibrate: {message}", file=sys.stderr, flush=True)
+
+    if torchrun and world_size == int(env_world):
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        try:
+            calibrate.run_in_group(args.out, args.quick, args.link,
+                                   say if dist.get_rank() == 0 else (lambda message: None))
+            rank = dist.get_rank()
+        finally:
+            dist.destroy_process_group()
+        if rank == 0:
+            say(f"wrote {args.out}")
+        return 0
+    say(f"measuring {'collectives on ' + str(world_size) + ' local gloo ranks and ' if world_size > 1 else ''}"
+        f"compute{' (quick sweep)' if args.quick else ''} ...")
+    try:
+        calibrate.run_local(world_size, args.out, args.quick, args.timeout, args.link, verbose=False)
+    except RuntimeError as error:
+        raise UsageError(str(error).splitlines()[0]) from error
+    say(f"wrote {args.out}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
-    from overlapc import backend, costmodel
+    from overlapc import backend
     from overlapc.collectives import collectives
     from overlapc.config import OverlapConfig
 
+    if args.command == "calibrate":
+        return _calibrate(args)
     if args.world_size < 1:
         raise UsageError(f"world size must be >= 1, got {args.world_size}")
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"rank {args.rank} is not in [0, {args.world_size})")
-    options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes") if hasattr(args, k)}
+    options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket", "chunks")
+               if hasattr(args, k)}
     try:
         cfg = OverlapConfig.from_options(options)
-        profile = costmodel.profile(args.device, args.link, tflops=args.tflops, mem_gbps=args.mem_gbps,
-                                    link_gbps=args.link_gbps, latency_us=args.latency_us)
+        profile = estimates(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.command == "dump":
@@ -188,6 +284,11 @@ def _run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(message, file=sys.stderr, flush=True)
 
+    if args.profile is not None and (args.device or args.link):
+        say(f"using --profile {args.profile}; --device/--link ignored")
+    if args.profile is not None:
+        options["profile"] = args.profile   # the backend's own log lines use it too
+
     with _process_group(args.world_size, args.rank):
         built = build()
         if not (isinstance(built, (tuple, list)) and len(built) == 2 and callable(built[0])):
@@ -201,7 +302,8 @@ def _run(args: argparse.Namespace) -> int:
         if not records:
             raise UsageError(f"{args.target} produced no {'' if args.graph == 'all' else args.graph + ' '}graph")
         header = {"target": args.target, "world_size": args.world_size, "rank": args.rank,
-                  "config": {k: getattr(cfg, k) for k in ("max_in_flight", "max_in_flight_bytes", "enabled")},
+                  "config": {k: getattr(cfg, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket",
+                                                          "chunks", "enabled")},
                   "profile": dataclasses.asdict(profile)}
         if args.command == "dump":
             _dump(records, args.out, profile, say)
@@ -303,10 +405,13 @@ def _report(records, header: dict, profile, fmt: str) -> str:
     lines = [
         f"overlapc report {header['target']}: world size {header['world_size']}, rank {header['rank']}",
         f"schedule: max_in_flight={_or_none(config['max_in_flight'])}, "
-        f"max_in_flight_bytes={_or_none(config['max_in_flight_bytes'])}"
+        f"max_in_flight_bytes={_or_none(config['max_in_flight_bytes'])}, bucket={_or_none(config['bucket'])}, "
+        f"chunks={config['chunks']}"
         + ("" if config["enabled"] else " (disabled: OVERLAPC_DISABLE)"),
-        f"estimates: {device.name} {device.tflops:g} TFLOP/s, {device.mem_gbps:g} GB/s memory; "
-        f"{link.name} {link.gbps:g} GB/s, {link.latency_us:g} us latency",
+        f"profile: {profile.source or profile.name}",
+        f"estimates: {device.name} {device.tflops:.3g} TFLOP/s, {device.mem_gbps:.3g} GB/s memory; "
+        f"{link.name} {link.gbps:.3g} GB/s, {link.latency_us:.3g} us latency"
+        + "".join(f"; {kind} {gbps:.3g} GB/s, {lat:.3g} us" for kind, gbps, lat in link.per_kind),
     ]
     return "\n".join(lines) + "\n" + "".join("\n" + report.format_graph(*graph) for graph in graphs)
 

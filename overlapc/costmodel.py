@@ -12,7 +12,25 @@ simulator:
   bytes, and a node without shapes costs 0.
 * ``collective_ms(collective, link, world_size)``: ``latency + bytes x ring
   factor / bandwidth`` (the standard ring-algorithm bus-bandwidth model, as in
-  nccl-tests' PERFORMANCE.md).
+  nccl-tests' PERFORMANCE.md), with the link's numbers for the collective's
+  kind when the link has them (a calibrated profile does).
+
+Profiles (``resolve(spec)`` / ``profile(...)``): a built-in "device:link" name
+("h100:nvlink", the default; "cpu:ethernet", ...) or the path of a JSON file
+written by ``overlapc calibrate`` (schema ``PROFILE_SCHEMA``, below). Every
+Profile says where its numbers came from (``Profile.source``).
+
+Profile file ("overlapc.profile/1")::
+
+    {"schema": "overlapc.profile/1",
+     "device": {"name": str, "tflops": float > 0, "mem_gbps": float > 0},
+     "link": {"name": str, "gbps": float > 0, "latency_us": float >= 0},
+     "collectives": {<kind>: {"gbps": float > 0, "latency_us": float >= 0,
+                              "samples": [{"bytes": int, "ms": float, "fit_ms": float}, ...]}, ...},
+     "measured": {...}}   # how it was measured (free form; see overlapc.calibrate)
+
+``link`` serves kinds without an entry in ``collectives``; ``samples`` and
+``measured`` are informational (not read back).
 
 Units: TFLOP/s for compute, GB/s (10^9 *bytes* per second) for memory and
 links, microseconds for latency, milliseconds for every estimate returned.
@@ -38,7 +56,9 @@ ethernet   100 Gb/s Ethernet (RoCE / TCP) = 12.5 GB/s x 0.80 = 10 GB/s;
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
+import os
 
 import torch
 import torch.fx as fx
@@ -58,19 +78,35 @@ class DeviceProfile:
 
 @dataclasses.dataclass(frozen=True)
 class LinkProfile:
-    """A collective link: achieved bus bandwidth per GPU (GB/s) and per-collective latency (us)."""
+    """A collective link: achieved bus bandwidth per GPU (GB/s) and per-collective latency (us).
+
+    ``per_kind``: ((kind, gbps, latency_us), ...) measured per collective kind
+    (sorted by kind); kinds not listed use ``gbps`` and ``latency_us``."""
 
     name: str
     gbps: float
     latency_us: float
+    per_kind: tuple[tuple[str, float, float], ...] = ()
+
+    def for_kind(self, kind: str) -> tuple[float, float]:
+        """(gbps, latency_us) for collectives of ``kind``."""
+        for name, gbps, latency_us in self.per_kind:
+            if name == kind:
+                return gbps, latency_us
+        return self.gbps, self.latency_us
 
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """What the simulator needs: one device and the link its collectives use."""
+    """What the simulator needs: one device and the link its collectives use.
+
+    ``name``: "h100:nvlink" for built-ins, the file's path for a calibrated
+    profile; ``source``: where the numbers came from, for people (report headers)."""
 
     device: DeviceProfile
     link: LinkProfile
+    name: str = ""
+    source: str = ""
 
 
 DEVICES = {
@@ -85,30 +121,132 @@ LINKS = {
 }
 
 
-def profile(device: str = "h100", link: str = "nvlink", tflops: float | None = None,
+PROFILE_SCHEMA = "overlapc.profile/1"
+DEFAULT = "h100:nvlink"
+
+
+def profile(device: str = "h100", link: str | None = None, tflops: float | None = None,
             mem_gbps: float | None = None, link_gbps: float | None = None,
             latency_us: float | None = None) -> Profile:
-    """A Profile from built-in names, with any number given explicitly replacing the built-in one.
+    """A Profile from built-in names, or from a "device:link" name or a profile file
+    path given as ``device``, with any number given explicitly replacing the
+    profile's own (``link_gbps``/``latency_us`` then apply to every kind).
 
-    Unknown names raise ValueError listing the valid ones; overrides must be
-    positive (latency may be 0).
+    ``link`` defaults to "nvlink" for a built-in device. Unknown names raise
+    ValueError listing the valid ones; overrides must be positive (latency may be 0).
     """
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; valid: {', '.join(DEVICES)}")
-    if link not in LINKS:
-        raise ValueError(f"unknown link {link!r}; valid: {', '.join(LINKS)}")
-    for name, value, floor in (("tflops", tflops, 0), ("mem_gbps", mem_gbps, 0),
-                               ("link_gbps", link_gbps, 0)):
-        if value is not None and not value > floor:
+    for name, value in (("tflops", tflops), ("mem_gbps", mem_gbps), ("link_gbps", link_gbps)):
+        if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
     if latency_us is not None and not latency_us >= 0:
         raise ValueError(f"latency_us must be >= 0, got {latency_us!r}")
-    dev, lnk = DEVICES[device], LINKS[link]
-    dev = dataclasses.replace(dev, **{k: v for k, v in (("tflops", tflops), ("mem_gbps", mem_gbps))
-                                      if v is not None})
-    lnk = dataclasses.replace(lnk, **{k: v for k, v in (("gbps", link_gbps), ("latency_us", latency_us))
-                                      if v is not None})
-    return Profile(dev, lnk)
+    if device not in DEVICES and (":" in str(device) or _looks_like_file(device)):
+        if link is not None:
+            raise ValueError(f"give either a profile ({device!r}) or a link ({link!r}), not both")
+        base = resolve(device)
+    else:
+        if device not in DEVICES:
+            raise ValueError(f"unknown device {device!r}; valid: {', '.join(DEVICES)} "
+                             f"(or a 'device:link' name, or a profile file written by overlapc calibrate)")
+        link = "nvlink" if link is None else link
+        if link not in LINKS:
+            raise ValueError(f"unknown link {link!r}; valid: {', '.join(LINKS)}")
+        base = Profile(DEVICES[device], LINKS[link], f"{device}:{link}", f"built-in {device}:{link}")
+    overrides = [f"{k}={v:g}" for k, v in (("tflops", tflops), ("mem_gbps", mem_gbps),
+                                             ("link_gbps", link_gbps), ("latency_us", latency_us))
+                 if v is not None]
+    if not overrides:
+        return base
+    dev = dataclasses.replace(base.device, **{k: v for k, v in (("tflops", tflops), ("mem_gbps", mem_gbps))
+                                              if v is not None})
+    lnk = dataclasses.replace(base.link, **{k: v for k, v in (("gbps", link_gbps), ("latency_us", latency_us))
+                                            if v is not None})
+    if link_gbps is not None or latency_us is not None:
+        lnk = dataclasses.replace(lnk, per_kind=tuple(
+            (kind, gbps if link_gbps is None else link_gbps, lat if latency_us is None else latency_us)
+            for kind, gbps, lat in lnk.per_kind))
+    return Profile(dev, lnk, base.name, f"{base.source}, with {', '.join(overrides)}")
+
+
+def _looks_like_file(spec) -> bool:
+    text = os.fspath(spec) if isinstance(spec, os.PathLike) else str(spec)
+    return text.endswith(".json") or os.sep in text or "/" in text or os.path.isfile(text)
+
+
+def resolve(spec: "str | os.PathLike | Profile | None" = None) -> Profile:
+    """The Profile a spec names: None -> the default ("h100:nvlink"); a Profile as it is;
+    "device:link" -> built-in; anything else -> a profile file (``load_profile``).
+    ValueError naming the valid built-ins when the spec is neither."""
+    if spec is None:
+        base = profile("h100", "nvlink")
+        return dataclasses.replace(base, source=f"built-in {DEFAULT} (the default)")
+    if isinstance(spec, Profile):
+        return spec
+    text = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
+    if not isinstance(text, str):
+        raise ValueError(f"a profile is a 'device:link' name or a file path, got {spec!r}")
+    device, sep, link = text.partition(":")
+    if sep and device in DEVICES and link in LINKS and not os.path.exists(text):
+        return profile(device, link)
+    if os.path.isfile(text):
+        return load_profile(text)
+    if sep and not _looks_like_file(text):
+        raise ValueError(f"unknown profile {text!r}; built-in: "
+                         f"{', '.join(f'{d}:{k}' for d in DEVICES for k in LINKS)}")
+    raise ValueError(f"no profile file {text!r}: give a built-in 'device:link' name "
+                     f"({', '.join(f'{d}:{k}' for d in DEVICES for k in LINKS)}) or a file "
+                     f"written by `overlapc calibrate -o FILE`")
+
+
+def _number(where: str, value, floor: float, strict: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not (value > floor if strict else value >= floor) or value != value or value == float("inf"):
+        raise ValueError(f"{where} must be a number {'>' if strict else '>='} {floor:g}, got {value!r}")
+    return float(value)
+
+
+def profile_from_json(document: dict, source: str = "", name: str = "") -> Profile:
+    """A Profile from a parsed profile file (schema in the module docstring);
+    ValueError naming the first field that is missing or wrong."""
+    if not isinstance(document, dict) or document.get("schema") != PROFILE_SCHEMA:
+        found = document.get("schema") if isinstance(document, dict) else type(document).__name__
+        raise ValueError(f"{source or 'profile'}: schema must be {PROFILE_SCHEMA!r}, got {found!r} "
+                         f"(write it with `overlapc calibrate -o FILE`)")
+    where = source or "profile"
+    try:
+        dev, lnk = document["device"], document["link"]
+        device = DeviceProfile(str(dev["name"]), _number(f"{where}: device.tflops", dev["tflops"], 0, True),
+                               _number(f"{where}: device.mem_gbps", dev["mem_gbps"], 0, True))
+        per_kind = []
+        for kind, numbers in sorted((document.get("collectives") or {}).items()):
+            per_kind.append((str(kind), _number(f"{where}: collectives.{kind}.gbps", numbers["gbps"], 0, True),
+                             _number(f"{where}: collectives.{kind}.latency_us", numbers["latency_us"], 0, False)))
+        link = LinkProfile(str(lnk["name"]), _number(f"{where}: link.gbps", lnk["gbps"], 0, True),
+                           _number(f"{where}: link.latency_us", lnk["latency_us"], 0, False), tuple(per_kind))
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{where}: missing or malformed field {error} (schema {PROFILE_SCHEMA})") from None
+    return Profile(device, link, name, source)
+
+
+def load_profile(path: "str | os.PathLike") -> Profile:
+    """The Profile in a file written by ``overlapc calibrate``; ValueError when it cannot be
+    read or does not follow the schema."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as source:
+            document = json.load(source)
+    except OSError as error:
+        raise ValueError(f"cannot read profile {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"profile {path} is not JSON: {error}") from None
+    measured = document.get("measured") if isinstance(document, dict) else None
+    how = ""
+    if isinstance(measured, dict):
+        parts = [f"{measured[k]}" for k in ("backend", "host", "created") if measured.get(k)]
+        if measured.get("world_size"):
+            parts.insert(1, f"{measured['world_size']} ranks")
+        how = f" (calibrated: {', '.join(parts)})" if parts else ""
+    return profile_from_json(document, source=f"file {path}{how}", name=path)
 
 
 # -- compute --------------------------------------------------------------------------------------
@@ -313,7 +451,8 @@ def collective_bytes(c: Collective) -> int | None:
 def collective_ms(collective: Collective, link: LinkProfile, world_size: int | None = None) -> float:
     """latency + full bytes x ring factor / bandwidth, in ms.
 
-    Ring factor for n ranks: (n-1)/n for all_gather, reduce_scatter and
+    Bandwidth and latency are the link's for the collective's kind
+    (``LinkProfile.for_kind``). Ring factor for n ranks: (n-1)/n for all_gather, reduce_scatter and
     all_to_all, 2(n-1)/n for all_reduce, 1 for broadcast (and unknown kinds).
     n is the collective's group size, else ``world_size``, else the size of
     its process group if one is registered; when none is known the factor's
@@ -326,4 +465,13 @@ def collective_ms(collective: Collective, link: LinkProfile, world_size: int | N
     else:
         ring = phases * ((n - 1) / n if n else 1.0)
     nbytes = collective_bytes(collective) or 0
-    return link.latency_us * 1e-3 + nbytes * ring / (link.gbps * 1e9) * 1e3
+    gbps, latency_us = link.for_kind(collective.kind)
+    return latency_us * 1e-3 + nbytes * ring / (gbps * 1e9) * 1e3
+
+
+def ring_factor(kind: str, n: int | None) -> float:
+    """The factor ``collective_ms`` multiplies a ``kind`` collective's full bytes by, for ``n`` ranks."""
+    phases = _RING_PHASES.get(kind)
+    if phases is None:
+        return 1.0
+    return phases * ((n - 1) / n if n else 1.0)

@@ -1,11 +1,14 @@
 """`make demo` / `overlapc demo`: 2 local gloo ranks train a small sharded transformer.
 
-Each rank builds the same model, shards it with overlapc.fsdp, and trains it
-twice from the same initial weights: under backend="overlapc" and under plain
-Inductor. Rank 0 prints the loss per step, the schedule overlapc chose for the
-forward and backward graphs (from the backend's own artifacts), and the median
-step time of both. A rank that dies or hangs ends the demo with a message
-instead of a hang.
+First the ranks calibrate a profile of this machine and link (``overlapc
+calibrate``'s quick sweep), so the reports' estimates are this machine's. Each
+rank builds the same model, shards it with overlapc.fsdp, and trains it twice
+from the same initial weights: under backend="overlapc" (default options unless
+flags say otherwise) and under plain Inductor. Rank 0 prints the loss per step,
+the schedule overlapc chose for the forward and backward graphs (from the
+backend's own artifacts: collectives per graph before -> after bucketing,
+estimates, peak memory), and the median step time of both. A rank that dies or
+hangs ends the demo with a message instead of a hang.
 """
 from __future__ import annotations
 
@@ -72,10 +75,19 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     data = [(torch.randn(args.batch, args.seq, args.width, generator=generator),
              torch.randn(args.batch, args.seq, args.width, generator=generator)) for _ in range(4)]
 
+    from overlapc.calibrate import run_in_group
+    profile = os.path.join(dump_dir, "profile.json")
+    say("calibrating this machine and link (quick sweep) ...", flush=True)
+    run_in_group(profile, quick=True)
+    dist.barrier()
+    options = {"dump_dir": dump_dir, "profile": profile}
+    if args.max_in_flight is not None:
+        options["max_in_flight"] = None if args.max_in_flight == 0 else args.max_in_flight
+    if args.bucket is not None:
+        options["bucket"] = {"none": None}.get(args.bucket, int(args.bucket) if args.bucket.isdigit()
+                                               else args.bucket)
     results = {}
-    for name, backend, options in (("overlapc", "overlapc", {"dump_dir": dump_dir,
-                                                               "max_in_flight": args.max_in_flight}),
-                                   ("inductor", "inductor", None)):
+    for name, backend, options in (("overlapc", "overlapc", options), ("inductor", "inductor", None)):
         torch.manual_seed(0)
         model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
         compiled = torch.compile(model, backend=backend, options=options)
@@ -89,8 +101,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
 
     if rank == 0:
         for graph in sorted(os.listdir(os.path.join(dump_dir, "rank0")), key=lambda g: (g[:2] != "fw", g)):
-            with open(os.path.join(dump_dir, "rank0", graph, "report.txt")) as report:
-                print(f"\n== schedule of {graph} (rank 0) ==\n{report.read().rstrip()}")
+            folder = os.path.join(dump_dir, "rank0", graph)
+            with open(os.path.join(folder, "report.txt")) as report:
+                text = report.read().rstrip()
+            before, after = (_count_collectives(os.path.join(folder, f)) for f in ("before.txt", "after.txt"))
+            print(f"\n== schedule of {graph} (rank 0): {before} collectives before -> {after} after ==\n{text}")
         timed = {name: statistics.median(times[1:]) for name, (_, times) in results.items()}
         same = max(abs(a - b) / max(abs(b), 1e-12)
                    for a, b in zip(results["overlapc"][0], results["inductor"][0]))
@@ -98,9 +113,15 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
               f"inductor {timed['inductor'] * 1e3:.1f} ms "
               f"(ratio {timed['inductor'] / timed['overlapc']:.2f}x); "
               f"losses agree to {same:.1e} relative")
-        print("Estimates in the reports use the h100/nvlink profile; on this plain loopback the link is "
-              "fast, so benchmarks/step_time.py shapes it to show the overlap at realistic ratios.")
+        print("Estimates in the reports use the profile calibrated above (quick sweep, noisy on shared "
+              "cores); benchmarks/step_time.py shapes the link to show the overlap at realistic ratios.")
     dist.destroy_process_group()
+
+
+def _count_collectives(path: str) -> int:
+    """Collective starts in a dumped graph's code (every functional op but wait_tensor)."""
+    with open(path) as code:
+        return sum(1 for line in code if "torch.ops._c10d_functional." in line and "wait_tensor" not in line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--max-in-flight", type=int, default=2)
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="collectives of a group and kind in flight (0 = no limit; default: overlapc's)")
+    parser.add_argument("--bucket", default=None, help='"module", a byte count, or "none" (default: overlapc\'s)')
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
     args = parser.parse_args(argv)
     if args.steps < 2:

@@ -78,7 +78,8 @@ def test_report_json_schema(capsys):
     doc = json.loads(out)
     assert doc["schema"] == cli.REPORT_SCHEMA
     assert (doc["target"], doc["world_size"], doc["rank"]) == (ALLGATHER, 8, 0)
-    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": None, "enabled": True}
+    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "auto", "bucket": None, "chunks": 1,
+                             "enabled": True}
     assert doc["profile"]["device"]["name"] == "cpu" and doc["profile"]["link"]["name"] == "ethernet"
     assert [g["name"] for g in doc["graphs"]] == ["fw_0", "bw_0"]
     for graph in doc["graphs"]:
@@ -96,7 +97,8 @@ def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     assert "schedule: max_in_flight=2, max_in_flight_bytes=65536" in out
     assert "fw_0: 12 collectives (h100, nvlink)" in out and "bw_0" not in out
     assert "hidden" in out and "exposed (" in out and "blocks.1.up" in out
-    assert "estimated exposed" in out and "peak in-flight" in out and "; step " in out
+    assert "estimated exposed" in out and "peak in flight per group: all_gather" in out and "; step " in out
+    assert "reduce_scatter" not in out   # forward only: no line for a kind it lacks
     llama = small_target(tmp_path, "llama", vocab=64, dim=32, heads=2, hidden=64, depth=1, seq=16)
     code, out, err = run(capsys, "report", llama, *WORLD, "--graph", "bw", "--quiet")
     assert code == 0, err
@@ -116,21 +118,35 @@ def test_timeline_trace_is_well_formed(tmp_path, capsys):
     assert sorted(processes.values()) == ["bw_0 after", "bw_0 before", "fw_0 after", "fw_0 before"]
     complete = [e for e in events if e["ph"] == "X"]
     for e in complete:
-        assert isinstance(e["ts"], (int, float)) and e["dur"] >= 0 and e["name"]
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["name"]
         assert e["pid"] in processes and (e["pid"], e["tid"]) in threads and "node" in e["args"]
+    # h100 + nvlink: 10 us + the gathered 128 x 128 fp32 x ring 7/8 over 360 GB/s, in us
+    gather_us = round((10e-3 + 128 * 128 * 4 * 7 / 8 / 360e9 * 1e3) * 1e3, 3)
+    assert {e["dur"] for e in complete if e["cat"] == "comm" and e["pid"] in (1, 2)} == {gather_us}
     for pid in processes:
         assert threads[(pid, 0)] == "compute" and threads[(pid, 1)] == "comm group 0"
         cats = {e["cat"] for e in complete if e["pid"] == pid}
         assert {"compute", "comm"} <= cats
     gathers = [e for e in complete if e["pid"] == 2 and e["cat"] == "comm"]
     assert len(gathers) == 4 and all(e["name"].startswith("all_gather_into_tensor") for e in gathers)
-    assert any(e["cat"] == "exposed" for e in complete)   # the first all-gather is waited on at once
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--format", "json", "--quiet")
+    assert code == 0, err
+    summaries = [g["summary"] for g in json.loads(out)["graphs"]]
+    for pid, key in ((1, "exposed_ms_before"), (2, "exposed_ms_after")):   # stalls drawn = stalls reported
+        stalls = [e["dur"] for e in complete if e["pid"] == pid and e["cat"] == "exposed"]
+        assert stalls and sum(stalls) == pytest.approx(summaries[0][key] * 1e3, abs=1e-2)
 
 
 def _bad_return_target(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("def build():\n    return 42\n")
     return f"{path}:build"
+
+
+def _json(tmp_path, document):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    return path
 
 
 def _unwritable(tmp_path):
@@ -148,11 +164,31 @@ def _unwritable(tmp_path):
     ("rank out of range", lambda t: ["report", ALLGATHER, *WORLD, "--rank", "8"], "rank 8 is not in [0, 8)"),
     ("unwritable output", lambda t: ["dump", ALLGATHER, *WORLD, *_unwritable(t)], "cannot write to"),
     ("bad flag value", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight", "0"], "--max-in-flight"),
+    ("no such profile", lambda t: ["report", ALLGATHER, *WORLD, "--profile", t / "none.json"], "no profile file"),
+    ("unknown built-in profile", lambda t: ["report", ALLGATHER, *WORLD, "--profile", "tpu:nvlink"],
+     "unknown profile 'tpu:nvlink'"),
+    ("profile of another schema", lambda t: ["report", ALLGATHER, *WORLD, "--profile", _json(t, {"schema": "x"})],
+     "schema must be 'overlapc.profile/1', got 'x'"),
+    ("calibrate world size", lambda t: ["calibrate", "--world-size", "0", "-o", t / "p.json"],
+     "world size must be >= 1"),
+    ("calibrate into a folder", lambda t: ["calibrate", "-o", t], "is a folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, make_argv, expected):
     code, out, err = run(capsys, *make_argv(tmp_path))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("overlapc ") and expected in err, err
+
+
+def test_report_header_names_the_profile_and_profile_beats_device(capsys):
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--graph", "fw", "--quiet")
+    assert code == 0, err
+    assert "\nprofile: built-in h100:nvlink (the default)\n" in out
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--graph", "fw", "--profile", "cpu:ethernet",
+                         "--device", "a100", "--link", "ib")
+    assert code == 0 and "using --profile cpu:ethernet; --device/--link ignored" in err
+    assert "\nprofile: built-in cpu:ethernet\n" in out and "fw_0: 4 collectives (cpu, ethernet)" in out
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--quiet", "--device", "a100", "--latency-us", "5")
+    assert code == 0 and "\nprofile: built-in a100:nvlink, with latency_us=5\n" in out
 
 
 def test_demo_dispatches_lazily(monkeypatch):

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -19,10 +20,11 @@ def costs(compute=None, comm=None):
 
 
 def scheduled(fn, *shapes, max_in_flight=2):
-    """Trace ``fn``, record the order, schedule; return (gm after, names before)."""
+    """Trace ``fn``, record the order, schedule under a count limit only; return (gm after, names before)."""
     gm = make_fx(fn)(*(torch.randn(s) for s in shapes))
     before = [n.name for n in gm.graph.nodes]
-    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=max_in_flight, on_error="raise"))
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=max_in_flight, max_in_flight_bytes=None,
+                                                 on_error="raise"))
     return gm, before
 
 
@@ -98,8 +100,10 @@ def test_in_flight_limit(fake_pg):
     rows = report.rows(gm, before, **LAYER_COSTS)
     assert [(r.verdict, r.reason) for r in rows] == [
         ("hidden", ""), ("exposed", "in-flight limit"), ("exposed", "in-flight limit")]
-    assert [(r.issue_before, r.issue_after, r.wait_before, r.wait_after) for r in rows] == [
-        (5, 2, 6, 6), (8, 7, 9, 9), (11, 10, 12, 12)]
+    big_mm = [n.name for n in gm.graph.nodes].index("mm")
+    assert rows[0].issue_before == 5 and rows[0].issue_after < big_mm   # issued before the 10 ms mm
+    assert [(r.issue_before, r.issue_after, r.wait_before, r.wait_after) for r in rows[1:]] == [
+        (8, 7, 9, 9), (11, 10, 12, 12)]
     assert [r.exposed_ms for r in rows] == [0, 3, 3]
     unlimited, before = scheduled(three_layers, (8, 8), (1, 8), (1, 8), (1, 8), max_in_flight=None)
     assert [r.verdict for r in report.rows(unlimited, before, **LAYER_COSTS)] == ["hidden"] * 3
@@ -113,8 +117,69 @@ def test_summary_before_and_after(fake_pg):
     # before: each all-gather right before its wait (4 ms exposed each), 13 ms of compute
     assert (s["exposed_ms_before"], s["step_ms_before"]) == (12, 25)
     assert (s["exposed_ms_after"], s["step_ms_after"]) == (6, 19)
-    assert s["peak_in_flight_bytes_before"] == s["peak_in_flight_bytes_after"] == 8 * 8 * 4
-    assert report.summary_line(s) == "moved 3 of 3 collectives; hidden 1 of 3 by estimate (exposed 12.0 -> 6.0 ms)"
+    held = 8 * 8 * 4 + 1 * 8 * 4      # a gathered weight and its shard
+    assert s["in_flight"] == {"all_gather": {"count_before": 1, "count_after": 1,
+                                             "bytes_before": held, "bytes_after": held}}
+    assert (s["peak_in_flight_bytes_before"], s["peak_in_flight_bytes_after"]) == (held, held)
+    # one more 8x8 weight is live at a time after scheduling (gathered during the 10 ms mm)
+    assert s["peak_bytes_after"] - s["peak_bytes_before"] == 8 * 8 * 4
+    assert report.memory_text(s).startswith(
+        f"peak memory {report._size(s['peak_bytes_before'])} -> {report._size(s['peak_bytes_after'])} (")
+    assert sum(r.exposed_ms for r in report.rows(gm, before, **LAYER_COSTS)) == s["exposed_ms_after"]
+    assert report.summary_line(s) == \
+        "moved 3 of 3 collectives; hidden 0 -> 1 of 3 by estimate (exposed 12.0 -> 6.0 ms)"
+
+
+def test_unbounded_in_flight_peaks_count_every_open_gather(fake_pg):
+    gm, before = scheduled(three_layers, (8, 8), (1, 8), (1, 8), (1, 8), max_in_flight=None)
+    s = report.summary(gm, before, **LAYER_COSTS)
+    # all three issued before the first wait: 3 open, each holding its 8 x 8 output and 1 x 8 shard
+    held = 8 * 8 * 4 + 8 * 4
+    assert s["in_flight"]["all_gather"] == {"count_before": 1, "count_after": 3,
+                                            "bytes_before": held, "bytes_after": 3 * held}
+
+
+def test_no_in_flight_line_for_kinds_the_graph_lacks(fake_pg):
+    def reduced(a):
+        return torch.relu(F.wait_tensor(F.all_reduce(torch.mm(a, a), "sum", "0")))
+
+    gm, before = scheduled(reduced, (8, 8))
+    rows, s = report.rows(gm, before, **costs({"mm": 1})), report.summary(gm, before, **costs({"mm": 1}))
+    assert list(s["in_flight"]) == ["all_reduce"]
+    text = report.format_text(rows, s) + report.format_graph("g", rows, s)
+    assert "all_gather" not in text and text.count("peak in flight per group: all_reduce 1 -> 1") == 2
+
+
+def test_moved_counts_a_start_crossing_only_free_nodes(fake_pg):
+    # the start moves above a transpose (a view: cost 0), nothing else: it moved all the same
+    def gather_after_view(a, w):
+        x = a.t()
+        return torch.mm(x, F.wait_tensor(F.all_gather_into_tensor(w, 8, "0")))
+
+    gm, before = scheduled(gather_after_view, (8, 8), (1, 8))
+    after = [n.name for n in gm.graph.nodes]
+    assert before.index("all_gather_into_tensor") > before.index("t")
+    assert after.index("all_gather_into_tensor") < after.index("t")
+    (row,) = report.rows(gm, before, **costs({"mm": 1}))
+    s = report.summary(gm, before, **costs({"mm": 1}))
+    assert row.moved and s["moved"] == 1
+
+
+def test_queued_stall_is_shared_with_the_collective_ahead(fake_pg):
+    # two all-reduces on one stream: the second's wait also waits for the first, so the
+    # first is not hidden although its own wait found it done
+    def two_reduces(a, b):
+        x = F.all_reduce(torch.mm(a, a), "sum", "0")
+        y = F.all_reduce(torch.mm(b, b), "sum", "0")
+        z = torch.relu(b)
+        return F.wait_tensor(x) + 1, torch.mm(F.wait_tensor(y), z)
+
+    gm = make_fx(two_reduces)(torch.randn(8, 8), torch.randn(8, 8))
+    names = [n.name for n in gm.graph.nodes]
+    c = costs({"mm": 1, "mm_1": 1, "relu": 1, "add": 1, "mm_2": 1}, {"all_reduce": 4, "all_reduce_1": 4})
+    rows, s = report.rows(gm, names, **c), report.summary(gm, names, **c)
+    assert sum(r.exposed_ms for r in rows) == pytest.approx(s["exposed_ms_after"])
+    assert s["hidden_after"] == sum(r.verdict == "hidden" for r in rows)
 
 
 def test_unscheduled_graph_has_nothing_moved(fake_pg):
@@ -135,8 +200,10 @@ def test_text_and_json(fake_pg):
     assert text == report.format_text(report.rows(gm, before, **LAYER_COSTS), s)
     lines = text.splitlines()
     assert lines[0] == report.summary_line(s)
-    assert lines[2].split()[:3] == ["collective", "kind", "group"]
-    assert "exposed (in-flight limit)" in lines[4] and "layers.1" in lines[4]
+    assert lines[2] == report.memory_text(s)
+    assert lines[3] == "peak in flight per group: all_gather 1 -> 1 (288B -> 288B)"
+    assert lines[4].split()[:3] == ["collective", "kind", "group"]
+    assert "exposed (in-flight limit)" in lines[6] and "layers.1" in lines[6]
     doc = report.to_json(rows, s)
     assert json.loads(json.dumps(doc)) == doc
     assert doc["schema"] == report.SCHEMA and doc["summary"] == s
@@ -150,3 +217,54 @@ def test_default_profile_estimates(fake_pg):
     assert len(rows) == 3 and all(r.comm_ms > 0.05 for r in rows)
     assert all(r.verdict in ("hidden", "exposed") for r in rows)
     assert all(r.reason in ("",) + report.REASONS for r in rows)
+
+
+class _Replicate(torch.nn.Module):
+    """Stands for a SimpleFSDP parametrization module in a recorded stack."""
+
+
+def _stack_node(*entries, key="nn_module_stack"):
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta[key] = {f"k{i}": entry for i, entry in enumerate(entries)}
+    return node
+
+
+def test_module_path_skips_parametrizations_and_wrappers():
+    L = "L['self']."
+    # torchtitan's property parametrization, named after block 0 although block 1 reads it (shared)
+    shared = _stack_node((L + "blocks.1", torch.nn.Module), (L + "blocks.1.attn.wq", torch.nn.Linear),
+                         ("dict(type(L['self'].blocks.0.attn.wq).__dict__)['weight'].fget.__closure__[0]"
+                          ".cell_contents", _Replicate))
+    assert report.module_path(shared) == "blocks.1.attn.wq"
+    plain_shared = _stack_node((L + "blocks.1.up", torch.nn.Linear),
+                               (L + "blocks.0.up.parametrizations.weight.0", _Replicate))
+    assert report.module_path(plain_shared) == "blocks.1.up"
+    wrapped = _stack_node((L + "_orig_mod.layers.0._fsdp_wrapped_module", torch.nn.Module),
+                          (L + "_orig_mod.layers.0._fsdp_wrapped_module.mlp", torch.nn.Module))
+    assert report.module_path(wrapped) == "layers.0.mlp"
+    # a root parameter: no user module below the root, so the parameter's name
+    root = _stack_node(("dict(type(L['self']).__dict__)['scale'].fget.__closure__[0].cell_contents", _Replicate))
+    assert report.module_path(root) == "scale"
+    backward = _stack_node((L + "head", torch.nn.Linear), key="fwd_nn_module_stack")
+    assert report.module_path(backward) == "head"
+
+
+def test_module_paths_on_a_simplefsdp_capture(fake_pg):
+    """Forward all-gathers and backward reduce-scatters name the module that owns the parameter."""
+    import importlib.util
+    import os
+    from overlapc import backend
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "simplefsdp_tp.py")
+    spec = importlib.util.spec_from_file_location("example_simplefsdp_tp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model, inputs = example.build(dim=16, hidden=32, depth=2, tokens=8)
+    owners = [f"blocks.{b}.{m}" for b in range(2) for m in ("attn.wq", "attn.wo", "up", "up", "down", "down")]
+    forward, backward = backend.capture(model, inputs, {"max_in_flight": 2})
+    for record, kind, expected in ((forward, "all_gather", owners), (backward, "reduce_scatter", owners[::-1])):
+        rows = report.rows(record.gm, record.before_order)
+        assert {r.kind for r in rows} == {kind}
+        by_issue = sorted(rows, key=lambda r: r.issue_before)
+        assert [r.module for r in by_issue] == expected, record.name

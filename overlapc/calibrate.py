@@ -1,0 +1,302 @@
+"""``overlapc calibrate``: measure this machine and write a profile file.
+
+What is measured, on the process group it runs in (every rank takes part;
+rank 0 writes the file):
+
+* collectives: all_gather, reduce_scatter, all_reduce and all_to_all (the
+  functional ops overlapc schedules, each waited at once) over a sweep of
+  sizes; per size the median of ``repeats`` timed runs after a warm-up (the
+  first collective on a new gloo pair costs ~1.5 s), the slowest rank's median
+  counting. Per kind a least-squares fit ``ms = latency + bytes x ring / bandwidth``
+  in ``costmodel.collective_ms``'s convention (bytes = the full, gathered or
+  unscattered, buffer; ring = ``costmodel.ring_factor``), so ``collective_ms``
+  with the fitted numbers gives back the fitted times. The profile's default
+  link (for other kinds) is one fit over every kind's samples.
+* compute (rank 0): the median time of a square fp32 matmul (FLOP/s) and of a
+  large copy (bytes read + written per second), in the costmodel's roofline
+  convention.
+
+With one process (``world_size == 1``) only compute is measured; the link is
+the built-in one named by ``link``, recorded as such.
+
+Launch: ``run_local(world_size, ...)`` spawns local ranks on 127.0.0.1 (gloo);
+``run_in_group()`` measures in an existing default process group (e.g. set up
+from torchrun's environment by the CLI). The file follows
+``overlapc.costmodel.PROFILE_SCHEMA`` and loads with ``costmodel.load_profile``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+from overlapc import costmodel
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+SWEEP = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)   # full buffer bytes
+QUICK_SWEEP = (4 << 10, 256 << 10, 1 << 20)
+REPEATS, QUICK_REPEATS = 10, 5
+
+
+def fit(samples: list[tuple[int, float]], kind: str, world_size: int) -> tuple[float, float]:
+    """(gbps, latency_us) such that ``latency + bytes x ring / gbps`` fits ``samples``
+    ((full bytes, ms), ...) by least squares. The intercept is kept >= 0 (a fit through
+    the origin when the free fit's is negative), and the slope > 0 (from the largest
+    sample when noise made it <= 0). Needs at least one sample with bytes > 0."""
+    ring = costmodel.ring_factor(kind, world_size)
+    points = [(b * ring, ms) for b, ms in samples]
+    if not points or max(x for x, _ in points) <= 0:
+        raise ValueError(f"fit of {kind} needs a sample with bytes > 0, got {samples!r}")
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx if sxx > 0 else 0.0
+    intercept = mean_y - slope * mean_x
+    if slope <= 0 or intercept < 0:
+        intercept = max(intercept, 0.0) if slope > 0 else 0.0
+        slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+        if slope <= 0:
+            x, y = max(points)
+            slope = max(y, 1e-9) / x
+    # ms = intercept + x * slope, and collective_ms = latency_us * 1e-3 + x / (gbps * 1e9) * 1e3
+    return 1e-6 / slope, intercept * 1e3
+
+
+def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        begin = time.perf_counter()
+        run()
+        sync()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def measure_compute(device: torch.device, quick: bool = False) -> dict:
+    """{"tflops", "mem_gbps", "matmul": {...}, "copy": {...}}: achieved rates of one square
+    fp32 matmul (2 n^3 FLOPs) and of copying a large buffer (2 x its bytes), medians."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 512 if quick else (1024 if device.type == "cpu" else 8192)
+    repeats = 3 if quick else 7
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    torch.mm(a, b)
+    mm_ms = _median_ms(lambda: torch.mm(a, b), repeats, sync)
+    numel = (8 << 20 if quick else 32 << 20) // 4 * (1 if device.type == "cpu" else 16)
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src), repeats, sync)
+    moved = 2 * src.numel() * src.element_size()
+    return {"tflops": 2 * n ** 3 / (mm_ms * 1e-3) / 1e12, "mem_gbps": moved / (copy_ms * 1e-3) / 1e9,
+            "matmul": {"n": n, "dtype": "float32", "ms": mm_ms},
+            "copy": {"bytes": moved, "ms": copy_ms}}
+
+
+def _collective(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
+    """A callable running one ``kind`` collective whose full buffer is ``nbytes``, waited."""
+    ops = torch.ops._c10d_functional
+    numel = max(world_size, nbytes // 4 // world_size * world_size)
+    if kind == "all_gather":
+        shard = torch.ones(numel // world_size, device=device)
+        return lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, world_size, group_name))
+    full = torch.ones(numel, device=device)
+    if kind == "reduce_scatter":
+        return lambda: ops.wait_tensor(ops.reduce_scatter_tensor(full, "sum", world_size, group_name))
+    if kind == "all_reduce":
+        return lambda: ops.wait_tensor(ops.all_reduce(full, "sum", group_name))
+    if kind == "all_to_all":
+        splits = [numel // world_size] * world_size
+        return lambda: ops.wait_tensor(ops.all_to_all_single(full, splits, splits, group_name))
+    raise ValueError(f"unknown collective kind {kind!r}; valid: {', '.join(KINDS)}")
+
+
+def measure_collectives(device: torch.device, quick: bool = False, say=lambda message: None) -> dict:
+    """{kind: [(full bytes, ms), ...]} on the default process group (every rank calls this).
+    Each time is the slowest rank's median."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sizes, repeats = (QUICK_SWEEP, QUICK_REPEATS) if quick else (SWEEP, REPEATS)
+    for kind in KINDS:   # warm-up: connection set-up and first-use costs
+        for _ in range(2):
+            _collective(kind, sizes[0], world_size, group_name, device)()
+    results: dict[str, list[tuple[int, float]]] = {}
+    for kind in KINDS:
+        for nbytes in sizes:
+            run = _collective(kind, nbytes, world_size, group_name, device)
+            run()
+            dist.barrier()
+            ms = torch.tensor([_median_ms(run, repeats, sync)], dtype=torch.float64)
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+            numel = max(world_size, nbytes // 4 // world_size * world_size)
+            results.setdefault(kind, []).append((numel * 4, float(ms.item())))
+        say(f"{kind}: " + ", ".join(f"{b >> 10} KiB {ms:.3f} ms" for b, ms in results[kind]))
+    return results
+
+
+def document(compute: dict, collectives: dict | None, world_size: int, backend: str,
+             device: torch.device, fallback_link: str = "ethernet", quick: bool = False) -> dict:
+    """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements."""
+    measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "host": socket.gethostname(), "backend": backend, "world_size": world_size,
+                "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
+                "quick": quick, "compute": {k: compute[k] for k in ("matmul", "copy")}}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    doc = {"schema": costmodel.PROFILE_SCHEMA,
+           "device": {"name": device_name, "tflops": compute["tflops"], "mem_gbps": compute["mem_gbps"]}}
+    if not collectives:
+        link = costmodel.LINKS[fallback_link]
+        doc["link"] = {"name": link.name, "gbps": link.gbps, "latency_us": link.latency_us}
+        doc["collectives"] = {}
+        measured["link"] = f"not measured (one process): built-in {fallback_link}"
+    else:
+        doc["collectives"] = {}
+        pooled = []
+        for kind, samples in sorted(collectives.items()):
+            gbps, latency_us = fit(samples, kind, world_size)
+            ring = costmodel.ring_factor(kind, world_size)
+            doc["collectives"][kind] = {
+                "gbps": gbps, "latency_us": latency_us,
+                "samples": [{"bytes": b, "ms": ms, "fit_ms": latency_us * 1e-3 + b * ring / (gbps * 1e9) * 1e3}
+                            for b, ms in samples]}
+            pooled += [(b * ring, ms) for b, ms in samples]   # already in ring units: fit with ring 1
+        gbps, latency_us = fit(pooled, "broadcast", world_size)
+        doc["link"] = {"name": backend, "gbps": gbps, "latency_us": latency_us}
+    doc["measured"] = measured
+    return doc
+
+
+def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "ethernet",
+                 say=lambda message: None, alone: bool = False) -> dict:
+    """Measure in the current default process group (compute only when there is
+    none, or when ``alone``: the caller's group is then left untouched); rank 0
+    writes ``out`` (when given). Returns the document on every rank."""
+    import torch.distributed as dist
+
+    grouped = not alone and dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size() if grouped else 1
+    rank = dist.get_rank() if grouped else 0
+    backend = str(dist.get_backend()) if grouped else "none"
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    collectives = measure_collectives(device, quick, say if rank == 0 else (lambda m: None)) \
+        if world_size > 1 else None
+    compute = measure_compute(device, quick) if rank == 0 else None
+    if grouped and world_size > 1:
+        shared = [compute]
+        dist.broadcast_object_list(shared, src=0)
+        compute = shared[0]
+    if rank == 0:
+        say(f"compute: {compute['tflops']:.3g} TFLOP/s (matmul {compute['matmul']['n']}^2), "
+            f"{compute['mem_gbps']:.3g} GB/s (copy)")
+    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick)
+    if rank == 0 and out:
+        write(doc, out)
+    return doc
+
+
+def write(doc: dict, out: str) -> None:
+    """The document as indented JSON; written to a temporary name first, then renamed."""
+    folder = os.path.dirname(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    temporary = f"{out}.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8", newline="\n") as sink:
+        sink.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(temporary, out)
+
+
+def _rank_main(conn, rank: int, world_size: int, port: int, out: str, quick: bool, fallback_link: str,
+               verbose: bool) -> None:
+    """Child entry point of ``run_local``: join the gloo group, measure, send back the outcome."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=120))
+        say = (lambda message: print(f"overlapc calibrate: {message}", flush=True)) if verbose else (lambda m: None)
+        doc = run_in_group(out, quick, fallback_link, say)
+        conn.send(("ok", doc if rank == 0 else None))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        conn.send(("raised", traceback.format_exc()))
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(world_size: int, out: str, quick: bool = False, timeout: float = 600.0,
+              fallback_link: str = "ethernet", verbose: bool = False) -> dict:
+    """Spawn ``world_size`` gloo ranks on 127.0.0.1, measure, write ``out``; return the document.
+    RuntimeError naming the rank when one raises, dies or is still running at ``timeout``
+    (every rank is then killed)."""
+    from multiprocessing import connection, get_context
+
+    if world_size < 2:
+        return run_in_group(out, quick, fallback_link,
+                            (lambda m: print(f"overlapc calibrate: {m}", flush=True)) if verbose else (lambda m: None),
+                            alone=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = get_context("spawn")
+    procs, pipes = [], []
+    for rank in range(world_size):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, args=(send, rank, world_size, port, out, quick, fallback_link,
+                                                    verbose), daemon=True, name=f"calibrate-rank{rank}")
+        proc.start()
+        send.close()
+        procs.append(proc)
+        pipes.append(recv)
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in range(world_size) if r not in results]
+                raise RuntimeError(f"calibration rank(s) {missing} still running after {timeout:.0f} s; "
+                                   f"all ranks killed (raise --timeout, or check the network)")
+            connection.wait([p for r, p in enumerate(pipes) if r not in results]
+                            + [procs[r].sentinel for r in range(world_size) if r not in results],
+                            timeout=min(0.5, left))
+            for rank in range(world_size):
+                if rank in results:
+                    continue
+                if pipes[rank].poll():
+                    try:
+                        status, payload = pipes[rank].recv()
+                    except EOFError:
+                        status, payload = "died", None
+                    if status == "ok":
+                        results[rank] = payload
+                        continue
+                    if status == "raised":
+                        raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
+                if procs[rank].exitcode is not None and not pipes[rank].poll():
+                    raise RuntimeError(f"calibration rank {rank} died (exit code {procs[rank].exitcode}) "
+                                       f"before reporting; all ranks killed")
+        for proc in procs:
+            proc.join(timeout=30)
+        return results[0]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        for pipe in pipes:
+            pipe.close()

@@ -1,0 +1,76 @@
+"""overlapc calibrate: the fit, the profile file, and its use by the report (2 real gloo ranks)."""
+import json
+import os
+import types
+
+import pytest
+
+import overlapc.cli as cli
+from overlapc import calibrate, costmodel
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLGATHER = os.path.join(REPO, "examples", "allgather.py") + ":build"
+
+
+def stand_in(kind, nbytes, world):
+    """A Collective as far as costmodel.collective_ms reads one."""
+    return types.SimpleNamespace(kind=kind, group_size=world, nbytes=nbytes, start=types.SimpleNamespace(args=()))
+
+
+@pytest.mark.parametrize("kind", calibrate.KINDS)
+def test_fit_recovers_the_numbers_collective_ms_used(kind):
+    link = costmodel.LinkProfile("x", gbps=3.5, latency_us=120.0)
+    sizes = [4096, 65536, 1 << 20, 4 << 20]
+    samples = [(b, costmodel.collective_ms(stand_in(kind, b, 4), link)) for b in sizes]
+    gbps, latency_us = calibrate.fit(samples, kind, 4)
+    assert gbps == pytest.approx(3.5, rel=1e-9) and latency_us == pytest.approx(120.0, rel=1e-9)
+
+
+def test_fit_keeps_latency_non_negative_and_bandwidth_positive():
+    # times that fall with size (noise): no negative latency or bandwidth comes out
+    gbps, latency_us = calibrate.fit([(1 << 10, 5.0), (1 << 20, 4.0)], "all_gather", 2)
+    assert latency_us == 0.0 and gbps == pytest.approx(1e-6 / ((1024 * 5.0 + (1 << 20) * 4.0) * 0.5
+                                                             / ((1 << 9) ** 2 + (1 << 19) ** 2)))
+
+
+def test_compute_only_profile_records_the_builtin_link(tmp_path):
+    # one process: compute only, even where a default process group exists (the fake one here)
+    doc = calibrate.run_local(1, str(tmp_path / "p.json"), quick=True, fallback_link="ib")
+    loaded = costmodel.load_profile(tmp_path / "p.json")
+    assert doc["collectives"] == {} and loaded.link == costmodel.LINKS["ib"]
+    assert loaded.device.tflops == pytest.approx(doc["device"]["tflops"]) and loaded.device.tflops > 0
+    assert loaded.source.startswith(f"file {tmp_path / 'p.json'} (calibrated: none")
+
+
+def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    code = cli.main(["calibrate", "--world-size", "2", "-o", str(path), "--quick", "--quiet", "--timeout", "90"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == "" and err == "", err
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == costmodel.PROFILE_SCHEMA
+    assert doc["measured"]["world_size"] == 2 and doc["measured"]["backend"] == "gloo"
+    assert sorted(doc["collectives"]) == sorted(calibrate.KINDS)
+    for kind, entry in doc["collectives"].items():
+        assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
+        assert all(s["ms"] > 0 for s in entry["samples"])
+        link = costmodel.LinkProfile("fit", entry["gbps"], entry["latency_us"])
+        for s in entry["samples"]:   # collective_ms with the fitted numbers gives the fitted times
+            assert costmodel.collective_ms(stand_in(kind, s["bytes"], 2), link) == pytest.approx(s["fit_ms"])
+    profile = costmodel.load_profile(path)
+    assert dict((k, (g, l)) for k, g, l in profile.link.per_kind) == {
+        k: (e["gbps"], e["latency_us"]) for k, e in doc["collectives"].items()}
+
+    code, out, err = cli.main(["report", ALLGATHER, "--world-size", "8", "--format", "json", "--quiet",
+                               "--profile", str(path), "--device", "h100"]), *capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["profile"]["name"] == str(path) and report["profile"]["source"].startswith(f"file {path}")
+    gather = doc["collectives"]["all_gather"]
+    for row in report["graphs"][0]["rows"]:   # world size 8: ring factor 7/8 on the gathered bytes
+        expected = gather["latency_us"] * 1e-3 + row["nbytes"] * 7 / 8 / (gather["gbps"] * 1e9) * 1e3
+        assert row["kind"] == "all_gather" and row["comm_ms"] == pytest.approx(expected)
+    code, default, _ = cli.main(["report", ALLGATHER, "--world-size", "8", "--format", "json", "--quiet"]), \
+        *capsys.readouterr()
+    assert json.loads(default)["graphs"][0]["rows"][0]["comm_ms"] != pytest.approx(
+        report["graphs"][0]["rows"][0]["comm_ms"])
