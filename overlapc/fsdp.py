@@ -1,18 +1,29 @@
-"""In-graph parameter sharding on DTensor (SimpleFSDP-style).
+"""In-graph parameter sharding on DTensor (SimpleFSDP-style), composable with tensor parallel.
 
-``shard(model, mesh)`` stores every parameter as a ``Shard(0)`` DTensor and
-turns each read of ``module.<param>`` into an all-gather
-(``redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial("avg")])``).
+``shard(model, mesh)`` stores every parameter as a DTensor sharded on dim 0
+over the data-parallel (dp) ranks and turns each read of ``module.<param>``
+into an all-gather over dp
+(``redistribute(dp_mesh, [Replicate()]).to_local(grad_placements=[Partial("avg")])``).
 Traced, that is ``_c10d_functional.all_gather_into_tensor`` + ``wait_tensor``
 in the forward graph and ``reduce_scatter_tensor`` + ``wait_tensor`` in the
 backward graph, one per parameter read: exactly what the overlapc passes
 schedule. All communication is DTensor's own.
 
+With tensor parallel (parameters already DTensors on the tp sub-mesh of a
+2-D dp x tp mesh, e.g. after ``parallelize_module``), a parameter becomes a
+DTensor on the 2-D mesh, sharded on dim 0 over dp and placed as before over
+tp; a read gathers over dp only and returns the tp DTensor the parallelized
+module code expects.
+
 Design after SimpleFSDP (Zhang et al., arXiv:2411.00284).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
+import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,6 +31,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -32,68 +44,183 @@ def shard(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    *,
+    dp_dim: str | None = None,
 ) -> nn.Module:
-    """Shard ``model``'s parameters over ``mesh`` in place and return ``model``.
+    """Shard ``model``'s parameters over the data-parallel ranks in place and return ``model``.
 
     Contract:
-    - ``mesh``: a 1-D DeviceMesh, or a ProcessGroup (wrapped in a 1-D mesh).
-      Every rank calls ``shard`` on the same model; parameter values are taken
-      from rank 0 (``distribute_tensor``'s default).
-    - Each parameter becomes an ``nn.Parameter`` holding a ``Shard(0)``
-      DTensor (dim 0 need not divide by the world size: DTensor pads the
-      gather). ``model.parameters()``, a plain torch optimizer on them, and
+    - ``mesh``: the data-parallel (dp) ranks: a 1-D DeviceMesh, a
+      ProcessGroup (wrapped in a 1-D mesh), or a 2-D DeviceMesh with named
+      dims, dp x tp. On a 2-D mesh the dp dim is the one named ``dp_dim``
+      (default ``"dp"``); the other dim is tp. Every rank calls ``shard`` on
+      the same model; plain parameter values are taken from the first rank of
+      each dp group (``distribute_tensor``'s default).
+    - Tensor parallel: parameters that are already DTensors must live on the
+      tp dim of that 2-D mesh (a 1-D tp sub-mesh, e.g. after
+      ``parallelize_module(model, mesh["tp"], plan)``), with placement
+      ``Shard(d)`` or ``Replicate()``. Passing the dp sub-mesh
+      (``mesh["dp"]``) works too: the 2-D mesh is the root of the two named
+      sub-meshes. Such a parameter becomes a DTensor on the 2-D mesh with
+      placements (dim 0 sharded over dp, its tp placement over tp); where tp
+      shards dim 0 too, dp splits each tp shard (``_StridedShard``, as FSDP2
+      does), so ``full_tensor()`` is the unsharded value. Reading it
+      all-gathers over dp only and returns a DTensor on the tp mesh with the
+      tp placement, so the parallelized module code runs unchanged; the
+      gradient is reduce-scattered (averaged) over dp only. Plain parameters
+      of such a model are replicated over tp (placements ``Shard(0)`` on dp,
+      ``Replicate()`` on tp) and read as plain tensors.
+    - Without tensor parallel each parameter becomes an ``nn.Parameter``
+      holding a ``Shard(0)`` DTensor on the dp mesh (dim 0 need not divide by
+      the dp size: DTensor pads the gather).
+    - ``model.parameters()``, a plain torch optimizer on them, and
       ``state_dict()`` (DTensor values, same keys as before) all see the
       shards. ``load_state_dict()`` takes DTensor values, or full plain
       tensors that every rank passes alike (each rank keeps its own chunk, no
       communication). 0-dim parameters raise ValueError; tied parameters
       stay tied.
-    - Reading ``module.<param>`` returns the full (all-gathered) plain
-      tensor; its gradient is reduce-scattered and averaged over the ranks
-      (as FSDP2 does) and lands on the shard in the parameter's dtype.
+    - Reading ``module.<param>`` returns the gathered value: a plain tensor
+      (a tp DTensor under tensor parallel); its gradient is reduce-scattered
+      and averaged over dp (as FSDP2 does) and lands on the shard in the
+      parameter's dtype.
     - ``param_dtype``: the shard is cast before the all-gather, so the gather
       moves and returns ``param_dtype``; floating-point tensor inputs of
       ``model`` are cast to it too (as FSDP2 does). ``reduce_dtype`` (default:
       the gathered dtype) is the reduce-scatter's dtype; the result is cast
       back to the parameter's dtype.
-    - ``reshard_after_forward=True``: the forward of every module that owns
-      parameters (and has no such ancestor) runs in a selective activation
-      checkpoint whose policy recomputes all-gathers, waits, casts and views
-      and saves everything else. No gathered parameter is kept for backward:
-      the backward re-gathers what it needs, per module in eager (the region's
-      Python re-runs; the outputs of all its other ops are cached from the
-      forward until then) and as all-gathers in the backward graph under
-      ``torch.compile`` (where only what the backward uses is saved). Such a forward must not
-      mutate saved tensors in place (a selective-checkpoint rule). A parameter
-      read outside its owner's forward (a parent reading ``child.weight``) is
-      gathered there without a region, so it is kept.
-      ``False``: no checkpoint; gathered parameters that backward needs are
-      saved, as with FSDP2's ``reshard_after_forward=False``.
-    - Works in eager and under ``torch.compile`` (aot_eager, inductor).
+    - ``reshard_after_forward=True``: no gathered parameter is kept for
+      backward by the forward of a module that owns parameters (and has no
+      such ancestor); the backward gathers again what it needs. In eager, the
+      forward runs under saved-tensor hooks that keep only the recipe (shard,
+      view geometry) of a gathered parameter that autograd saves, and gather it
+      again when backward unpacks it; nothing else changes (in-place ops,
+      buffer updates such as BatchNorm's running stats, and random ops run
+      once, as without sharding). Any saved-tensor hooks already active (an
+      outer activation checkpoint) still see every other saved tensor. Under
+      ``torch.compile`` the forward runs in a selective activation checkpoint
+      whose policy recomputes all-gathers, waits, casts and views and saves
+      everything else: the backward graph holds the all-gathers again and
+      only what the backward uses is saved. A parameter read outside its
+      owner's forward (a parent reading ``child.weight``) is gathered there
+      without these hooks, so it is kept. ``False``: gathered parameters that
+      backward needs are saved, as with FSDP2's ``reshard_after_forward=False``.
+    - Works in eager and under ``torch.compile`` (aot_eager, inductor, overlapc).
     """
-    mesh = _as_mesh(mesh)
-    gather = _Gather(mesh, param_dtype, reduce_dtype)
-    sharded: dict[int, nn.Parameter] = {}  # id(original) -> sharded: keeps ties
-    in_region: set[str] = set()  # modules whose forward runs in a recompute region
+    for module_name, module in model.named_modules():
+        if hasattr(module, "_overlapc_gather"):
+            raise ValueError(f"module {module_name or type(module).__name__!r} is already sharded")
+    layout = _layout(model, _as_mesh(mesh), dp_dim)
+    gather = _Gather(layout, param_dtype, reduce_dtype)
+    sharded: dict[int, tuple[nn.Parameter, bool]] = {}  # id(original) -> (sharded, read as tp DTensor): keeps ties
+    in_region: set[str] = set()  # modules whose forward runs resharded (hooks / recompute region)
     for module_name, module in list(model.named_modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
-        if hasattr(module, "_overlapc_gather"):
-            raise ValueError(f"module {module_name or type(module).__name__!r} is already sharded")
+        as_dtensor = {}
         for name in names:
             param = module._parameters[name]
             if id(param) not in sharded:
-                sharded[id(param)] = _shard_param(param, mesh, f"{module_name}.{name}".lstrip("."))
-            module._parameters[name] = sharded[id(param)]
+                qualname = f"{module_name}.{name}".lstrip(".")
+                sharded[id(param)] = (_shard_param(param, layout, qualname), isinstance(param, DTensor))
+            module._parameters[name], as_dtensor[name] = sharded[id(param)]
         covered = any(module_name.startswith(f"{outer}.") or outer == "" for outer in in_region)
-        recompute = reshard_after_forward and not covered
-        if recompute:
+        resharded = reshard_after_forward and not covered
+        if resharded:
             in_region.add(module_name)
-        _gather_on_read(module, names, gather, recompute)
-        module.register_load_state_dict_pre_hook(functools.partial(_shard_loaded, names=names, mesh=mesh))
+        _gather_on_read(module, as_dtensor, gather, resharded)
+        module.register_load_state_dict_pre_hook(functools.partial(_shard_loaded, names=names, layout=layout))
     if param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=param_dtype), with_kwargs=True)
     return model
+
+
+# ---------------------------------------------------------------- meshes and placements
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where parameters live: ``dp`` always; ``full`` (2-D) and ``tp`` only when sharding composes with tp."""
+
+    dp: DeviceMesh
+    full: DeviceMesh | None = None
+    tp: DeviceMesh | None = None
+    dp_index: int = 0  # position of the dp dim in ``full``
+
+    def placements(self, tp_placement) -> tuple:
+        """2-D placements: dim 0 over dp (after tp's own dim-0 split, if any), ``tp_placement`` over tp."""
+        if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
+            dp_placement = _StridedShard(0, split_factor=self.tp.size())
+        else:
+            dp_placement = Shard(0)
+        return (dp_placement, tp_placement) if self.dp_index == 0 else (tp_placement, dp_placement)
+
+
+def _as_mesh(mesh: DeviceMesh | ProcessGroup) -> DeviceMesh:
+    if isinstance(mesh, ProcessGroup):
+        device_type = "cuda" if "nccl" in str(dist.get_backend(mesh)) else "cpu"
+        mesh = DeviceMesh.from_group(mesh, device_type)
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"shard() needs a 1-D DeviceMesh (dp), a ProcessGroup, or a 2-D DeviceMesh (dp x tp), got {mesh!r}"
+        )
+    return mesh
+
+
+def _layout(model: nn.Module, mesh: DeviceMesh, dp_dim: str | None) -> _Layout:
+    """Find the dp mesh and, for a 2-D mesh or tensor-parallel parameters, the dp x tp mesh."""
+    tp_params = {name: p for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        if dp_dim is not None and names is not None and dp_dim != names[0]:
+            raise ValueError(f"shard(): dp_dim={dp_dim!r} but the 1-D mesh's dim is named {names[0]!r}")
+        if not tp_params:
+            return _Layout(dp=mesh)
+        qualname, param = next(iter(tp_params.items()))
+        root = _root_mesh(mesh)
+        tp_names = param.device_mesh.mesh_dim_names
+        if names is None or tp_names is None or root is not _root_mesh(param.device_mesh):
+            raise ValueError(
+                f"parameter {qualname!r} is a DTensor on {param.device_mesh!r}, which is not the tp sub-mesh "
+                f"of the same named mesh as the dp mesh {mesh!r}; build both with "
+                f"init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh['dp'] or the 2-D mesh"
+            )
+        ordered = tuple(n for n in root.mesh_dim_names if n in (names[0], tp_names[0]))
+        mesh, dp_dim = (root if root.ndim == 2 else root[ordered]), names[0]
+        names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("shard(): a 2-D mesh needs named dims, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    dp_dim = "dp" if dp_dim is None else dp_dim
+    if dp_dim not in names:
+        raise ValueError(
+            f"shard(): the 2-D mesh has dims {names}; pass dp_dim= the name of the data-parallel one (default 'dp')"
+        )
+    dp_index = names.index(dp_dim)
+    tp_mesh = mesh[names[1 - dp_index]]
+    layout = _Layout(dp=mesh[dp_dim], full=mesh, tp=tp_mesh, dp_index=dp_index)
+    for qualname, param in tp_params.items():
+        _check_tp_param(param, layout, qualname)
+    return layout
+
+
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if it was not)."""
+    root = mesh._get_root_mesh()  # private in torch 2.11-2.13: keep every use here
+    return mesh if root is None else root
+
+
+def _check_tp_param(param: DTensor, layout: _Layout, qualname: str) -> None:
+    if param.device_mesh != layout.tp:
+        raise ValueError(
+            f"parameter {qualname!r} is a DTensor on {param.device_mesh!r}; shard() composes with tensor "
+            f"parallel only on the tp dim of its mesh ({layout.tp!r}): parallelize with mesh['tp'] of the same mesh"
+        )
+    placement = param.placements[0]
+    if not (isinstance(placement, Replicate) or type(placement) is Shard):
+        raise ValueError(
+            f"parameter {qualname!r} has tp placement {placement}; shard() supports Shard(d) and Replicate() "
+            f"parameters (redistribute it to one of those first)"
+        )
 
 
 def _cast_inputs(module, args, kwargs, dtype):
@@ -103,72 +230,226 @@ def _cast_inputs(module, args, kwargs, dtype):
     return tree_map(cast, args), tree_map(cast, kwargs)
 
 
-def _shard_loaded(module, state_dict, prefix, *args, names, mesh):
-    """load_state_dict pre-hook: a full plain tensor becomes this rank's Shard(0) chunk."""
+def _shard_param(param: nn.Parameter, layout: _Layout, qualname: str) -> nn.Parameter:
+    if param.dim() == 0:
+        raise ValueError(f"parameter {qualname!r} is 0-dim; Shard(0) needs at least one dimension")
+    if isinstance(param, DTensor) and layout.full is None:  # cannot happen: _layout saw every DTensor
+        raise ValueError(f"parameter {qualname!r} is a DTensor but shard() found no tp mesh for it")
+    return nn.Parameter(_distribute(param.detach(), layout, src_data_rank=0), requires_grad=param.requires_grad)
+
+
+def _distribute(value: torch.Tensor, layout: _Layout, src_data_rank: int | None) -> DTensor:
+    """``value`` (a full plain tensor, or a tp DTensor) as this rank's shard; ``src_data_rank=None``: no communication."""
+    if value.is_meta:  # shapes only (projections, captures): nothing to copy or send
+        src_data_rank = None
+    if layout.full is None:
+        return distribute_tensor(_on_device(value, layout.dp), layout.dp, [Shard(0)], src_data_rank=src_data_rank)
+    if not isinstance(value, DTensor):  # plain: replicated over tp, sharded over dp
+        value = distribute_tensor(_on_device(value, layout.tp), layout.tp, [Replicate()], src_data_rank=None)
+    tp_local = value.to_local()
+    chunk = distribute_tensor(_on_device(tp_local, layout.dp), layout.dp, [Shard(0)], src_data_rank=src_data_rank)
+    return DTensor.from_local(
+        chunk.to_local(), layout.full, layout.placements(value.placements[0]),
+        run_check=False, shape=value.shape, stride=value.stride(),
+    )
+
+
+def _on_device(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return value if value.is_meta else value.to(mesh.device_type)
+
+
+def _shard_loaded(module, state_dict, prefix, *args, names, layout):
+    """load_state_dict pre-hook: a full plain tensor becomes this rank's shard (no communication)."""
     for name in names:
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            state_dict[prefix + name] = distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)
+            if layout.full is not None and isinstance(module._parameters[name], DTensor):
+                tp_placement = module._parameters[name].placements[1 - layout.dp_index]
+                value = distribute_tensor(value, layout.tp, [tp_placement], src_data_rank=None)
+            state_dict[prefix + name] = _distribute(value, layout, src_data_rank=None)
 
 
-def _as_mesh(mesh: DeviceMesh | ProcessGroup) -> DeviceMesh:
-    if isinstance(mesh, ProcessGroup):
-        device_type = "cuda" if "nccl" in str(dist.get_backend(mesh)) else "cpu"
-        mesh = DeviceMesh.from_group(mesh, device_type)
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError(f"shard() needs a 1-D DeviceMesh or a ProcessGroup, got {mesh!r}")
-    return mesh
+# ---------------------------------------------------------------- reads
 
 
-def _shard_param(param: nn.Parameter, mesh: DeviceMesh, qualname: str) -> nn.Parameter:
-    if isinstance(param, DTensor):
-        raise ValueError(f"parameter {qualname!r} is already a DTensor")
-    if param.dim() == 0:
-        raise ValueError(f"parameter {qualname!r} is 0-dim; Shard(0) needs at least one dimension")
-    if param.is_meta:  # shapes only (projections, captures): nothing to copy or send
-        sharded = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
-    else:
-        sharded = distribute_tensor(param.detach().to(mesh.device_type), mesh, [Shard(0)])
-    return nn.Parameter(sharded, requires_grad=param.requires_grad)
+def _gather_on_read(module: nn.Module, as_dtensor: dict[str, bool], gather: "_Gather", resharded: bool) -> None:
+    """Swap ``module``'s class for a subclass whose properties gather its parameters on read.
 
-
-def _gather_on_read(module: nn.Module, names: list[str], gather: "_Gather", recompute: bool) -> None:
-    """Swap ``module``'s class for a subclass whose properties gather ``names`` on read.
-
-    State dicts, ``named_parameters`` and optimizers read ``module._parameters``
-    directly, so they keep seeing the shards under the original names. With
-    ``recompute`` the subclass's ``forward`` runs the original one in a
-    selective activation checkpoint (see ``_recompute_policy``).
+    ``as_dtensor[name]``: the read returns a tp DTensor (the parameter was
+    one) instead of a plain tensor. State dicts, ``named_parameters`` and
+    optimizers read ``module._parameters`` directly, so they keep seeing the
+    shards under the original names. With ``resharded`` the subclass's
+    ``forward`` drops gathered parameters after the forward (see ``shard``).
     """
     cls = type(module)
-    members = {name: _gathered_property(name) for name in names}
+    members = {name: _gathered_property(name, tp) for name, tp in as_dtensor.items()}
     members["_overlapc_gather"] = gather
-    if recompute:
-        members["forward"] = _forward_in_region(cls.forward)
+    if resharded:
+        members["forward"] = _forward_resharded(cls.forward)
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), members)
 
 
-def _gathered_property(name: str) -> property:
+def _gathered_property(name: str, as_dtensor: bool) -> property:
     def read(module: nn.Module) -> torch.Tensor:
-        return module._overlapc_gather(module._parameters[name])
+        return module._overlapc_gather(module._parameters[name], as_dtensor)
 
     return property(read)
 
 
-def _forward_in_region(forward):
-    def forward_in_region(module: nn.Module, *args, **kwargs):
-        return checkpoint(
-            forward,
-            module,
-            *args,
-            use_reentrant=False,
-            context_fn=_recompute_contexts,
-            preserve_rng_state=False,  # random ops are saved, never recomputed
-            early_stop=False,  # an early stop could leave an all-gather un-waited
-            **kwargs,
-        )
+class _Gather:
+    """A parameter's shard -> its gathered value; differentiable, gradient reduce-scattered (avg) over dp."""
 
-    return forward_in_region
+    def __init__(self, layout: _Layout, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+        self.layout = layout
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+
+    def __call__(self, param: DTensor, as_dtensor: bool = False) -> torch.Tensor:
+        full = self.local(param)
+        if not torch.compiler.is_compiling():
+            _mark_gathered(full, self, param)
+        if not as_dtensor:
+            return full
+        tp_placement = param.placements[1 - self.layout.dp_index]
+        return DTensor.from_local(full, self.layout.tp, [tp_placement], run_check=False,
+                                  shape=param.shape, stride=param.stride())
+
+    def local(self, param: DTensor) -> torch.Tensor:
+        """The all-gather over dp: this rank's full tp-local tensor (the full tensor without tp)."""
+        dtypes = dict(forward_dtype=self.param_dtype,
+                      backward_dtype=self.reduce_dtype or self.param_dtype or param.dtype)
+        if self.layout.full is None:
+            return param.redistribute(self.layout.dp, [Replicate()], **dtypes).to_local(grad_placements=[Partial("avg")])
+        # 2-D: gather the dp chunks of this rank's tp shard on the dp mesh alone, so that nothing
+        # moves over tp (the gradient comes back through to_local with the parameter's placements).
+        tp_placement = param.placements[1 - self.layout.dp_index]
+        tp_shape = _tp_local_shape(param.shape, tp_placement, self.layout.tp)
+        chunks = DTensor.from_local(param.to_local(), self.layout.dp, [Shard(0)], run_check=False,
+                                    shape=tp_shape, stride=_contiguous_stride(tp_shape))
+        return chunks.redistribute(self.layout.dp, [Replicate()], **dtypes).to_local(grad_placements=[Partial("avg")])
+
+
+def _tp_local_shape(shape: torch.Size, placement, tp_mesh: DeviceMesh) -> torch.Size:
+    """This rank's local shape of a ``shape`` tensor placed as ``placement`` on the 1-D ``tp_mesh``."""
+    if not isinstance(placement, Shard):
+        return torch.Size(shape)
+    size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    full = shape[placement.dim]
+    step = -(-full // size)  # torch.chunk's sizes: ceil, the last ones shorter or empty
+    local = max(0, min(step, full - step * rank))
+    return torch.Size((*shape[: placement.dim], local, *shape[placement.dim + 1:]))
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+# ---------------------------------------------------------------- reshard after forward: eager
+
+
+def _forward_resharded(forward):
+    def forward_resharded(module: nn.Module, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return checkpoint(
+                forward,
+                module,
+                *args,
+                use_reentrant=False,
+                context_fn=_recompute_contexts,
+                preserve_rng_state=False,  # random ops are saved, never recomputed
+                early_stop=False,  # an early stop could leave an all-gather un-waited
+                **kwargs,
+            )
+        with _ReshardHooks():
+            return forward(module, *args, **kwargs)
+
+    return forward_resharded
+
+
+# Storage of a gathered tensor (eager) -> how to gather it again. Keyed by storage, not tensor:
+# a view that DTensor takes below autograd (weight.t() in a tp linear) has no ``_base``, but it
+# shares the storage; an entry lives exactly as long as something still uses that storage.
+_GATHERED: "weakref.WeakKeyDictionary[torch.UntypedStorage, _Source]" = weakref.WeakKeyDictionary()
+
+
+def _mark_gathered(full: torch.Tensor, gather: _Gather, param: DTensor) -> None:
+    """Remember how to gather ``full``'s storage again (eager only)."""
+    _GATHERED[full.untyped_storage()] = _Source(gather, param, full)
+
+
+class _Source:
+    """How to re-gather one gathered tensor; keeps the latest re-gathered copy while something uses it."""
+
+    def __init__(self, gather: _Gather, param: DTensor, full: torch.Tensor):
+        self.gather = gather
+        self.param = param
+        self.layout = (full.shape, full.stride(), full.storage_offset(), full.dtype, full.untyped_storage().nbytes())
+        self.latest = lambda: None
+
+    def full(self) -> torch.Tensor:
+        full = self.latest()
+        if full is None:
+            with torch.no_grad():
+                full = self.gather.local(self.param)
+            layout = (full.shape, full.stride(), full.storage_offset(), full.dtype, full.untyped_storage().nbytes())
+            if layout != self.layout:
+                raise RuntimeError(
+                    f"overlapc.fsdp: re-gathering a parameter for backward gave layout {layout}, the forward "
+                    f"had {self.layout}; shard with reshard_after_forward=False to keep gathered parameters"
+                )
+            self.latest = weakref.ref(full)
+        return full
+
+
+class _Regather:
+    """What autograd keeps instead of a gathered parameter (or a view of one, plain or a DTensor's local)."""
+
+    def __init__(self, source: _Source, local: torch.Tensor, spec):
+        self.source = source
+        self.view = (local.shape, local.stride(), local.storage_offset())
+        self.spec = spec  # (mesh, placements, shape, stride) of a DTensor, else None
+
+    def unpack(self) -> torch.Tensor:
+        size, stride, offset = self.view
+        local = self.source.full().as_strided(size, stride, offset)  # same storage layout as the forward's
+        if self.spec is None:
+            return local
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _ReshardHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks: a gathered parameter is saved as a ``_Regather``; other tensors go to the
+    hooks that were active before (or are saved as they are)."""
+
+    def __init__(self):
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # private: chains an outer checkpoint
+        outer_pack, outer_unpack = outer if outer else (None, None)
+
+        def pack(tensor):
+            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+            plain = type(local) in (torch.Tensor, nn.Parameter) and local.layout is torch.strided
+            source = _GATHERED.get(local.untyped_storage()) if plain and _GATHERED else None
+            if source is not None:
+                spec = None
+                if isinstance(tensor, DTensor):
+                    spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+                return _Regather(source, local, spec)
+            return tensor if outer_pack is None else (outer_pack(tensor),)
+
+        def unpack(packed):
+            if isinstance(packed, _Regather):
+                return packed.unpack()
+            return packed if outer_unpack is None else outer_unpack(packed[0])
+
+        super().__init__(pack, unpack)
+
+
+# ---------------------------------------------------------------- reshard after forward: compiled
 
 
 # The gather: collective, eager autograd wrapper (cached, it would pin the old
@@ -181,12 +462,12 @@ _GATHER_OPS = {
 
 
 def _recompute_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Recompute gathers, dtype casts (param_dtype) and views; save everything else.
+    """Recompute gathers, dtype casts (param_dtype) and views; save everything else (compiled only).
 
     Views and casts are recomputed so that no view or copy of a gathered
     parameter is saved instead of it. MUST_SAVE (not PREFER_SAVE) for the rest
     keeps every recompute chain rooted in saved values or region inputs, which
-    the default (aot_eager) partitioner needs; compiled, it still saves only
+    the default (aot_eager) partitioner needs; the partitioner still saves only
     what the backward uses. (A wait of some other collective inside a region
     is recomputed too: a second wait on a finished result, harmless.)
     """
@@ -199,19 +480,29 @@ def _recompute_contexts():
     return create_selective_checkpoint_contexts(_recompute_policy)
 
 
-class _Gather:
-    """Shard(0) DTensor -> full local tensor; differentiable, gradient reduce-scattered (avg)."""
+class _QuietOwnRegions(logging.Filter):
+    """Drop torch's "context_fn is passed to torch.utils.checkpoint under torch.compile" warning
+    when the region is overlapc's own (its forward is functionalized, so in-place ops are safe);
+    the same warning for any other checkpoint passes."""
 
-    def __init__(self, mesh: DeviceMesh, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
-        self.mesh = mesh
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
+    _MESSAGE = "Detected that context_fn is passed to torch.utils.checkpoint"
 
-    def __call__(self, shard: DTensor) -> torch.Tensor:
-        full = shard.redistribute(
-            self.mesh,
-            [Replicate()],
-            forward_dtype=self.param_dtype,
-            backward_dtype=self.reduce_dtype or self.param_dtype or shard.dtype,
-        )
-        return full.to_local(grad_placements=[Partial("avg")])
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self._MESSAGE not in str(record.msg):
+            return True
+        frame = sys._getframe(1)
+        while frame is not None:  # the caller of the warning: torch._higher_order_ops.wrap (2.11-2.13)
+            if frame.f_code.co_name == "tag_activation_checkpoint_impl":
+                meta = getattr(frame.f_locals.get("gmod"), "meta", {})
+                return meta.get("_checkpoint_context_fn") is not _recompute_contexts
+            frame = frame.f_back
+        return True
+
+
+def _install_quiet_filter() -> None:
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _QuietOwnRegions) for f in logger.filters):
+        logger.addFilter(_QuietOwnRegions())
+
+
+_install_quiet_filter()

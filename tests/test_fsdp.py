@@ -241,8 +241,8 @@ def _job_gathered_freed(rank, world_size, port):
     gathered = []
     gather_call = fsdp._Gather.__call__
 
-    def recording_call(self, shard):
-        full = gather_call(self, shard)
+    def recording_call(self, shard, *args):
+        full = gather_call(self, shard, *args)
         gathered.append(weakref.ref(full))
         return full
 
@@ -385,3 +385,58 @@ def test_meta_parameters_shard_without_data(fake_pg):
     p = model._parameters["weight"]
     assert isinstance(p, DTensor) and p.is_meta and tuple(p.placements) == (Shard(0),)
     assert tuple(p.shape) == (24, 16) and tuple(p.to_local().shape) == (3, 16)
+
+
+def test_compile_is_quiet_about_overlapcs_own_checkpoint(fake_pg):
+    """torch warns "context_fn is passed to torch.utils.checkpoint ... in-place ops" once per process;
+    overlapc's recompute regions are functionalized (safe), so that warning is dropped for them only."""
+    import logging
+
+    from torch._logging._internal import warning_once
+
+    import overlapc.fsdp as fsdp
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    handler = Keep(level=logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        warning_once.cache_clear()  # the warning is once per process: re-arm it
+        torch._dynamo.reset()
+        model = fsdp.shard(nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True)), fake_pg)
+        torch.compile(model, backend="aot_eager")(torch.randn(4, 16)).sum().backward()
+        ours = list(records)
+
+        warning_once.cache_clear()
+        torch._dynamo.reset()
+        torch.compile(_user_region, backend="aot_eager")(torch.randn(4, requires_grad=True)).sum().backward()
+        theirs = records[len(ours):]
+    finally:
+        logger.removeHandler(handler)
+        torch._dynamo.reset()
+    assert not [m for m in ours if "context_fn" in m], ours
+    assert any("context_fn is passed to torch.utils.checkpoint" in m for m in theirs), (
+        "the filter must keep the warning for other checkpoints"
+    )
+
+
+def _user_policy(ctx, op, *args, **kwargs):
+    return False  # recompute everything
+
+
+def _user_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_user_policy)
+
+
+def _user_region(x):
+    """A selective checkpoint that is not overlapc's (the quiet test's control)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(torch.sin, x, use_reentrant=False, context_fn=_user_contexts)

@@ -1,0 +1,481 @@
+"""Pipelined collectives (overlapc.passes.chunk) on 2 gloo ranks over a shaped link.
+
+    python benchmarks/tp_moe.py [--rate 500mbit] [--no-shape] [--steps 5]
+                                [--json benchmarks/results/tp_moe.json]
+
+The link is the one benchmarks/step_time.py uses: as root with ip and tc, the
+ranks run in a fresh network namespace whose loopback is shaped with a token
+bucket (tbf rate RATE burst 256kb limit 64mb); otherwise (or --no-shape) plain
+loopback, and the output says so. One torch thread per rank.
+
+Models (examples/tp_sp.py and examples/moe.py, fp32, forward + backward):
+  tp_sp  transformer blocks with tensor + sequence parallelism: all-gather of the
+         sequence -> q/k/v and MLP-up matmuls, o and MLP-down matmuls ->
+         reduce-scatter (the MLP is one all-gather -> ... -> reduce-scatter pipeline)
+  moe    expert-parallel MoE layers: all_to_all_single dispatch -> expert MLP ->
+         all_to_all_single combine (equal splits, one expert per rank)
+
+Variants, timed interleaved (A B C ... A B C ...), medians over rounds of the
+slowest rank's step:
+  eager        the model as written (DTensor / functional collectives, no compile)
+  chunks1/2/4  --path overlapc (default): torch.compile(backend="overlapc",
+               options={"chunks": k, "inner": "aot_eager"}): chunk_collectives, then
+               the scheduler, graphs executed eagerly (no Inductor: its compile of
+               these DTensor graphs costs ~45 s per variant). --path pass: an
+               AOTAutograd backend that runs chunk_collectives(gm, k) alone.
+               chunks1 = the same compile without chunking.
+  compute_only the chunks1 graphs with every collective replaced by a local op of
+               the same shape (no communication)
+  comm_only    the chunks1 graphs' collectives alone, same sizes, issued and
+               waited one after the other
+Bounds: no schedule beats floor = max(compute, comm). A pipeline of k pieces
+leaves at most one piece's worth of the smaller side exposed at its edges (the
+first piece's incoming collective or the last piece's compute), so
+  est_k = max(compute, comm) + min(compute, comm) / k   (k = 1: compute + comm)
+is what k pieces should reach; a step below it means the edges overlapped too.
+Peak memory: one extra (untimed) step per variant under torch.profiler with
+profile_memory: every allocation and free of the rank's process during the step,
+in time order, summed; the peak of that sum = bytes allocated on top of what
+lived before the step (activations, collective buffers, gradients; parameters
+excluded). The same profile counts the functional collectives started ("colls").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for path in (HERE, os.path.join(ROOT, "examples")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from step_time import _can_shape, _describe_exit, _free_port, _kill_group, _sh  # noqa: E402  (same link set-up)
+
+VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "compute_only", "comm_only"]
+MODELS = ["tp_sp", "moe"]
+
+
+def log(msg: str) -> None:
+    print(f"[tp_moe {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", default="500mbit", help="tbf rate of the shaped loopback (tc syntax)")
+    p.add_argument("--no-shape", action="store_true", help="plain loopback, no namespace")
+    p.add_argument("--steps", type=int, default=5, help="timed rounds")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds after the compiling one")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--tp-hidden", type=int, default=4096)
+    p.add_argument("--tp-heads", type=int, default=8)
+    p.add_argument("--tp-depth", type=int, default=1)
+    p.add_argument("--seq", type=int, default=512, help="TP+SP sequence (all ranks)")
+    p.add_argument("--batch", type=int, default=4, help="TP+SP batch")
+    p.add_argument("--moe-hidden", type=int, default=512)
+    p.add_argument("--moe-depth", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048, help="MoE tokens per rank")
+    p.add_argument("--models", nargs="*", default=MODELS, choices=MODELS)
+    p.add_argument("--path", choices=("overlapc", "pass"), default="overlapc",
+                   help="chunksK through backend='overlapc' (chunk + schedule, inner aot_eager), "
+                        "or through a backend that runs chunk_collectives alone")
+    p.add_argument("--timeout", type=float, default=900.0, help="deadline for the whole run (s)")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--link", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ parent: namespace
+
+
+def parent(args, argv) -> int:
+    reason = "--no-shape" if args.no_shape else _can_shape()
+    ns, child = None, None
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", *argv]
+        env = dict(os.environ)
+        if reason is None:
+            ns = f"overlapc_tpmoe_{os.getpid()}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                "rate", args.rate, "burst", "256kb", "limit", "64mb")
+            link = f"loopback in netns {ns} shaped by tc tbf rate {args.rate} burst 256kb limit 64mb"
+            cmd = ["ip", "netns", "exec", ns, *cmd]
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        else:
+            link = f"plain loopback, NOT shaped ({reason})"
+        log(f"link: {link}")
+        child = subprocess.Popen([*cmd, "--link", link], env=env, start_new_session=True)
+        try:
+            return child.wait(timeout=args.timeout + 60)
+        except subprocess.TimeoutExpired:
+            log(f"ERROR: worker still running after {args.timeout + 60:.0f} s; killing it")
+            return 124
+    finally:
+        if child is not None and child.poll() is None:
+            _kill_group(child.pid)
+        if ns is not None:
+            done = _sh("ip", "netns", "del", ns, check=False)
+            log(f"deleted netns {ns}" if done.returncode == 0 else f"WARNING: ip netns del {ns}: {done.stderr.strip()}")
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ------------------------------------------------------------------ worker: ranks
+
+
+def worker(args) -> int:
+    import multiprocessing as mp
+    from multiprocessing import connection
+
+    ctx = mp.get_context("spawn")
+    port, world = _free_port(), 2
+    procs, pipes = [], []
+    for rank in range(world):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=rank_entry, args=(rank, world, port, vars(args), send), daemon=True)
+        proc.start()
+        send.close()
+        procs.append(proc)
+        pipes.append(recv)
+    results, failure = {}, None
+    deadline = time.time() + args.timeout
+    try:
+        while len(results) < world and failure is None:
+            left = deadline - time.time()
+            if left <= 0:
+                failure = f"ranks {[r for r in range(world) if r not in results]} still running after {args.timeout:.0f} s"
+                break
+            connection.wait([pipes[r] for r in range(world) if r not in results] +
+                            [procs[r].sentinel for r in range(world) if r not in results], timeout=min(left, 5.0))
+            for rank in range(world):
+                if rank in results:
+                    continue
+                if pipes[rank].poll():
+                    try:
+                        status, payload = pipes[rank].recv()
+                    except EOFError:
+                        failure = f"rank {rank} closed its pipe ({_describe_exit(procs[rank].exitcode)})"
+                        break
+                    if status == "error":
+                        failure = f"rank {rank} raised:\n{payload}"
+                        break
+                    results[rank] = payload
+                elif procs[rank].exitcode is not None:
+                    failure = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) before reporting"
+                    break
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+    if failure is not None:
+        log(f"ERROR: {failure}")
+        if args.json:
+            _write_json(args.json, {"link": args.link, "config": config_of(args), "error": failure})
+        return 1
+    return report(args, [results[r] for r in range(world)])
+
+
+def rank_entry(rank, world, port, argd, conn) -> None:
+    import faulthandler
+    faulthandler.enable()
+    try:
+        out = ("ok", rank_main(rank, world, port, argparse.Namespace(**argd)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the worker
+        out = ("error", traceback.format_exc())
+    conn.send(out)
+    conn.close()
+    if out[0] == "error":
+        os._exit(1)  # do not wait on collectives the other rank will never join
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ in each rank
+
+
+def chunk_backend(chunks: int, notes: list, specs: list | None = None, local: bool = False):
+    """AOTAutograd backend: chunk_collectives(gm, chunks) on forward and backward,
+    eager execution. ``specs`` collects each collective (op, input shape, dtype,
+    other args) in graph order; ``local`` replaces collectives by local ops."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.decomposition import select_decomp_table
+
+    from overlapc.collectives import collective_op, is_wait, node_value
+    from overlapc.passes.chunk import chunk_collectives
+
+    def compile_graph(gm, example_inputs):
+        notes.extend(chunk_collectives(gm, chunks))
+        for node in gm.graph.nodes:
+            op = collective_op(node)
+            if op is not None and specs is not None:
+                value = node_value(node.args[0])
+                specs.append((node.target, tuple(value.shape), value.dtype, tuple(node.args[1:])))
+            if local and op is not None:
+                node.target = _LOCAL[op]
+            elif local and is_wait(node):
+                node.target = _identity
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
+                        decompositions=select_decomp_table())
+
+
+def _identity(x):
+    return x
+
+
+def _local_all_gather(x, world, group):
+    return x.repeat(world, *([1] * (x.dim() - 1)))
+
+
+def _local_reduce_scatter(x, op, world, group):
+    return x.narrow(0, 0, x.shape[0] // world).clone()
+
+
+def _local_all_to_all(x, out_splits, in_splits, group):
+    return x.clone()
+
+
+_LOCAL = {"all_gather_into_tensor": _local_all_gather, "reduce_scatter_tensor": _local_reduce_scatter,
+          "all_to_all_single": _local_all_to_all}
+
+
+_COLLECTIVE_EVENTS = {f"_c10d_functional::{op}" for op in
+                      ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
+
+
+def profile_step(step) -> tuple[int, int]:
+    """(peak bytes, functional collectives started) of one call of ``step``, from
+    torch.profiler's CPU events (profile_memory): allocations and frees of this
+    process in time order, summed; the peak of that sum. A TorchDispatchMode
+    would not do: with one active, the compiled function runs eagerly."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = collectives = 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        name = event.name()
+        if name == "[memory]":
+            live += event.nbytes()
+            peak = max(peak, live)
+        elif name in _COLLECTIVE_EVENTS:
+            collectives += 1
+    return peak, collectives
+
+
+def rank_main(rank: int, world: int, port: int, args) -> dict:
+    import torch
+    import torch._dynamo
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    from overlapc.backend import route_gloo_all_gathers
+    route_gloo_all_gathers()   # several all-gathers in flight (README, Known issues)
+    import warnings
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.cache_size_limit = 64
+    say = log if rank == 0 else (lambda msg: None)
+    import moe
+    import tp_sp
+
+    builders = {
+        "tp_sp": lambda: tp_sp.build(dim=args.dim, heads=args.tp_heads, hidden=args.tp_hidden,
+                                     depth=args.tp_depth, seq=args.seq, batch=args.batch),
+        "moe": lambda: moe.build(dim=args.dim, hidden=args.moe_hidden, tokens=args.tokens,
+                                 capacity=args.tokens // world, depth=args.moe_depth),
+    }
+    out = {"times": {}, "losses": {}, "peak_bytes": {}, "notes": {}}
+    for name in args.models:
+        steps, notes = {}, {}
+        specs: list = []
+        for variant in VARIANTS:
+            torch._dynamo.reset()
+            model, inputs = builders[name]()
+            x0 = inputs[0].detach()
+            if variant == "comm_only":
+                steps[variant] = _comm_step(specs)
+                continue
+            if variant == "eager":
+                fn = model
+            elif variant == "compute_only":
+                fn = torch.compile(model, backend=chunk_backend(1, [], specs, local=True))
+            elif args.path == "overlapc":
+                fn = torch.compile(model, backend="overlapc", options={
+                    "chunks": int(variant[-1]), "inner": "aot_eager", "on_error": "raise"})
+            else:
+                notes[variant] = []
+                fn = torch.compile(model, backend=chunk_backend(int(variant[-1]), notes[variant]))
+            steps[variant] = _train_step(model, fn, x0)
+        for variant in VARIANTS:          # compiles, then warm-up
+            t0 = time.perf_counter()
+            out["losses"][f"{name}/{variant}"] = steps[variant]()
+            say(f"{name}/{variant}: first step {time.perf_counter() - t0:.1f} s")
+        times = {v: [] for v in VARIANTS}
+        for r in range(args.warmup + args.steps):
+            for variant in VARIANTS:
+                dist.barrier()
+                t0 = time.perf_counter()
+                steps[variant]()
+                if r >= args.warmup:
+                    times[variant].append(time.perf_counter() - t0)
+            say(f"{name}: round {r + 1}/{args.warmup + args.steps} " +
+                " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in VARIANTS if times[v] and r >= args.warmup))
+        for variant in VARIANTS:
+            dist.barrier()
+            peak, collectives = profile_step(steps[variant])
+            out["peak_bytes"][f"{name}/{variant}"] = peak
+            out.setdefault("collectives_run", {})[f"{name}/{variant}"] = collectives
+        for variant in VARIANTS:
+            out["times"][f"{name}/{variant}"] = times[variant]
+        out["notes"][name] = {v: [(n.pattern, n.applied, n.reason) for n in ns] for v, ns in notes.items()}
+        out["collectives_per_step"] = out.get("collectives_per_step", {})
+        out["collectives_per_step"][name] = len(specs)
+    return out
+
+
+def _train_step(model, fn, x0):
+    import torch
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        y = fn(x)
+        loss = (y * y).mean()
+        loss.backward()
+        return float(loss)
+    return step
+
+
+def _comm_step(specs):
+    import torch
+    F = torch.ops._c10d_functional
+    buffers: list = []
+
+    def step():   # specs fill while chunks1 compiles: buffers are made on the first call
+        if not buffers:
+            buffers.extend(torch.zeros(shape, dtype=dtype) for _, shape, dtype, _ in specs)
+        for (target, _, _, rest), buf in zip(specs, buffers):
+            F.wait_tensor(target(buf, *rest))
+        return 0.0
+    return step
+
+
+# ------------------------------------------------------------------ report
+
+
+def config_of(args) -> dict:
+    return {"world_size": 2, "rate": None if args.no_shape else args.rate, "dim": args.dim,
+            "tp": {"hidden": args.tp_hidden, "heads": args.tp_heads, "depth": args.tp_depth,
+                   "seq": args.seq, "batch": args.batch},
+            "moe": {"hidden": args.moe_hidden, "depth": args.moe_depth, "tokens_per_rank": args.tokens,
+                    "experts": 2, "capacity": args.tokens // 2},
+            "steps": args.steps, "warmup": args.warmup, "dtype": "float32", "torch_threads_per_rank": 1,
+            "chunking": _path_text(args),
+            "cpus": os.cpu_count(), "loadavg_at_report": list(os.getloadavg())}
+
+
+def _path_text(args) -> str:
+    if args.path == "overlapc":
+        return ('backend="overlapc", options chunks=k, inner="aot_eager" (chunk_collectives, then the '
+                "scheduler with default options); graphs run eagerly, no Inductor")
+    return ("AOTAutograd backend calling chunk_collectives alone (no scheduler); graphs run eagerly, "
+            "in the order the pass emits")
+
+
+def report(args, per_rank: list[dict]) -> int:
+    rows, ok = {}, True
+    print()
+    print(f"link: {args.link}")
+    print(f"load average (1/5/15 min) at report: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cpus")
+    print(f"chunking: {_path_text(args)}")
+    for name in args.models:
+        med = {}
+        for v in VARIANTS:
+            key = f"{name}/{v}"
+            slowest = [max(r["times"][key][i] for r in per_rank) for i in range(len(per_rank[0]["times"][key]))]
+            med[v] = statistics.median(slowest)
+        compute, comm = med["compute_only"], med["comm_only"]
+        print(f"\n{name}: {per_rank[0]['collectives_per_step'][name]} collectives per step (unchunked); "
+              f"compute {compute * 1e3:.0f} ms, comm {comm * 1e3:.0f} ms (medians of {args.steps} rounds, slowest rank)")
+        print(f"floor max(compute, comm) = {max(compute, comm) * 1e3:.0f} ms; est_ms = floor + min(compute, comm) / k")
+        print(f"{'variant':<14}{'step_ms':>9}{'vs_chunks1':>12}{'est_ms':>10}{'peak_MiB':>10}{'colls':>7}  loss_ok")
+        rows[name] = {}
+        ref = per_rank[0]["losses"][f"{name}/eager"]
+        for v in VARIANTS:
+            k = int(v[-1]) if v.startswith("chunks") else None
+            bound = None if k is None else max(compute, comm) + min(compute, comm) / k
+            peak = max(r["peak_bytes"][f"{name}/{v}"] for r in per_rank)
+            loss_ok = None
+            if v.startswith("chunks") or v == "eager":
+                loss_ok = all(abs(r["losses"][f"{name}/{v}"] - r["losses"][f"{name}/eager"]) <=
+                              1e-5 * abs(r["losses"][f"{name}/eager"]) + 1e-7 for r in per_rank)
+                ok &= loss_ok
+            speed = med["chunks1"] / med[v]
+            rows[name][v] = {"step_ms": med[v] * 1e3, "speedup_vs_chunks1": speed,
+                             "collectives_run_per_step": per_rank[0]["collectives_run"][f"{name}/{v}"],
+                             "est_ms": None if bound is None else bound * 1e3,
+                             "peak_bytes": peak, "loss_matches_eager": loss_ok,
+                             "times_ms_slowest_rank": [round(max(r["times"][f"{name}/{v}"][i] for r in per_rank) * 1e3, 2)
+                                                       for i in range(args.steps)]}
+            print(f"{v:<14}{med[v] * 1e3:>9.0f}{speed:>11.2f}x{'' if bound is None else f'{bound * 1e3:>10.0f}':>10}"
+                  f"{peak / 2**20:>10.1f}{per_rank[0]['collectives_run'][f'{name}/{v}']:>7}  "
+                  f"{'' if loss_ok is None else loss_ok}")
+        best = min(("chunks2", "chunks4"), key=lambda v: med[v])
+        rows[name]["floor_ms"] = max(compute, comm) * 1e3
+        rows[name]["best"] = {"variant": best, "speedup_vs_chunks1": med["chunks1"] / med[best],
+                              "goal_1_2x_met": med["chunks1"] / med[best] >= 1.2,
+                              "ideal_speedup": (compute + comm) / max(compute, comm)}
+        print(f"best: {best} {med['chunks1'] / med[best]:.2f}x vs chunks1 (goal >= 1.2x; ideal for this "
+              f"compute/comm: {(compute + comm) / max(compute, comm):.2f}x); loss of rank 0 eager {ref:.6g}")
+        notes = per_rank[0]["notes"][name]
+        for v in ("chunks2", "chunks4") if notes else ():
+            applied = sum(1 for _, a, _ in notes.get(v, []) if a)
+            print(f"  {v}: {applied} of {len(notes.get(v, []))} patterns chunked")
+        rows[name]["notes"] = notes
+    if args.json:
+        _write_json(args.json, {"link": args.link, "config": config_of(args), "results": rows,
+                                "losses_per_rank": [r["losses"] for r in per_rank]})
+        log(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
+def _write_json(path, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    return parent(args, [a for a in argv if a != "--worker"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""A small transformer block with tensor + sequence parallelism on a 1-D tp mesh::
+
+    overlapc report examples/tp_sp.py:build --world-size 2
+
+Activations are sequence-first ``[seq, batch, dim]`` (Megatron's layout) and
+sharded along the sequence between the parallel regions (``SequenceParallel``
+on the norms, ``sequence_dim=0``). Entering attention or the MLP all-gathers
+the sequence (``ColwiseParallel(input_layouts=Shard(0))``); leaving them
+reduce-scatters it (``RowwiseParallel(output_layouts=Shard(0))``). The
+all-gather feeds a matmul right away and the reduce-scatter reads a matmul's
+output right away: these are the patterns ``overlapc.passes.chunk`` pipelines.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; one fused q/k/v projection whose output features
+    are laid out head by head ([heads, 3, head_dim]), so that a column split
+    gives each rank whole heads with their own q, k and v (Megatron's layout)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        s, b, _ = x.shape
+        qkv = self.qkv(x).view(s, b, self.heads, 3, -1)      # heads: this rank's heads under TP
+        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # [b, heads, s, head_dim]
+        return self.o(y.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim)
+        self.attention = Attention(dim, heads)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, depth: int, attention: bool = True):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, heads, hidden) for _ in range(depth))
+        if not attention:
+            for block in self.blocks:
+                block.attention = None
+
+    def forward(self, x):
+        for block in self.blocks:
+            if block.attention is None:
+                x = x + block.mlp(block.mlp_norm(x))
+            else:
+                x = block(x)
+        return x
+
+
+def parallelize(model: Stack, mesh) -> Stack:
+    """Tensor + sequence parallel plan: norms on sequence shards, Colwise in, Rowwise out."""
+    seq = Shard(0)
+    for block in model.blocks:
+        plan = {
+            "attention_norm": SequenceParallel(sequence_dim=0),
+            "mlp_norm": SequenceParallel(sequence_dim=0),
+            "mlp.up": ColwiseParallel(input_layouts=seq),
+            "mlp.down": RowwiseParallel(output_layouts=seq),
+        }
+        if block.attention is not None:
+            block.attention.heads //= mesh.size()   # heads per rank after the colwise split
+            plan.update({"attention.qkv": ColwiseParallel(input_layouts=seq),
+                         "attention.o": RowwiseParallel(output_layouts=seq)})
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+def build(dim: int = 64, heads: int = 4, hidden: int = 256, depth: int = 2, seq: int = 64,
+          batch: int = 2, attention: bool = True):
+    """(TP+SP model over the default process group, (local sequence shard [seq/world, batch, dim],))."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = parallelize(Stack(dim, heads, hidden, depth, attention), mesh)
+    x = torch.randn(seq // mesh.size(), batch, dim, requires_grad=True)
+    return model, (x,)

@@ -1,0 +1,300 @@
+"""overlapc.passes.chunk: which patterns are pipelined, which are left alone and
+why, same values (rank-layout sensitive stand-ins for the collectives), lint,
+pipeline order, determinism. Fake process group, world 8, group "0"."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+
+from overlapc.passes.chunk import ChunkNote, chunk_collectives
+from graphs import F, WORLD, trace
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EQUAL = [8] * WORLD   # all-to-all split sizes of the 64-row test tensors
+RANK = 3   # the rank the stand-ins pretend to be (not 0: a wrong block order shows)
+
+
+class RankCollectives(fx.Interpreter):
+    """Runs a graph with collectives replaced by local stand-ins that depend on
+    which rank's block lands where: rank r's all-gather input is x*(r+1)+r; a
+    reduce-scatter sums block r times (r+1) over r (rank RANK's blocks rotated in);
+    an all-to-all's output block r is input block (r+RANK)%W times (r+1) plus r.
+    Each commutes with the row layout chunk.py uses, so chunked == unchunked."""
+
+    def call_function(self, target, args, kwargs):
+        if target == F.all_gather_into_tensor.default:
+            x, world = args[0], args[1]
+            return torch.cat([x * (r + 1) + r for r in range(world)])
+        if target == F.reduce_scatter_tensor.default:
+            x, world = args[0], args[2]
+            blocks = x.reshape(world, x.shape[0] // world, *x.shape[1:])
+            return sum(blocks[(r + RANK) % world] * (r + 1) for r in range(world))
+        if target == F.all_to_all_single.default:
+            x = args[0]
+            world = len(args[2])
+            blocks = x.reshape(world, x.shape[0] // world, *x.shape[1:])
+            return torch.cat([blocks[(r + RANK) % world] * (r + 1) + r for r in range(world)])
+        if target == F.wait_tensor.default:
+            return args[0].clone()
+        return super().call_function(target, args, kwargs)
+
+
+def random_inputs(gm, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor):       # a device mesh (opaque object): unused by the stand-ins
+            out.append(None)
+        elif v.dtype.is_floating_point:
+            out.append(torch.randn(v.shape, generator=g, dtype=v.dtype))
+        else:
+            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
+    return out
+
+
+def assert_same_values(before, after, seed=0):
+    inputs = random_inputs(before, seed)
+    expected = RankCollectives(before).run(*inputs)
+    got = RankCollectives(after).run(*inputs)
+    for a, b in zip(expected, got):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def names(gm):
+    return [n.name for n in gm.graph.nodes]
+
+
+def count(gm, op):
+    return sum(1 for n in gm.graph.nodes if n.target == op)
+
+
+# ------------------------------------------------------------------ captured models
+
+
+def _capture(module, **kwargs):
+    from overlapc.backend import capture
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    build = __import__(module).build
+    model, inputs = build(**kwargs)
+    return {r.name: r.gm for r in capture(model, inputs, {"enabled": False})}
+
+
+@pytest.fixture(scope="module")
+def tp_graphs(fake_pg):
+    return _capture("tp_sp", heads=8, depth=1)
+
+
+@pytest.fixture(scope="module")
+def moe_graphs(fake_pg):
+    return _capture("moe", depth=1)
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_tp_sp_every_pattern_is_pipelined_with_the_same_values(tp_graphs, chunks):
+    fw, bw = copy.deepcopy(tp_graphs["fw_0"]), copy.deepcopy(tp_graphs["bw_0"])
+    for original, gm in ((tp_graphs["fw_0"], fw), (tp_graphs["bw_0"], bw)):
+        notes = chunk_collectives(gm, chunks)
+        gm.graph.lint()
+        assert notes and all(n.applied and n.reason == "" and n.chunks == chunks and n.group == "0"
+                             for n in notes), notes
+        assert gm.meta["overlapc_chunks"] == notes
+        assert_same_values(original, gm)
+    fw_notes = fw.meta["overlapc_chunks"]
+    # attention: all-gather -> qkv matmul; o: matmul -> reduce-scatter; the MLP is one pipeline
+    assert [n.pattern for n in fw_notes] == ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul"]
+    assert len(fw_notes[0].starts) == 1 and len(fw_notes[-1].starts) == 2
+    assert "reduce_scatter" in fw_notes[-1].starts[1]
+    assert count(fw, F.all_gather_into_tensor.default) == 2 * chunks
+    assert count(fw, F.reduce_scatter_tensor.default) == 2 * chunks
+    # the MLP backward (all-gather of the gradient -> ... -> reduce-scatter) is one pipeline too
+    bw_notes = bw.meta["overlapc_chunks"]
+    assert bw_notes[0].pattern == "all_gather_matmul" and len(bw_notes[0].starts) == 2
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_moe_dispatch_expert_combine_is_pipelined_with_the_same_values(moe_graphs, chunks):
+    for name in ("fw_0", "bw_0"):
+        gm = copy.deepcopy(moe_graphs[name])
+        notes = chunk_collectives(gm, chunks)
+        gm.graph.lint()
+        assert [n.pattern for n in notes] == ["all_to_all_expert"], notes
+        assert notes[0].applied and len(notes[0].starts) == 2 and len(notes[0].pieces) == 2 * chunks
+        assert count(gm, F.all_to_all_single.default) == 2 * chunks
+        assert_same_values(moe_graphs[name], gm)
+
+
+def test_pipeline_order_issues_the_next_piece_before_this_piece_computes(moe_graphs):
+    gm = copy.deepcopy(moe_graphs["fw_0"])
+    note, = chunk_collectives(gm, 4)
+    pos = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    dispatch = [f"{note.starts[0]}_chunk{i}" for i in range(4)]
+    combine = [f"{note.starts[1]}_chunk{i}" for i in range(4)]
+    assert sorted(note.pieces) == sorted(dispatch + combine)
+    for i in range(4):
+        wait = next(iter(nodes[dispatch[i]].users))
+        first_compute = min(pos[u.name] for u in wait.users)
+        if i + 1 < 4:
+            assert pos[dispatch[i + 1]] < first_compute, (dispatch[i + 1], wait.name)
+        assert first_compute < pos[combine[i]]          # piece i's compute, then its combine
+        if i + 1 < 4:                                    # combine i is in flight while piece i+1 computes
+            nxt = next(iter(nodes[dispatch[i + 1]].users))
+            combine_wait = next(iter(nodes[combine[i]].users))
+            assert pos[combine[i]] < min(pos[u.name] for u in nxt.users) < pos[combine_wait.name]
+
+
+def test_chunking_is_deterministic(fake_pg):
+    def fn(x, w1, w2):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        y = torch.mm(torch.nn.functional.gelu(torch.mm(g, w1)), w2)
+        return F.wait_tensor(F.reduce_scatter_tensor(y, "sum", WORLD, "0")), g
+
+    codes = []
+    for _ in range(2):
+        gm = trace(fn, (8, 16), (16, 32), (32, 16))
+        chunk_collectives(gm, 4)
+        gm.recompile()
+        codes.append(gm.code)
+    assert codes[0] == codes[1]
+
+
+def test_chunks_one_changes_nothing(fake_pg):
+    gm = trace(lambda x, w: torch.mm(F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0")), w), (8, 16), (16, 4))
+    before = names(gm)
+    assert chunk_collectives(gm, 1) == []
+    assert names(gm) == before and gm.meta["overlapc_chunks"] == []
+    with pytest.raises(ValueError, match="chunks"):
+        chunk_collectives(gm, 0)
+
+
+# ------------------------------------------------------------------ left alone, and why
+
+
+def _ag_mm(x, w):
+    return torch.mm(F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0")), w)
+
+
+def _not_applied(gm, chunks=2):
+    before = names(gm)
+    notes = chunk_collectives(gm, chunks)
+    assert names(gm) == before, "a pattern that does not qualify must leave the graph alone"
+    assert notes and not any(n.applied for n in notes)
+    assert all(isinstance(n, ChunkNote) and n.reason and n.pieces == () for n in notes)
+    return notes
+
+
+def test_all_gather_matmul_values_and_shard_split(fake_pg):
+    gm = trace(_ag_mm, (8, 16), (16, 4))
+    original = copy.deepcopy(gm)
+    note, = chunk_collectives(gm, 4)
+    assert note == ChunkNote("all_gather_matmul", ("all_gather_into_tensor",), "0", 4, True, "",
+                             tuple(f"all_gather_into_tensor_chunk{i}" for i in range(4)))
+    assert_same_values(original, gm)
+
+
+def test_full_slice_after_the_gather_keeps_the_rows(fake_pg):
+    """DTensor slices the gathered rows to their full length (uneven-shard unpadding)."""
+    def fn(x, w):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        return torch.mm(torch.ops.aten.slice.Tensor(g, 0, 0, 64)[:, 2:], w)
+    gm = trace(fn, (8, 16), (14, 4))
+    original = copy.deepcopy(gm)
+    note, = chunk_collectives(gm, 2)
+    assert note.applied, note
+    assert_same_values(original, gm)
+
+    def partial(x, w):   # a slice that drops rows is not row-wise
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        return torch.mm(torch.ops.aten.slice.Tensor(g, 0, 0, 60), w)
+    note, = _not_applied(trace(partial, (8, 16), (16, 4)))
+    assert "no matmul reads" in note.reason and "slice" in note.reason
+
+
+def test_matmul_reduce_scatter_values(fake_pg):
+    def fn(a, w):
+        return F.wait_tensor(F.reduce_scatter_tensor(torch.mm(a, w), "sum", WORLD, "0"))
+    gm = trace(fn, (64, 16), (16, 4))
+    original = copy.deepcopy(gm)
+    note, = chunk_collectives(gm, 2)
+    assert note.pattern == "matmul_reduce_scatter" and note.applied
+    assert_same_values(original, gm)
+
+
+def test_dim_that_does_not_divide_is_left_alone(fake_pg):
+    note, = _not_applied(trace(_ag_mm, (3, 16), (16, 4)))
+    assert "does not divide" in note.reason and "chunks 2" in note.reason
+
+
+def test_unknown_shapes_are_left_alone(fake_pg):
+    gm = trace(_ag_mm, (8, 16), (16, 4))
+    meta = next(iter(gm.graph.find_nodes(op="placeholder"))).meta
+    meta.pop("val"), meta.pop("tensor_meta", None)
+    note, = _not_applied(gm)
+    assert "unknown shape" in note.reason and "x_1" in note.reason
+
+
+def test_barrier_between_is_left_alone(fake_pg):
+    def fn(x, w, z):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        torch.ops.aten.add_(z, 1)
+        return torch.mm(g, w)
+    note, = _not_applied(trace(fn, (8, 16), (16, 4), (2,)))
+    assert "barrier" in note.reason and "add_" in note.reason
+
+
+def test_intermediate_feeding_back_is_left_alone(fake_pg):
+    def fn(x, w1, w2):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        h = torch.mm(g, w1)
+        h = h + h.sum(0)                      # a reduction over the rows feeds the pipeline back
+        return F.wait_tensor(F.reduce_scatter_tensor(torch.mm(h, w2), "sum", WORLD, "0"))
+    gm = trace(fn, (8, 16), (16, 8), (8, 16))
+    notes = chunk_collectives(gm, 2)
+    # no pipeline through the reduction: the all-gather -> matmul part alone, and the
+    # matmul -> reduce-scatter part alone, are still chunked
+    assert [(n.pattern, n.applied) for n in notes] == [("all_gather_matmul", True), ("matmul_reduce_scatter", True)]
+
+
+def test_reduce_scatter_of_non_matmul_and_gather_without_matmul(fake_pg):
+    def fn(x):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        return F.wait_tensor(F.reduce_scatter_tensor(torch.relu(x.repeat(8, 1)), "sum", WORLD, "0")), torch.relu(g)
+    ag, rs = _not_applied(trace(fn, (8, 16)))
+    assert ag.pattern == "all_gather_matmul" and "no matmul reads" in ag.reason and "relu" in ag.reason
+    assert rs.pattern == "matmul_reduce_scatter" and "not a matmul" in rs.reason and "relu" in rs.reason
+
+
+def test_all_to_all_unequal_splits_and_non_rowwise_expert(fake_pg):
+    def unequal(x, w):
+        splits = [4] * 7 + [36]
+        y = F.wait_tensor(F.all_to_all_single(x, splits, splits, "0"))
+        return F.wait_tensor(F.all_to_all_single(torch.mm(y, w), splits, splits, "0"))
+    note = _not_applied(trace(unequal, (64, 16), (16, 16)))[0]   # each all-to-all gets a note
+    assert note.pattern == "all_to_all_expert" and "unequal split sizes" in note.reason
+
+    def mixing(x, w):
+        y = F.wait_tensor(F.all_to_all_single(x, EQUAL, EQUAL, "0"))
+        y = torch.mm(w, y)                    # mixes tokens: not row-wise
+        return F.wait_tensor(F.all_to_all_single(y, EQUAL, EQUAL, "0"))
+    notes = _not_applied(trace(mixing, (64, 16), (64, 64)))
+    assert "not pipelined" in notes[0].reason and "mm" in notes[0].reason
+
+
+def test_all_to_all_expert_with_saved_full_row_operand(fake_pg):
+    """Operands from outside the pipeline with full rows are cut piece by piece."""
+    def fn(x, w, gate):
+        y = F.wait_tensor(F.all_to_all_single(x, EQUAL, EQUAL, "0"))
+        h = torch.mm(y, w) * torch.sigmoid(gate)
+        return F.wait_tensor(F.all_to_all_single(h, EQUAL, EQUAL, "0")), h
+    gm = trace(fn, (64, 16), (16, 16), (64, 16))
+    original = copy.deepcopy(gm)
+    note, = chunk_collectives(gm, 4)
+    assert note.applied, note
+    gm.graph.lint()
+    assert_same_values(original, gm)
