@@ -39,28 +39,36 @@ class Budget:
         return None if limit is None else limit - self.reserve.get(group, 0)
 
 
-def auto_budget(collectives: list[Collective]) -> dict[str, int]:
+def auto_budget(collectives: list[Collective], held: dict[fx.Node, int] | None = None) -> dict[str, int]:
     """The "auto" byte budget per group: twice the bytes held by the group's
     largest collective (so the next one can be in flight while the largest
-    one is, as FSDP2's one-ahead prefetch does)."""
+    one is, as FSDP2's one-ahead prefetch does). ``held``: start -> held bytes
+    when already known (``Structure.held``)."""
+    held = _held(collectives, held)
     largest: dict[str, int] = {}
     for c in collectives:
-        largest[c.group] = max(largest.get(c.group, 0), held_bytes(c))
+        largest[c.group] = max(largest.get(c.group, 0), held[c.start])
     return {group: max(1, 2 * size) for group, size in largest.items()}
 
 
-def budget_for(collectives: list[Collective], cfg: OverlapConfig) -> Budget:
-    """The Budget ``cfg`` sets for a graph holding ``collectives``."""
+def budget_for(collectives: list[Collective], cfg: OverlapConfig,
+               held: dict[fx.Node, int] | None = None) -> Budget:
+    """The Budget ``cfg`` sets for a graph holding ``collectives`` (``held`` as in auto_budget)."""
+    held = _held(collectives, held)
     groups = sorted({c.group for c in collectives})
     if cfg.max_in_flight_bytes == "auto":
-        max_bytes: dict[str, int | None] = dict(auto_budget(collectives))
+        max_bytes: dict[str, int | None] = dict(auto_budget(collectives, held))
     else:
         max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
     reserve: dict[str, int] = {}
     for c in collectives:
         if c.kind != "all_gather":
-            reserve[c.group] = max(reserve.get(c.group, 0), held_bytes(c))
+            reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
     return Budget(cfg.max_in_flight, max_bytes, reserve)
+
+
+def _held(collectives: list[Collective], held: dict[fx.Node, int] | None) -> dict[fx.Node, int]:
+    return held if held is not None else {c.start: held_bytes(c) for c in collectives}
 
 
 class InFlight:

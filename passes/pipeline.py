@@ -49,17 +49,17 @@ def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> di
     except Exception as error:
         raise ScheduleError(f"graph is not a valid FX graph: {error}") from error
     s = Structure(gm)
-    return invariants.check(s, s.nodes, budget_for(s.movable, cfg))
+    return invariants.check(s, s.nodes, budget_for(s.movable, cfg, s.held))
 
 
 def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
              kinds: tuple[str, ...] | None = None) -> dict | None:
     """Schedule ``gm.graph`` in place with the core and check the result; None when
-    nothing is movable. ``budget_of(movable collectives)`` gives the Budget."""
+    nothing is movable. ``budget_of(structure)`` gives the Budget."""
     s = Structure(gm)
     if not s.movable:
         return None
-    budget: Budget = budget_of(s.movable)
+    budget: Budget = budget_of(s)
     order = schedule_order(s, budget, mode, kinds)
     _check_kept(s, order)
     apply_order(gm, order)
@@ -95,7 +95,7 @@ def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig) -> dict | None:
         bucket_collectives(gm, bucket=cfg.bucket)
     if cfg.chunks > 1 or cfg.bucket is not None:
         gm.meta["overlapc_unscheduled_order"] = [n.name for n in gm.graph.nodes]
-    return _reorder(gm, lambda movable: budget_for(movable, cfg))
+    return _reorder(gm, lambda s: budget_for(s.movable, cfg, s.held))
 
 
 def unscheduled_order(gm: fx.GraphModule, before: list[str]) -> list[str]:
@@ -177,7 +177,7 @@ def reorder_all_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Issue every collective as early as its inputs allow (all-gathers in consumer
     order per group and region) and wait each just before its first real consumer,
     with no in-flight bound. In place; returns ``gm`` recompiled."""
-    if _reorder(gm, lambda movable: UNBOUNDED) is not None:
+    if _reorder(gm, lambda s: UNBOUNDED) is not None:
         gm.recompile()
     return gm
 
@@ -191,7 +191,7 @@ def limit_in_flight(gm: fx.GraphModule, max_in_flight: int | None | OverlapConfi
     if not isinstance(max_in_flight, OverlapConfig):
         max_in_flight = OverlapConfig(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes)
     cfg = max_in_flight
-    if _reorder(gm, lambda movable: budget_for(movable, cfg)) is not None:
+    if _reorder(gm, lambda s: budget_for(s.movable, cfg, s.held)) is not None:
         gm.recompile()
     return gm
 
@@ -202,6 +202,6 @@ def sink_waits(gm: fx.GraphModule, kinds=None) -> fx.GraphModule:
     stay where they are. ``kinds`` restricts the pass to those collective kinds
     (e.g. ``("all_gather",)``). In place; returns ``gm`` recompiled."""
     kinds = None if kinds is None else tuple(kinds)
-    if _reorder(gm, lambda movable: UNBOUNDED, mode="sink", kinds=kinds) is not None:
+    if _reorder(gm, lambda s: UNBOUNDED, mode="sink", kinds=kinds) is not None:
         gm.recompile()
     return gm
