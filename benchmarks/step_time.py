@@ -19,15 +19,23 @@ instance compiled up front, timed interleaved (A B C ... A B C ...):
 
   fsdp2_eager                 torch's fully_shard per block + root (its prefetching)
   inductor                    overlapc.fsdp.shard + torch.compile(backend="inductor")
+  inductor_pinned             ... + reorder_for_peak_memory=False (the order overlapc pins:
+                              what pinning costs plain Inductor)
   inductor_reorder            ... + reorder_for_compute_comm_overlap=True
-  inductor_overlap_scheduler  ... + aten_distributed_optimizations.enable_overlap_scheduling
+  inductor_overlap_scheduler  ... + Inductor's overlap scheduler with collective bucketing, as
+                              torchtitan's SimpleFSDP turns it on (see _overlap_scheduler_options:
+                              on a CPU-only install it needs CPU numbers for two GPU queries;
+                              they come from this run's calibration, not invented)
   overlapc                    overlapc.fsdp.shard + backend="overlapc", default options
-  overlapc_k1/k2/k3/unlimited ... options={"max_in_flight": 1/2/3/None}
+  overlapc_bucket/_nobucket   ... bucket="module" / bucket=None
+  overlapc_k3                 ... max_in_flight=3
+  overlapc_count_only         ... max_in_flight=2, no byte budget (the v1 default)
+  overlapc_unlimited          ... no count limit, no byte budget
 
-A variant whose effective OverlapConfig equals an earlier one's (overlapc_k2 =
-overlapc while the default is K=2) is compiled and timed once and reported
-under both names ("same_as" in the JSON). Inductor's overlap scheduler is first
-tried on a 1-block model, so on a CPU-only install its error costs seconds.
+A variant whose effective OverlapConfig equals an earlier one's (overlapc_bucket
+= overlapc while the default buckets by module) is compiled and timed once and
+reported under both names ("same_as" in the JSON). Inductor's overlap scheduler
+is first tried on a 1-block model, so an error costs seconds.
 Every variant's functional all-gathers go through
 overlapc.backend.route_gloo_all_gathers (gloo's coalesced all-gather crashes
 ranks with many in flight; see README, Known issues).
@@ -42,6 +50,20 @@ and, in the same rotation, the bounds:
   edge_comm      the first block's all-gathers (embedding + block 0) and the last
                  block's reduce-scatters (block 0 + embedding) alone
   bound = max(compute_only + edge_comm, comm_only)
+
+Peak memory: after the timed rounds, one more step of every variant under
+torch.profiler (profile_memory): the allocations and frees of the rank's
+process in time order, summed; the peak of that sum is what the step
+allocated on top of what lived before it (activations, gathered parameters,
+collective buffers, gradients). Reported per variant as the larger rank's.
+
+Estimates: before compiling, the ranks run ``overlapc calibrate``'s quick
+sweep on this link (overlapc.calibrate.run_in_group) and every overlapc
+variant compiles with options profile=<that file> and dump_dir; the
+estimated step of a variant is the sum of its graphs' simulated step times
+(report.json, step_ms_after), and inductor_pinned's is the same graphs'
+unscheduled order (step_ms_before of an overlapc variant that does not
+rewrite the graph). The table prints estimate / measured.
 
 Every multi-process part notices a dead rank and reports it (no hangs): the
 worker watches every rank's process sentinel with a deadline, gloo has a
@@ -67,12 +89,17 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 MODEL_VARIANTS = [
-    "fsdp2_eager", "inductor", "inductor_reorder", "inductor_overlap_scheduler",
-    "overlapc", "overlapc_k1", "overlapc_k2", "overlapc_k3", "overlapc_unlimited",
+    "fsdp2_eager", "inductor", "inductor_pinned", "inductor_reorder", "inductor_overlap_scheduler",
+    "overlapc", "overlapc_bucket", "overlapc_nobucket", "overlapc_k3", "overlapc_count_only",
+    "overlapc_unlimited",
 ]
 BOUND_VARIANTS = ["compute_only", "comm_only", "edge_comm"]
-OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_k1": {"max_in_flight": 1}, "overlapc_k2": {"max_in_flight": 2},
-                    "overlapc_k3": {"max_in_flight": 3}, "overlapc_unlimited": {"max_in_flight": None}}
+OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket": {"bucket": "module"}, "overlapc_nobucket": {"bucket": None},
+                    "overlapc_k3": {"max_in_flight": 3},
+                    "overlapc_count_only": {"max_in_flight": 2, "max_in_flight_bytes": None},
+                    "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None}}
+INDUCTOR_OPTIONS = {"inductor": None, "inductor_pinned": {"reorder_for_peak_memory": False},
+                    "inductor_reorder": {"reorder_for_compute_comm_overlap": True}}
 LOSS_RTOL = 1e-3
 
 
@@ -103,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run (s)")
     p.add_argument("--gloo-timeout", type=float, default=900.0, help="per-collective gloo timeout (s)")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--scratch", default=None,
+                   help="folder for the calibrated profile and the variants' schedule dumps (default: a new temp dir)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -206,6 +235,10 @@ def worker(args) -> int:
 
     ctx = mp.get_context("spawn")
     port = _free_port()
+    if args.scratch is None:
+        import tempfile
+        args.scratch = tempfile.mkdtemp(prefix="overlapc_step_time_")
+    log(f"profile and schedule dumps: {args.scratch}")
     procs, pipes = [], []
     for rank in range(args.world_size):
         recv, send = ctx.Pipe(duplex=False)
@@ -379,6 +412,12 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         f"vocab {cfg.vocab_size}: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MiB fp32); "
         f"batch {args.batch} x seq {args.seq} per rank, {world_size} ranks, optim {args.optim}")
 
+    from overlapc import calibrate
+    profile_path = os.path.join(args.scratch, "profile.json")
+    say("calibrating this link and the compute (overlapc calibrate, quick sweep) ...")
+    calibrate.run_in_group(profile_path if rank == 0 else None, quick=True)
+    dist.barrier()   # rank 0 has written the profile
+
     rounds = args.warmup + args.steps
     g = torch.Generator().manual_seed(1000 + rank)
     data = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
@@ -418,19 +457,18 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         if name in ("comm_only", "edge_comm"):
             return comm_step(name, cfg, world_size)
         model = overlapc.fsdp.shard(fresh(), mesh)
-        if name.startswith("inductor"):
-            options = {"inductor_reorder": {"reorder_for_compute_comm_overlap": True},
-                       "inductor_overlap_scheduler": {
-                           "aten_distributed_optimizations.enable_overlap_scheduling": True},
-                       }.get(name)
-            if name == "inductor_overlap_scheduler":
-                # It fails on a CPU-only install (Inductor asks Triton for GPU memory
-                # bandwidth): one step of a 1-block model first gets its error in seconds.
-                tiny = overlapc.fsdp.shard(Llama(dataclasses.replace(cfg, n_layers=1)), mesh)
-                train_step(torch.compile(tiny, backend="inductor", options=options), optimizer(tiny))(0)
+        if name == "inductor_overlap_scheduler":
+            options = _overlap_scheduler_options(profile_path)
+            # one step of a 1-block model first: an error costs seconds, not a full compile
+            tiny = overlapc.fsdp.shard(Llama(dataclasses.replace(cfg, n_layers=1)), mesh)
+            train_step(torch.compile(tiny, backend="inductor", options=options), optimizer(tiny))(0)
             compiled = torch.compile(model, backend="inductor", options=options)
+        elif name.startswith("inductor"):
+            compiled = torch.compile(model, backend="inductor", options=INDUCTOR_OPTIONS[name])
         else:
-            compiled = torch.compile(model, backend="overlapc", options=OVERLAPC_OPTIONS[name])
+            options = {**OVERLAPC_OPTIONS[name], "profile": profile_path,
+                       "dump_dir": os.path.join(args.scratch, name)}
+            compiled = torch.compile(model, backend="overlapc", options=options)
         return train_step(compiled, optimizer(model))
 
     names = list(args.variants or MODEL_VARIANTS)
@@ -485,8 +523,108 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
                                         "compile_s": compile_s, "n_params": n_params, "aliases": aliases}))
         else:
             say(f"warm-up round {i + 1}/{args.warmup} done")
+
+    peak_bytes = {}
+    for name in live:
+        if name in ("comm_only", "edge_comm"):
+            continue
+        dist.barrier()
+        peak_bytes[name] = profile_step(lambda: steps[name](rounds - 1))[0]
+    say("peak memory per variant (rank 0): " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in peak_bytes.items()))
+    estimates = _estimates(args.scratch, rank, [n for n in live if n in OVERLAPC_OPTIONS]) if rank == 0 else {}
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
-            "n_params": n_params, "aliases": aliases}
+            "n_params": n_params, "aliases": aliases, "peak_bytes": peak_bytes, "estimates": estimates}
+
+
+_COLLECTIVE_EVENTS = {f"_c10d_functional::{op}" for op in
+                      ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
+
+
+def profile_step(step) -> tuple[int, int]:
+    """(peak bytes, functional collectives started) of one call of ``step``, from
+    torch.profiler's CPU events (profile_memory): allocations and frees of this
+    process in time order, summed; the peak of that sum. A TorchDispatchMode
+    would not do: with one active, the compiled function runs eagerly."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = collectives = 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        name = event.name()
+        if name == "[memory]":
+            live += event.nbytes()
+            peak = max(peak, live)
+        elif name in _COLLECTIVE_EVENTS:
+            collectives += 1
+    return peak, collectives
+
+
+def _estimates(scratch: str, rank: int, variants: list[str]) -> dict:
+    """variant -> {"ms": estimated step, "graphs": how many}, from the reports the
+    backend dumped while compiling (``dump_dir``): the sum of the graphs' simulated
+    step times in the scheduled order; "inductor_pinned" gets the unscheduled order
+    of the first variant that neither buckets nor chunks (the same graphs)."""
+    from overlapc.config import OverlapConfig
+
+    def graphs(name):
+        folder = os.path.join(scratch, name, f"rank{rank}")
+        found = []
+        for graph in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            with open(os.path.join(folder, graph, "report.json")) as f:
+                found.append(json.load(f)["summary"])
+        return found
+
+    out = {}
+    for name in variants:
+        summaries = graphs(name)
+        if summaries:
+            out[name] = {"ms": sum(s["step_ms_after"] for s in summaries), "graphs": len(summaries)}
+            cfg = OverlapConfig.from_options(OVERLAPC_OPTIONS[name])
+            if "inductor_pinned" not in out and cfg.bucket is None and cfg.chunks == 1:
+                out["inductor_pinned"] = {"ms": sum(s["step_ms_before"] for s in summaries),
+                                          "graphs": len(summaries), "from": name}
+    return out
+
+
+def _overlap_scheduler_options(profile_path: str) -> dict:
+    """Inductor options that turn on its overlap scheduler with collective bucketing
+    (torchtitan SimpleFSDP's auto-bucketing setting). On a CPU-only install the
+    scheduler asks Triton for the GPU's memory bandwidth and FLOP/s
+    (torch._inductor.utils.get_gpu_dram_gbps / get_device_tflops, also bound by
+    name in torch._inductor.scheduler and torch.utils._runtime_estimation): all
+    are patched, process-wide, to return the calibrated CPU numbers of
+    ``profile_path``; compute is estimated analytically (roofline, fusion regions
+    off) and collectives by overlapc's cost model with the calibrated link."""
+    import torch._inductor.scheduler
+    import torch._inductor.utils
+    import torch.utils._runtime_estimation
+
+    import functools
+
+    from overlapc import costmodel
+
+    profile = costmodel.load_profile(profile_path)
+    for module in (torch._inductor.utils, torch._inductor.scheduler, torch.utils._runtime_estimation):
+        module.get_gpu_dram_gbps = lambda: profile.device.mem_gbps
+        module.get_device_tflops = lambda dtype: profile.device.tflops
+    prefix = "aten_distributed_optimizations."
+    return {prefix + "enable_overlap_scheduling": True, prefix + "collective_bucketing": True,
+            prefix + "compute_estimator": "analytical", prefix + "enable_fusion_regions": False,
+            # a partial of a module-level function: Inductor pickles it into its cache key
+            prefix + "custom_runtime_estimation": functools.partial(_collective_ms, profile.link)}
+
+
+def _collective_ms(link, node, override_size=None):
+    """overlapc's estimate of a collective node (``override_size`` bytes when given,
+    as Inductor asks for a bucket), or None for compute (Inductor estimates it)."""
+    from overlapc import costmodel
+    from overlapc.collectives import scan
+
+    found = scan([node], {node: 0}, first_consumers=False)
+    if not found:
+        return None
+    c = found[0] if override_size is None else dataclasses.replace(found[0], nbytes=override_size)
+    return costmodel.collective_ms(c, link)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -602,6 +740,14 @@ def report(args, per_rank: list[dict]) -> int:
                     for i in range(min(len(res["times"][name]) for res in per_rank))]
         stats[name] = {"median_s": statistics.median(per_step), "p25_s": _q(per_step, 0.25),
                        "p75_s": _q(per_step, 0.75)}
+    for name in stats:   # measured peak memory: the larger rank's
+        peaks = [res.get("peak_bytes", {}).get(name) for res in per_rank]
+        if all(p is not None for p in peaks):
+            stats[name]["peak_bytes"] = max(peaks)
+        estimate = r0.get("estimates", {}).get(name)
+        if estimate is not None:
+            stats[name]["estimate_s"] = estimate["ms"] / 1e3
+            stats[name]["estimate_graphs"] = estimate["graphs"]
     for alias, target in aliases.items():
         if target in errors:
             errors[alias] = errors[target]
@@ -635,14 +781,18 @@ def report(args, per_rank: list[dict]) -> int:
     counted = min((len(t) for n, t in r0["times"].items() if n not in errors), default=0)
     print(f"params: {r0['n_params'] / 1e6:.2f} M; step time = slowest rank, {counted} timed steps per variant")
     print()
-    print(f"{'variant':28s} {'median s':>9s} {'p25 s':>8s} {'p75 s':>8s} {'/bound':>7s} {'first step s':>13s}")
+    print(f"{'variant':28s} {'median s':>9s} {'p25 s':>8s} {'p75 s':>8s} {'/bound':>7s} {'peak MiB':>9s} "
+          f"{'est s':>7s} {'est/meas':>8s} {'first step s':>13s}")
     for name in names:
         if name in errors:
             print(f"{name:28s} ERROR: {errors[name].splitlines()[0][:150]}")
             continue
         s = stats[name]
         ratio = f"{s['median_s'] / bounds['bound_s']:.2f}" if bounds else "-"
-        print(f"{name:28s} {s['median_s']:9.3f} {s['p25_s']:8.3f} {s['p75_s']:8.3f} {ratio:>7s} "
+        peak = f"{s['peak_bytes'] / 2**20:9.1f}" if "peak_bytes" in s else f"{'-':>9s}"
+        est = (f"{s['estimate_s']:7.3f} {s['estimate_s'] / s['median_s']:8.2f}" if "estimate_s" in s
+               else f"{'-':>7s} {'-':>8s}")
+        print(f"{name:28s} {s['median_s']:9.3f} {s['p25_s']:8.3f} {s['p75_s']:8.3f} {ratio:>7s} {peak} {est} "
               + (f"{'same config as ' + s['same_as']:>13s}" if "same_as" in s
                  else f"{r0['compile_s'].get(name, float('nan')):13.1f}"))
     if bounds:
@@ -661,15 +811,40 @@ def report(args, per_rank: list[dict]) -> int:
         if "fsdp2_eager" in stats:
             goals["fsdp2_eager/overlapc"] = stats["fsdp2_eager"]["median_s"] / o
         others = {n: stats[n]["median_s"] / o for n in stats
-                  if n not in BOUND_VARIANTS and n != "overlapc"}
+                  if n not in BOUND_VARIANTS and n != "overlapc" and "same_as" not in stats[n]}
+        family = {n: v for n, v in others.items() if n in OVERLAPC_OPTIONS}
+        fastest = lambda pool: min(pool.items(), key=lambda kv: kv[1], default=("-", float("inf")))  # noqa: E731
+        nan = float("nan")
+        peak = {n: stats[n].get("peak_bytes") for n in ("overlapc", "inductor", "fsdp2_eager") if n in stats}
+        mem = {f"{n}/overlapc peak": peak[n] / peak["overlapc"] for n in ("inductor", "fsdp2_eager")
+               if peak.get(n) and peak.get("overlapc")}
+        goals.update(mem)
+        ranked = [n for n in stats if "estimate_s" in stats[n] and "same_as" not in stats[n]]
+        est_err = {n: stats[n]["estimate_s"] / stats[n]["median_s"] - 1 for n in ranked}
+        same_rank = sorted(ranked, key=lambda n: stats[n]["median_s"]) == sorted(
+            ranked, key=lambda n: stats[n]["estimate_s"])
         checks = [
-            ("overlapc within 1.10x of bound", goals["overlapc/bound"] <= 1.10, f"{goals['overlapc/bound']:.2f}x"),
+            ("overlapc within 1.07x of bound", goals["overlapc/bound"] <= 1.07, f"{goals['overlapc/bound']:.2f}x"),
+            ("overlapc within 1.05x of bound", goals["overlapc/bound"] <= 1.05, f"{goals['overlapc/bound']:.2f}x"),
             ("overlapc >= 1.3x faster than inductor", goals.get("inductor/overlapc", 0) >= 1.3,
-             f"{goals.get('inductor/overlapc', float('nan')):.2f}x"),
+             f"{goals.get('inductor/overlapc', nan):.2f}x"),
             ("overlapc faster than fsdp2_eager", goals.get("fsdp2_eager/overlapc", 0) > 1.0,
-             f"{goals.get('fsdp2_eager/overlapc', float('nan')):.2f}x"),
-            ("overlapc no slower than any other variant", all(v >= 1.0 for v in others.values()),
-             "slowest ratio " + ", ".join(f"{n} {v:.2f}x" for n, v in sorted(others.items(), key=lambda kv: kv[1])[:3])),
+             f"{goals.get('fsdp2_eager/overlapc', nan):.2f}x"),
+            ("overlapc defaults within 2% of the fastest overlapc option set", fastest(family)[1] >= 0.98,
+             "fastest other: {} {:.3f}x".format(*fastest(family))),
+            ("overlapc within 2% of the fastest variant (Inductor's overlap scheduler included)",
+             fastest(others)[1] >= 0.98, "fastest other: {} {:.3f}x".format(*fastest(others))),
+            ("overlapc peak memory <= 1.10x inductor's", mem.get("inductor/overlapc peak", 0) >= 1 / 1.10,
+             f"overlapc/inductor {1 / mem['inductor/overlapc peak']:.3f}x" if "inductor/overlapc peak" in mem
+             else "not measured"),
+            ("overlapc peak memory <= fsdp2_eager's", mem.get("fsdp2_eager/overlapc peak", 0) >= 1.0,
+             f"overlapc/fsdp2_eager {1 / mem['fsdp2_eager/overlapc peak']:.3f}x" if "fsdp2_eager/overlapc peak" in mem
+             else "not measured"),
+            ("estimates within 20% of measured", bool(est_err) and all(abs(e) <= 0.20 for e in est_err.values()),
+             ", ".join(f"{n} {e:+.0%}" for n, e in est_err.items()) or "no estimates"),
+            ("estimates rank the variants as measured", bool(ranked) and same_rank,
+             "measured: " + " < ".join(sorted(ranked, key=lambda n: stats[n]["median_s"]))
+             + "; estimated: " + " < ".join(sorted(ranked, key=lambda n: stats[n]["estimate_s"]))),
         ]
         print()
         print("goals:")

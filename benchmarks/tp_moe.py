@@ -58,7 +58,9 @@ for path in (HERE, os.path.join(ROOT, "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from step_time import _can_shape, _describe_exit, _free_port, _kill_group, _sh  # noqa: E402  (same link set-up)
+from step_time import (  # noqa: E402  (same link set-up and memory probe)
+    _can_shape, _describe_exit, _free_port, _kill_group, _sh, profile_step,
+)
 
 VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "compute_only", "comm_only"]
 MODELS = ["tp_sp", "moe"]
@@ -260,29 +262,6 @@ def _local_all_to_all(x, out_splits, in_splits, group):
 
 _LOCAL = {"all_gather_into_tensor": _local_all_gather, "reduce_scatter_tensor": _local_reduce_scatter,
           "all_to_all_single": _local_all_to_all}
-
-
-_COLLECTIVE_EVENTS = {f"_c10d_functional::{op}" for op in
-                      ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
-
-
-def profile_step(step) -> tuple[int, int]:
-    """(peak bytes, functional collectives started) of one call of ``step``, from
-    torch.profiler's CPU events (profile_memory): allocations and frees of this
-    process in time order, summed; the peak of that sum. A TorchDispatchMode
-    would not do: with one active, the compiled function runs eagerly."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = peak = collectives = 0
-    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
-        name = event.name()
-        if name == "[memory]":
-            live += event.nbytes()
-            peak = max(peak, live)
-        elif name in _COLLECTIVE_EVENTS:
-            collectives += 1
-    return peak, collectives
 
 
 def rank_main(rank: int, world: int, port: int, args) -> dict:

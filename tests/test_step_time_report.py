@@ -18,21 +18,26 @@ def step_time():
 
 
 def test_identical_overlapc_configs_are_measured_once(step_time):
-    names = ["overlapc_k1", "overlapc", "overlapc_k2", "overlapc_k3", "inductor"]
-    assert step_time._same_config(names) == {"overlapc_k2": "overlapc"}
-    assert step_time._same_config(["overlapc_k2", "overlapc"]) == {"overlapc": "overlapc_k2"}
-    assert step_time._same_config(["overlapc_k1", "overlapc_unlimited"]) == {}
+    # whatever the default bucketing, exactly one of the two bucket variants is the default config
+    names = ["overlapc", "overlapc_bucket", "overlapc_nobucket", "overlapc_k3", "inductor"]
+    aliases = step_time._same_config(names)
+    assert list(aliases.values()) == ["overlapc"] and len(aliases) == 1
+    assert set(aliases) < {"overlapc_bucket", "overlapc_nobucket"}
+    assert step_time._same_config(["overlapc_bucket", "overlapc"]) == {"overlapc": "overlapc_bucket"} \
+        or step_time._same_config(["overlapc_nobucket", "overlapc"]) == {"overlapc": "overlapc_nobucket"}
+    assert step_time._same_config(["overlapc_count_only", "overlapc_unlimited", "overlapc_k3"]) == {}
 
 
-def _rank(times, rank, aliases):
+def _rank(times, rank, aliases, peaks, estimates):
     return {"times": times, "losses": {n: [1.0 + rank, 0.9 + rank] for n in times},
             "errors": {"inductor_overlap_scheduler": "build: no triton"} if rank == 0 else
                       {"inductor_overlap_scheduler": "failed on another rank"},
-            "compile_s": {n: 1.0 for n in times}, "n_params": 10, "aliases": aliases}
+            "compile_s": {n: 1.0 for n in times}, "n_params": 10, "aliases": aliases,
+            "peak_bytes": peaks, "estimates": estimates}
 
 
 def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_time, tmp_path, capsys):
-    variants = ["fsdp2_eager", "inductor", "inductor_overlap_scheduler", "overlapc", "overlapc_k2",
+    variants = ["fsdp2_eager", "inductor", "inductor_overlap_scheduler", "overlapc", "overlapc_k3",
                 "overlapc_unlimited"]
     rank0 = {"fsdp2_eager": [3.0, 3.0, 3.0], "inductor": [2.6, 2.6, 2.6], "overlapc": [1.9, 2.0, 2.1],
              "overlapc_unlimited": [1.8, 1.8, 1.8], "compute_only": [0.9, 0.9, 0.9],
@@ -43,17 +48,29 @@ def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_ti
     out = tmp_path / "st.json"
     args = step_time.parse_args(["--variants", *variants, "--steps", "3", "--json", str(out)])
     args.link = "test"
-    aliases = {"overlapc_k2": "overlapc"}
-    assert step_time.report(args, [_rank(rank0, 0, aliases), _rank(rank1, 1, aliases)]) == 0
+    aliases = {"overlapc_k3": "overlapc"}   # made up: k3 reported as overlapc's numbers
+    mib = 2 ** 20
+    peaks0 = {"fsdp2_eager": 100 * mib, "inductor": 80 * mib, "overlapc": 90 * mib, "overlapc_unlimited": 150 * mib}
+    peaks1 = dict(peaks0, overlapc=86 * mib, inductor=85 * mib)  # the larger rank counts: 90 vs 85
+    estimates = {"overlapc": {"ms": 1900.0, "graphs": 2}, "overlapc_unlimited": {"ms": 1600.0, "graphs": 2}}
+    assert step_time.report(args, [_rank(rank0, 0, aliases, peaks0, estimates),
+                                   _rank(rank1, 1, aliases, peaks1, {})]) == 0
 
     result = json.loads(out.read_text())
     overlapc = result["variants"]["overlapc"]
     assert overlapc["median_s"] == pytest.approx(2.1)          # median of per-step max 2.0, 2.2, 2.1
-    assert result["variants"]["overlapc_k2"] == dict(overlapc, same_as="overlapc")
+    assert result["variants"]["overlapc_k3"] == dict(overlapc, same_as="overlapc")
+    assert overlapc["peak_bytes"] == 90 * mib and result["variants"]["inductor"]["peak_bytes"] == 85 * mib
+    assert overlapc["estimate_s"] == pytest.approx(1.9) and "estimate_s" not in result["variants"]["inductor"]
     assert result["variants"]["inductor_overlap_scheduler"] == {"error": "build: no triton"}
     assert result["bounds"]["bound_s"] == pytest.approx(1.8)   # max(0.9 + 0.2, 1.8)
     met = result["ratios"]["met"]
     assert met["overlapc >= 1.3x faster than inductor"] is False      # 2.6 / 2.1 = 1.24
     assert met["overlapc faster than fsdp2_eager"] is True
-    assert met["overlapc no slower than any other variant"] is False  # unlimited 1.8
+    assert met["overlapc defaults within 2% of the fastest overlapc option set"] is False  # unlimited 1.8
+    assert met["overlapc within 2% of the fastest variant (Inductor's overlap scheduler included)"] is False
+    assert met["overlapc peak memory <= 1.10x inductor's"] is True     # 90 / 85 = 1.06
+    assert met["overlapc peak memory <= fsdp2_eager's"] is True        # 90 <= 100
+    assert met["estimates within 20% of measured"] is True             # 1.9 / 2.1 and 1.6 / 1.8: -10%, -11%
+    assert met["estimates rank the variants as measured"] is True      # unlimited < overlapc both ways
     assert "same config as overlapc" in capsys.readouterr().out
