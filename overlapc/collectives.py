@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from typing import Iterable
 
 import torch
@@ -60,10 +61,10 @@ _CAST_METHODS = {"to", "float", "half", "bfloat16", "double", "type", "contiguou
 class Collective:
     """One collective: its start node, the waits that complete it, and what it moves.
 
-    ``position`` and ``first_consumer`` are indices into the graph's node list
-    at the time ``collectives()`` was called; ``first_consumer`` is the
-    earliest real consumer of any of its waits (views and getitem skipped; the
-    output node counts), or None when nothing reads the result.
+    ``first_consumer`` is an index into the graph's node list at the time
+    ``collectives()`` was called: the earliest real consumer of any of its
+    waits (views and getitem skipped; the output node counts), or None when
+    nothing reads the result.
     """
 
     kind: str
@@ -74,13 +75,8 @@ class Collective:
     group_size: int | None
     nbytes: int | None
     dtype: torch.dtype | None
-    position: int
     first_consumer: int | None
     movable: bool
-
-    @property
-    def wait(self) -> fx.Node | None:
-        return self.waits[0] if self.waits else None
 
 
 _PARTS_BY_ID: dict[int, tuple[object, tuple[str, str]]] = {}
@@ -349,8 +345,79 @@ def scan(nodes: list[fx.Node], position: dict[fx.Node, int], first_consumers: bo
             group_size=group_size if isinstance(group_size, int) else None,
             nbytes=tensor_nbytes(value),
             dtype=_dtype_of(value),
-            position=position[node],
             first_consumer=min(consumers) if consumers else None,
             movable=name in _MOVABLE_KINDS,
         ))
     return rows
+
+
+def module_path(node: fx.Node) -> str:
+    """The user's module behind ``node`` ("blocks.1.attn.wq"), or the parameter's
+    qualified name when no module is left, or "" (rules: ``overlapc/report.py``'s
+    docstring, "Module"; the bucket pass groups collectives by it too).
+    Paths are relative to the compiled module (Dynamo's ``L['self']`` is dropped)."""
+    stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack")
+    if not stack:
+        stack = _nearest_stack(node)
+    if not stack:
+        return ""
+    kept: list[str] = []
+    parameter = ""
+    for value in stack.values():
+        path, kind = (value[0], value[1]) if isinstance(value, (tuple, list)) else (value, None)
+        path = _DYNAMO_ROOT.sub("", str(path))
+        named = _parametrized(path)
+        if named is not None:
+            parameter = named
+            continue
+        if not _PLAIN.match(path) or _is_parametrization(kind):
+            continue
+        path = ".".join(part for part in path.split(".") if part not in _WRAPPER_SEGMENTS)
+        if kept and kept[-1] and path != kept[-1] and not path.startswith(kept[-1] + "."):
+            continue   # a module shared between owners: named after its first user, not this one
+        kept.append(path)
+    module = next((p for p in reversed(kept) if p), "")
+    return module or parameter
+
+
+_DYNAMO_ROOT = re.compile(r"^[LG]\['[^']*'\]\.?")   # L['self'], L['fn'], G['model'] ...
+_PLAIN = re.compile(r"^(\w+(\.\w+)*)?$")
+_WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+# torchtitan SimpleFSDP: dict(type(<module>).__dict__)['weight'].fget.__closure__[0].cell_contents
+_PROPERTY = re.compile(r"^dict\(type\((?P<module>[^()]*)\)\.__dict__\)\['(?P<name>\w+)'\]")
+# torch.nn.utils.parametrize: <module>.parametrizations.weight(.0 | [0])
+_PARAMETRIZE = re.compile(r"^(?:(?P<module>.*)\.)?parametrizations\.(?P<name>\w+)(?:\.\d+|\[\d+\])?$")
+
+
+def _parametrized(path: str) -> str | None:
+    """"module.name" when ``path`` is a parametrization of parameter ``name`` of ``module``, else None."""
+    match = _PROPERTY.match(path) or _PARAMETRIZE.match(path)
+    if match is None:
+        return None
+    module = _DYNAMO_ROOT.sub("", match.group("module") or "")
+    module = ".".join(part for part in module.split(".") if part and part not in _WRAPPER_SEGMENTS)
+    return f"{module}.{match.group('name')}" if module else match.group("name")
+
+
+def _is_parametrization(kind) -> bool:
+    try:
+        from torch.nn.utils.parametrize import ParametrizationList
+        return isinstance(kind, type) and issubclass(kind, ParametrizationList)
+    except ImportError:   # pragma: no cover - torch without parametrize
+        return False
+
+
+def _nearest_stack(node: fx.Node, limit: int = 64) -> dict | None:
+    """The module stack of the nearest node ``node`` reads (breadth first, at most ``limit``
+    nodes): a backward collective reduces a gradient computed by its module's nodes."""
+    seen, queue = {node}, list(node.all_input_nodes)
+    while queue and len(seen) <= limit:
+        current = queue.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        stack = current.meta.get("fwd_nn_module_stack") or current.meta.get("nn_module_stack")
+        if stack:
+            return stack
+        queue.extend(current.all_input_nodes)
+    return None

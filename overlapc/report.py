@@ -14,10 +14,34 @@ The scheduler works in place, so callers record the order first::
 Both orders are simulated (``overlapc.simulate``). A *compute node* is a node
 with estimated cost > 0 that is not a collective start, a wait, or a member of
 their bundles (a start's cheap input chain, a wait's views; see
-``passes/analysis.py``). Positions are indices into the node order.
+``passes/structure.py``). Positions are indices into the node order; a row's
+positions can differ before and after without the row having moved, when other
+collectives moved around it.
 
-Verdicts. A collective is "hidden" when the simulator says so (its waits stall
-compute < 1% of its duration or < 1 us); otherwise "exposed" with the first
+Moved. A collective *moved* when its start or one of its waits now stands
+between other nodes of the graph than before, counting every node that is not
+a collective start, a wait or a member of their bundles (placeholders, views
+and free ops included, whatever their estimated cost): the number of such nodes
+before it changed. The summary's ``moved`` is the number of rows with moved set.
+
+Module. ``module`` is the user's module that reads the collective's parameter:
+Dynamo's ``nn_module_stack`` (``fwd_nn_module_stack`` in backward graphs, which
+AOTAutograd copies from the forward node; the nearest input with a stack when
+the node has none), innermost first, skipping parametrization and wrapper
+entries (``torch.nn.utils.parametrize``'s ``parametrizations.<name>``,
+torchtitan SimpleFSDP's ``dict(type(m).__dict__)['<name>'].fget...`` property,
+any entry that is not a plain dotted path, FSDP/checkpoint/compile wrapper
+segments, and modules that are not a submodule of the entry outside them: a
+shared module carries the path of its first user). When no user module is
+left, the parameter's qualified name ("blocks.0.attn.wq.weight") when a
+parametrization entry names it, else "".
+
+Exposed time. The simulator's stall on each wait is shared among the
+collectives its group's stream ran during the stall (a wait on a collective
+queued behind another waits for both), so a row's ``exposed_ms`` is the
+compute stall its own transfer caused, and the rows add up to the summary's
+total. Verdicts. A collective is "hidden" when that exposed time is < 1% of its
+duration or < 1 us (the simulator's rule); otherwise "exposed" with the first
 reason whose rule holds, checked in this order, on the order after scheduling.
 Let *consumer* be its first real consumer (the output node when nothing reads
 it) and *ready* the position of the latest node its start reads (looking
@@ -46,15 +70,22 @@ through its input chain; -1 when it reads nothing):
 Row fields: name (start node), kind, group, nbytes (int or null), dtype (str
 or null), module (qualified path or ""), issue_before, wait_before,
 issue_after, wait_after (positions; a wait position is the collective's first
-wait, null when it has none), moved (bool: the number of compute nodes before
-its start or a wait changed), compute_nodes and compute_ms (between issue and
-first wait, after), comm_ms, exposed_ms_before, exposed_ms (after), verdict
-("hidden" | "exposed"), reason ("" when hidden).
+wait, null when it has none), moved (bool, see "Moved"), compute_nodes and
+compute_ms (between issue and first wait, after), comm_ms, exposed_ms_before,
+exposed_ms (after), verdict ("hidden" | "exposed"), reason ("" when hidden).
 
 Summary keys: collectives, moved, hidden_before, hidden_after,
 exposed_ms_before, exposed_ms_after, peak_in_flight_bytes_before,
-peak_in_flight_bytes_after, step_ms_before, step_ms_after (all-gather bytes
-for the peaks), device, link.
+peak_in_flight_bytes_after (bytes held by collectives in flight, all groups and
+kinds together: an all-gather's output and input, another collective's input;
+``passes/inflight.py``), peak_bytes_before, peak_bytes_after (peak live bytes
+along the order, ``passes/memory.py``), in_flight (per kind the graph has, in
+KINDS order: {kind: {"count_before", "count_after", "bytes_before",
+"bytes_after"}}: the most collectives of that kind of one group issued and not
+yet waited, and the most bytes they held), rewrites (``rewrites()``: one dict
+per bucket or chunked pattern),
+step_ms_before, step_ms_after, device, link, profile (its name) and
+profile_source (where its numbers came from).
 """
 from __future__ import annotations
 
@@ -62,17 +93,18 @@ import bisect
 import dataclasses
 import json
 import os
-import re
 from typing import Callable
 
 import torch.fx as fx
 
 from overlapc import costmodel
-from overlapc.collectives import Collective, alias_closure, real_consumers
-from overlapc.passes.analysis import Analysis
-from overlapc.simulate import Timeline, checked_order, simulate
+from overlapc.collectives import Collective, alias_closure, module_path, real_consumers
+from overlapc.passes.inflight import replay
+from overlapc.passes.structure import Structure
+from overlapc.simulate import HIDDEN_FRACTION, HIDDEN_MS, Timeline, checked_order, simulate
 
 SCHEMA = "overlapc.report/1"
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 REASONS = ("graph input/output", "data dependency", "in-flight limit", "no compute left")
 
 
@@ -100,22 +132,9 @@ class Row:
     reason: str
 
 
-def module_path(node: fx.Node) -> str:
-    """Qualified path of the innermost nn.Module that made ``node``, or "", relative to
-    the compiled module (Dynamo's root name, e.g. ``L['self'].``, is dropped)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    last = list(stack.values())[-1]
-    return _DYNAMO_ROOT.sub("", str(last[0] if isinstance(last, (tuple, list)) else last))
-
-
-_DYNAMO_ROOT = re.compile(r"^[LG]\['[^']*'\]\.?")   # L['self'], L['fn'], G['model'] ...
-
-
 def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms):
     """Simulate both orders and build every row and the summary."""
-    profile = profile if profile is not None else costmodel.profile()
+    profile = costmodel.resolve(profile)
     if compute_ms is None:   # estimate each node once for both orders
         memo: dict[fx.Node, float] = {}
 
@@ -127,12 +146,15 @@ def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms)
     after = list(gm_after.graph.nodes)
     timeline_before = simulate(gm_after, profile, before, compute_ms=compute_ms, comm_ms=comm_ms)
     timeline_after = simulate(gm_after, profile, after, compute_ms=compute_ms, comm_ms=comm_ms)
-    info = Analysis(gm_after)
+    info = Structure(gm_after)
     cost = {name: end - start for name, (start, end) in timeline_after.compute.items()}
     is_compute = [cost.get(n.name, 0.0) > 0 and n not in info.bundled for n in after]
     _, ms_after = _prefix(after, is_compute, cost)
-    count_before, _ = _prefix(before, [is_compute[info.pos[n]] for n in before], cost)
     count_after, _ = _prefix(after, is_compute, cost)
+    starts = {c.start for c in info.all}
+    fixed = [n not in info.bundled and n not in starts for n in after]   # what moved nodes move around
+    fixed_before, _ = _prefix(before, [fixed[info.pos[n]] for n in before], cost)
+    fixed_after, _ = _prefix(after, fixed, cost)
     pos_before = {n: i for i, n in enumerate(before)}
     gather_waits: dict[str, list[int]] = {}
     for c in info.all:
@@ -141,17 +163,18 @@ def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms)
     for waits in gather_waits.values():
         waits.sort()
 
+    exposed_before, exposed_after = _attributed(timeline_before), _attributed(timeline_after)
     rows = []
     for c in info.all:
         waits_before = sorted(pos_before[w] for w in c.waits)
         waits_after = sorted(info.pos[w] for w in c.waits)
         issue_b, issue_a = pos_before[c.start], info.pos[c.start]
-        moved = count_before[issue_b] != count_after[issue_a] or any(
-            count_before[pos_before[w]] != count_after[info.pos[w]] for w in c.waits)
+        moved = fixed_before[issue_b] != fixed_after[issue_a] or any(
+            fixed_before[pos_before[w]] != fixed_after[info.pos[w]] for w in c.waits)
         until = waits_after[0] if waits_after else len(after)
         timed_after = timeline_after.collectives[c.start.name]
         verdict, reason = "hidden", ""
-        if not timed_after.hidden:
+        if not _hidden(exposed_after[c.start.name], timed_after.duration_ms):
             verdict, reason = "exposed", _reason(c, info, count_after, gather_waits)
         rows.append(Row(
             name=c.start.name, kind=c.kind, group=c.group, nbytes=c.nbytes,
@@ -163,12 +186,59 @@ def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms)
             compute_nodes=count_after[until] - count_after[issue_a + 1],
             compute_ms=ms_after[until] - ms_after[issue_a + 1],
             comm_ms=timed_after.duration_ms,
-            exposed_ms_before=timeline_before.collectives[c.start.name].exposed_ms,
-            exposed_ms=timed_after.exposed_ms,
+            exposed_ms_before=exposed_before[c.start.name],
+            exposed_ms=exposed_after[c.start.name],
             verdict=verdict, reason=reason,
         ))
     summary = _summary(rows, timeline_before, timeline_after, profile)
+    summary["peak_bytes_before"] = timeline_before.peak_bytes
+    summary["peak_bytes_after"] = timeline_after.peak_bytes
+    summary["rewrites"] = rewrites(gm_after)
+    summary["in_flight"] = _in_flight(info.all, before, after)
     return rows, summary
+
+
+def _in_flight(found: list[Collective], before: list[fx.Node], after: list[fx.Node]) -> dict:
+    """Per kind present: the most collectives of one group issued and not waited, and the
+    most bytes they held in one group (the scheduler's tracker, ``passes/inflight.py``)."""
+    kinds = sorted({c.kind for c in found if c.waits}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
+    result = {}
+    for kind in kinds:
+        mine = [c for c in found if c.kind == kind and c.waits]
+        entry = {}
+        for label, order in (("before", before), ("after", after)):
+            flight = replay(mine, order)
+            entry[f"count_{label}"] = max(flight.peak_counts.values(), default=0)
+            entry[f"bytes_{label}"] = max(flight.peak_bytes.values(), default=0)
+        result[kind] = entry
+    return result
+
+
+def _hidden(exposed_ms: float, duration_ms: float) -> bool:
+    """The simulator's rule (``CollectiveTime.hidden``) applied to an attributed exposure."""
+    return exposed_ms < HIDDEN_MS or exposed_ms < HIDDEN_FRACTION * duration_ms
+
+
+def _attributed(timeline: Timeline) -> dict[str, float]:
+    """Exposed ms per collective, each stall shared among the collectives its group's stream
+    ran during it: a wait that stalls on a collective queued behind another also waits for
+    that other one, which is then not hidden. The values sum to ``timeline.exposed_ms``."""
+    times = list(timeline.collectives.values())
+    result = {t.name: 0.0 for t in times}
+    for stalled in times:
+        if stalled.exposed_ms <= 0:
+            continue
+        begin, end = stalled.end_ms - stalled.exposed_ms, stalled.end_ms
+        shares = {t.name: min(end, t.end_ms) - max(begin, t.start_ms) for t in times
+                  if t.collective.group == stalled.collective.group}
+        shares = {name: share for name, share in shares.items() if share > 0}
+        total = sum(shares.values())
+        if total <= 0:
+            result[stalled.name] += stalled.exposed_ms
+            continue
+        for name, share in shares.items():   # the stream is busy all through the stall: total == exposed
+            result[name] += stalled.exposed_ms * share / total
+    return result
 
 
 def _prefix(order: list[fx.Node], is_compute: list[bool], cost: dict[str, float]):
@@ -180,7 +250,7 @@ def _prefix(order: list[fx.Node], is_compute: list[bool], cost: dict[str, float]
     return counts, ms
 
 
-def _reason(c: Collective, info: Analysis, count: list[int], gather_waits: dict[str, list[int]]) -> str:
+def _reason(c: Collective, info: Structure, count: list[int], gather_waits: dict[str, list[int]]) -> str:
     """Why an exposed collective stays exposed: the first rule of the module docstring that holds.
 
     ``count[i]``: compute nodes before position i; ``gather_waits``: group -> sorted
@@ -212,8 +282,8 @@ def _summary(rows: list[Row], before: Timeline, after: Timeline, profile) -> dic
     return {
         "collectives": len(rows),
         "moved": sum(1 for r in rows if r.moved),
-        "hidden_before": before.hidden,
-        "hidden_after": after.hidden,
+        "hidden_before": sum(1 for r in rows if _hidden(r.exposed_ms_before, r.comm_ms)),
+        "hidden_after": sum(1 for r in rows if r.verdict == "hidden"),
         "exposed_ms_before": before.exposed_ms,
         "exposed_ms_after": after.exposed_ms,
         "peak_in_flight_bytes_before": before.peak_in_flight_bytes,
@@ -222,29 +292,77 @@ def _summary(rows: list[Row], before: Timeline, after: Timeline, profile) -> dic
         "step_ms_after": after.step_ms,
         "device": profile.device.name,
         "link": profile.link.name,
+        "profile": profile.name,
+        "profile_source": profile.source,
     }
 
 
-def rows(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | None = None, *,
+def rows(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | str | None = None, *,
          compute_ms: Callable[[fx.Node], float] | None = None,
          comm_ms: Callable[[Collective], float] | None = None) -> list[Row]:
     """One Row per collective of ``gm_after`` (in its order), comparing with ``before_order``
-    (node names in the order before scheduling). Cost overrides as in ``simulate``."""
+    (node names in the order before scheduling). ``profile``: a Profile, or anything
+    ``costmodel.resolve`` takes (None = h100:nvlink, a "device:link" name, a profile file).
+    Cost overrides as in ``simulate``."""
     return _study(gm_after, before_order, profile, compute_ms, comm_ms)[0]
 
 
-def summary(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | None = None,
+def summary(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | str | None = None,
             *, compute_ms: Callable[[fx.Node], float] | None = None,
             comm_ms: Callable[[Collective], float] | None = None) -> dict:
-    """Per-graph numbers before -> after (keys in the module docstring); plain JSON types."""
+    """Per-graph numbers before -> after (keys in the module docstring); plain JSON types.
+    ``profile`` as in ``rows``."""
     return _study(gm_after, before_order, profile, compute_ms, comm_ms)[1]
 
 
 def summary_line(summary: dict) -> str:
-    """'moved M of N collectives; hidden X of Y by estimate (exposed A -> B ms)'."""
+    """'moved M of N collectives; hidden X -> Y of N by estimate (exposed A -> B ms)':
+    X and A before scheduling, Y and B after."""
     return (f"moved {summary['moved']} of {summary['collectives']} collectives; "
-            f"hidden {summary['hidden_after']} of {summary['collectives']} by estimate "
-            f"(exposed {_ms(summary['exposed_ms_before'])} -> {_ms(summary['exposed_ms_after'])} ms)")
+            f"hidden {summary['hidden_before']} -> {summary['hidden_after']} of {summary['collectives']} "
+            f"by estimate (exposed {_ms(summary['exposed_ms_before'])} -> {_ms(summary['exposed_ms_after'])} ms)")
+
+
+def in_flight_text(summary: dict) -> str:
+    """'peak in flight per group: all_gather 1 -> 2 (4.0KiB -> 8.0KiB); ...' for the kinds
+    the graph has; "" when it has none."""
+    parts = [f"{kind} {v['count_before']} -> {v['count_after']} "
+             f"({_size(v['bytes_before'])} -> {_size(v['bytes_after'])})"
+             for kind, v in summary.get("in_flight", {}).items()]
+    return f"peak in flight per group: {'; '.join(parts)}" if parts else ""
+
+
+def rewrites(gm: fx.GraphModule) -> list[dict]:
+    """What bucketing and chunking did to ``gm`` (their records in ``gm.meta``), as
+    plain dicts with a "rewrite" key ("bucket" or "chunk") first."""
+    found = []
+    for key, label in (("overlapc_buckets", "bucket"), ("overlapc_chunks", "chunk")):
+        for record in gm.meta.get(key, ()):
+            found.append({"rewrite": label, **dataclasses.asdict(record)})
+    return found
+
+
+def rewrites_text(summary: dict) -> str:
+    """One line per bucket or chunked pattern (applied or not, and why); "" when none."""
+    lines = []
+    for r in summary.get("rewrites", ()):
+        if r["rewrite"] == "chunk":
+            state = f"split into {r['chunks']}: {', '.join(r['pieces'])}" if r["applied"] \
+                else f"left alone: {r['reason']}"
+            lines.append(f"chunk {r['pattern']} ({', '.join(r['starts'])}, group {r['group']}): {state}")
+        else:
+            members = ", ".join(r.get("modules") or r.get("members") or ())
+            lines.append(f"bucket {r.get('start', '?')} ({r.get('kind', '?')}, group {r.get('group', '?')}, "
+                         f"{_size(r.get('nbytes'))}): {members}")
+    return "\n".join(lines)
+
+
+def memory_text(summary: dict) -> str:
+    """'peak memory 327.0MiB -> 331.2MiB (1.013x); in flight 0B -> 24.0MiB'."""
+    before, after = summary["peak_bytes_before"], summary["peak_bytes_after"]
+    ratio = f" ({after / before:.3f}x)" if before else ""
+    return (f"peak memory {_size(before)} -> {_size(after)}{ratio}; in flight "
+            f"{_size(summary['peak_in_flight_bytes_before'])} -> {_size(summary['peak_in_flight_bytes_after'])}")
 
 
 def _ms(value: float) -> str:
@@ -271,12 +389,11 @@ def format_text(rows: list[Row], summary: dict) -> str:
     lines = [
         summary_line(s),
         f"step {s['step_ms_before']:.3f} -> {s['step_ms_after']:.3f} ms; exposed "
-        f"{s['exposed_ms_before']:.3f} -> {s['exposed_ms_after']:.3f} ms; hidden "
-        f"{s['hidden_before']} -> {s['hidden_after']} of {s['collectives']}; peak all-gather bytes "
-        f"in flight {_size(s['peak_in_flight_bytes_before'])} -> {_size(s['peak_in_flight_bytes_after'])} "
-        f"({s['device']}, {s['link']})",
+        f"{s['exposed_ms_before']:.3f} -> {s['exposed_ms_after']:.3f} ms ({s['device']}, {s['link']})",
+        memory_text(s),
     ]
-    return "\n".join(lines) + "\n" + format_table(rows)
+    flight = in_flight_text(s)
+    return "\n".join(lines + ([flight] if flight else [])) + "\n" + format_table(rows)
 
 
 def format_table(rows: list[Row]) -> str:
@@ -307,22 +424,25 @@ def format_graph(name: str, rows: list[Row], summary: dict) -> str:
         + f"hidden {s['hidden_after']} of {s['collectives']} collectives (before: {s['hidden_before']}); "
         f"moved {s['moved']}\n"
         f"estimated exposed {s['exposed_ms_before']:.3f} -> {s['exposed_ms_after']:.3f} ms; "
-        f"peak in-flight {_size(s['peak_in_flight_bytes_before'])} -> "
-        f"{_size(s['peak_in_flight_bytes_after'])}; "
         f"step {s['step_ms_before']:.3f} -> {s['step_ms_after']:.3f} ms\n"
+        + memory_text(s) + "\n"
+        + (in_flight_text(s) + "\n" if s.get("in_flight") else "")
+        + (rewrites_text(s) + "\n" if s.get("rewrites") else "")
     )
 
 
-def write_artifacts(record, folder: str, profile: costmodel.Profile | None = None) -> None:
+def write_artifacts(record, folder: str, profile: costmodel.Profile | str | None = None) -> None:
     """Write one scheduled graph (a ``backend.GraphRecord``) into ``folder``, creating it:
     before.txt and after.txt (its readable code before and after scheduling), report.txt
-    (``format_graph``) and report.json (``to_json``). Same record -> same bytes."""
+    (``format_graph`` and a last line naming the profile's source) and report.json
+    (``to_json``). ``profile`` as in ``rows``. Same record and profile -> same bytes."""
     rows_, summary_ = _study(record.gm, record.before_order, profile, None, None)
     os.makedirs(folder, exist_ok=True)
     files = {
         "before.txt": record.before_code,
         "after.txt": record.after_code,
-        "report.txt": format_graph(record.name, rows_, summary_),
+        "report.txt": format_graph(record.name, rows_, summary_)
+        + f"estimates: {summary_['profile_source'] or summary_['profile']}\n",
         "report.json": json.dumps(to_json(rows_, summary_), indent=2) + "\n",
     }
     for name, text in files.items():

@@ -1,0 +1,405 @@
+"""Merge small all-gathers (reduce-scatters) into one collective per bucket.
+
+    notes = bucket_collectives(gm, bucket="module" | byte_target)   # in place; the caller recompiles
+
+Who merges. Movable ``all_gather_into_tensor`` (``reduce_scatter_tensor``)
+starts with exactly one ``wait_tensor`` and static shapes, in *lanes* of the
+same barrier region, group, group size and dtype (and reduce op): nothing
+merges across a barrier, a group, a dtype (fp32 and bf16 go to separate
+buckets) or a reduce op. Within a lane, members are taken in order (all-gathers
+in consumer order, ``Structure.consumer_key``; reduce-scatters in the order
+their starts stand, which is the order their inputs become ready) and a bucket
+holds consecutive members. A bucket closes before a member when
+
+* ``bucket="module"``: the member belongs to another block. Its block is the
+  module path (``overlapc.collectives.module_path`` of the start, else of its
+  first real consumer) up to and including the first numeric segment
+  ("layers.3" for "layers.3.attention.wq"), else the top-level module
+  ("output", "norm"). Members without module information bucket by
+  ``DEFAULT_BUCKET_BYTES``;
+* ``bucket=<int>``: adding it would take the bucket past that many bytes (a
+  member larger than the target is a bucket alone);
+* either way: the bucket could not be issued before its first result is
+  needed (a member's input is ready only after another member's first real
+  consumer), or the member's result or input is tied to another collective.
+
+A bucket of one member stays as it was. Bytes: the all-gather's output, the
+reduce-scatter's input.
+
+Rewrite. All-gather: each member's input (with the cheap input chain the
+scheduler would move with it, casts included) is flattened (a contiguous copy
+first where it is not contiguous) and ``cat`` into one flat shard; one
+all-gather and one wait; the result viewed as (world, total) and each member's
+columns [off, off+n) copied (slice, clone) into the member's gathered shape
+(world*s0, *rest), rank-major as before, so values are bit-identical. Every
+copy-in node is marked ``meta["overlapc_input_chain"]`` so the scheduler moves
+it with the start. The bucket stands just before the first real consumer of
+its first result, and each member's copy-out just before that member's first
+real consumer (its views follow it): the flat result and only the copies still
+being read are live, where copying every member out right after the wait would
+hold the flat result and every copy at once (twice the bucket) before the first
+consumer runs.
+
+Reduce-scatter: each member's input y_i (world*m_i, *rest) is viewed as
+(world, m_i*prod(rest)) and the views are ``cat`` along dim 1, so that rank
+r's block of the flat buffer is the concatenation of every member's block r;
+one reduce-scatter of the flattened buffer and one wait; member i's result is
+the slice [off, off+m_i*prod(rest)) viewed as (m_i, *rest) (a view, no copy).
+The bucket stands right after the last input it reads is ready.
+
+New nodes carry ``meta["val"]`` (fake tensors computed by the ops themselves)
+and the module stack of a member, so the memory tracker, the cost model and the
+report read them like any other node. The graph is rewritten in place
+(``gm.graph``; no recompile), linted when it changed, and deterministic: the
+same graph gives the same buckets and node order whatever PYTHONHASHSEED.
+Returns one BucketNote per bucket, also appended to
+``gm.meta["overlapc_buckets"]``. ValueError names the node, op and group when a
+collective's shapes contradict its group size.
+
+Left alone: coalesced and ``_out`` collectives, all-reduce and all-to-all,
+collectives with several waits or symbolic/unknown shapes, the pieces of a
+chunked collective (``passes/chunk.py``'s notes name them), and collectives
+whose result feeds another collective's input chain directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from overlapc.collectives import Collective, module_path, node_value, real_consumers
+from overlapc.passes.structure import Structure, apply_order
+
+__all__ = ["BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives"]
+
+log = logging.getLogger("overlapc")
+aten = torch.ops.aten
+F = torch.ops._c10d_functional
+
+# Byte target where the graph records no module: large enough that per-collective
+# latency stops mattering (on gloo one 10 MiB all-gather took a third of the time
+# of the same bytes in 60 pieces), small enough that one bucket is a small share
+# of a model's gathered parameters (a Llama-8B block is ~400 MiB in bf16).
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+_OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketNote:
+    """One bucket: ``start`` is the new collective's node, ``nbytes`` its output
+    (all-gather) or input (reduce-scatter) bytes; ``members`` the original start
+    nodes merged, in layout order, and ``modules`` their module paths ("" unknown)."""
+
+    start: str
+    kind: str
+    group: str
+    nbytes: int
+    members: tuple[str, ...]
+    modules: tuple[str, ...]
+
+
+def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "module") -> list[BucketNote]:
+    """Merge ``gm``'s all-gathers and reduce-scatters into buckets (rules in the
+    module docstring), in place. ``bucket``: "module" or an int byte target >= 1."""
+    if bucket != "module" and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+        raise ValueError(f'bucket_collectives: bucket must be "module" or an int byte target >= 1, '
+                         f"got {bucket!r}")
+    s = Structure(gm)
+    plans = [(kind, members) for kind in _OPS for lane in _lanes(s, kind).values()
+             for members in _split(lane, bucket)]
+    notes: list[BucketNote] = []
+    if plans:
+        rewrite = _Rewrite(gm, s)
+        for kind, members in plans:
+            note = rewrite.all_gather(members) if kind == "all_gather" else rewrite.reduce_scatter(members)
+            log.debug("overlapc: bucket %s (%s, group %s, %d bytes): %s", note.start, kind, note.group,
+                      note.nbytes, ", ".join(note.members))
+            notes.append(note)
+        rewrite.finish()
+        gm.graph.lint()
+    gm.meta.setdefault("overlapc_buckets", []).extend(notes)
+    return notes
+
+
+# ---------------------------------------------------------------- who may merge
+
+
+@dataclasses.dataclass
+class _Member:
+    """A collective that may join a bucket, with what the plan needs of it."""
+
+    c: Collective
+    wait: fx.Node
+    input: fx.Node
+    value: torch.Tensor        # the input's (fake) value
+    out_shape: tuple[int, ...]
+    nbytes: int                # all-gather output / reduce-scatter input
+    ready: int                 # position of the last node its start bundle reads (-1: none)
+    target: int                # position of its wait's first real consumer (or region end)
+    module: str
+
+
+def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
+    """Members of ``kind`` by lane (region, group, group size, dtype, reduce op), each in merge order.
+    Pieces of a chunked collective (``gm.meta["overlapc_chunks"]``) are no members: one
+    bucket would undo their pipeline."""
+    pieces = {name for note in s.gm.meta.get("overlapc_chunks", ()) for name in note.pieces}
+    members = [m for c in s.movable if c.op == _OPS[kind] and c.start.name not in pieces
+               for m in [_member(s, c)] if m is not None]
+    if kind == "all_gather":
+        members.sort(key=lambda m: s.key[m.c.start])
+    else:
+        members.sort(key=lambda m: s.pos[m.c.start])
+    lanes: dict[tuple, list[_Member]] = {}
+    for m in members:
+        reduce_op = _argument(m.c.start, 1, "reduce_op") if kind == "reduce_scatter" else ""
+        key = (s.region_of(m.c.start), m.c.group, m.c.group_size, str(m.value.dtype), str(reduce_op))
+        lanes.setdefault(key, []).append(m)
+    return lanes
+
+
+def _member(s: Structure, c: Collective) -> _Member | None:
+    """``c`` as a bucket member, or None when it must stay as it is."""
+    start = c.start
+    if len(c.waits) != 1 or len(start.users) != 1 or c.waits[0].args[0] is not start:
+        return None
+    wait = c.waits[0]
+    x = start.args[0] if start.args else start.kwargs.get("input")
+    value, out = node_value(x) if isinstance(x, fx.Node) else None, node_value(start)
+    if not isinstance(c.group_size, int) or not _static(value) or not _static(out):
+        return None
+    _check_shapes(c, value, out)
+    target = s.target[wait]
+    inputs = s.bundle_inputs[start]
+    if target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
+            u in s.start_of_member for u in real_consumers(wait, s.wait_bundle[wait][1:])):
+        return None   # tied to another collective's bundle: moving one would move the other
+    gathered = c.kind == "all_gather"
+    return _Member(
+        c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
+        nbytes=(out if gathered else value).numel() * value.element_size(),
+        ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target],
+        module=module_path(start) or (module_path(target) if target.op == "call_function" else ""),
+    )
+
+
+def _static(value) -> bool:
+    return isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape)
+
+
+def _check_shapes(c: Collective, value: torch.Tensor, out: torch.Tensor) -> None:
+    world = c.group_size
+    if c.kind == "all_gather":
+        fits = out.numel() == world * value.numel() and out.dtype == value.dtype
+    else:
+        fits = value.dim() > 0 and value.shape[0] % world == 0 and out.numel() * world == value.numel()
+    if not fits:
+        raise ValueError(f"bucket_collectives: node {c.start.name} (op {c.op}, group {c.group}): "
+                         f"input {tuple(value.shape)} {value.dtype} and output {tuple(out.shape)} "
+                         f"{out.dtype} do not fit group size {world}")
+
+
+def _argument(node: fx.Node, index: int, name: str):
+    return node.args[index] if index < len(node.args) else node.kwargs[name]
+
+
+def _split(lane: list[_Member], bucket: str | int) -> list[list[_Member]]:
+    """Consecutive members of ``lane`` cut into buckets; buckets of one dropped."""
+    buckets: list[list[_Member]] = []
+    for m in lane:
+        if buckets and _joins(buckets[-1], m, bucket):
+            buckets[-1].append(m)
+        else:
+            buckets.append([m])
+    return [b for b in buckets if len(b) > 1]
+
+
+def _joins(members: list[_Member], m: _Member, bucket: str | int) -> bool:
+    """Whether ``m`` may join the open bucket ``members``."""
+    if max(m.ready, *(x.ready for x in members)) >= min(m.target, *(x.target for x in members)):
+        return False   # one member's input is ready only after another's result is needed
+    limit = bucket
+    if bucket == "module":
+        block = block_of(m.module)
+        if block != block_of(members[0].module):
+            return False
+        if block:
+            return True
+        limit = DEFAULT_BUCKET_BYTES
+    return sum(x.nbytes for x in members) + m.nbytes <= limit
+
+
+def block_of(path: str) -> str:
+    """The block a module path belongs to: up to its first numeric segment
+    ("layers.3.attention.wq" -> "layers.3"), else its top-level module ("" for "")."""
+    parts = path.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:index + 1])
+    return parts[0]
+
+
+# ---------------------------------------------------------------- the rewrite
+
+
+class _Rewrite:
+    """New nodes and moved nodes of every bucket, placed by sort key and applied at once.
+
+    Original node at position p: key (p, 0, 0). A node placed "before position a":
+    (a, -1, n) with n counting placements, so placements keep the order they were made in."""
+
+    def __init__(self, gm: fx.GraphModule, s: Structure):
+        self.gm, self.s, self.graph = gm, s, gm.graph
+        self.key: dict[fx.Node, tuple[int, int, int]] = {n: (i, 0, 0) for i, n in enumerate(s.nodes)}
+        self.count = itertools.count()
+        self.fake = _FakeValues(gm)
+        self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
+
+    def all_gather(self, members: list[_Member]) -> BucketNote:
+        first, world = members[0], members[0].c.group_size
+        anchor = min(m.target for m in members)
+        self._move_input_chains(members, anchor)
+        flat = [self._flat(m, anchor) for m in members]
+        shard = self._new(anchor, aten.cat.default, (flat, 0), like=first.c.start, input_chain=True)
+        start = self._new(anchor, F.all_gather_into_tensor.default,
+                          (shard, world, _argument(first.c.start, 2, "group_name")),
+                          like=first.c.start, name="all_gather_bucket")
+        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
+        sizes = [m.value.numel() for m in members]
+        rows = self._new(anchor, aten.view.default, (wait, [world, sum(sizes)]), like=first.wait)
+        for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
+            columns = self._new(m.target, aten.slice.Tensor, (rows, 1, offset, offset + size), like=m.wait)
+            copy = self._new(m.target, aten.clone.default, (columns,),
+                             {"memory_format": torch.contiguous_format}, like=m.wait)
+            result = self._new(m.target, aten.view.default, (copy, list(m.out_shape)), like=m.wait)
+            self._replace(m, result, m.target)
+        return self._note("all_gather", start, members)
+
+    def reduce_scatter(self, members: list[_Member]) -> BucketNote:
+        first, world = members[0], members[0].c.group_size
+        anchor = self._issue_point(members)
+        self._move_input_chains(members, anchor)
+        blocks = [self._rank_blocks(m, anchor) for m in members]
+        joined = self._new(anchor, aten.cat.default, (blocks, 1), like=first.c.start, input_chain=True)
+        sizes = [m.value.numel() // world for m in members]
+        flat = self._new(anchor, aten.view.default, (joined, [world * sum(sizes)]), like=first.c.start,
+                         input_chain=True)
+        start = self._new(anchor, F.reduce_scatter_tensor.default,
+                          (flat, _argument(first.c.start, 1, "reduce_op"), world,
+                           _argument(first.c.start, 3, "group_name")),
+                          like=first.c.start, name="reduce_scatter_bucket")
+        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
+        for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
+            piece = self._new(anchor, aten.slice.Tensor, (wait, 0, offset, offset + size), like=m.wait)
+            result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
+            self._replace(m, result, anchor)
+        return self._note("reduce_scatter", start, members)
+
+    def finish(self) -> None:
+        """Erase the replaced collectives and put every node at its key."""
+        for node in self.replaced:
+            self.graph.erase_node(node)
+            del self.key[node]
+        apply_order(self.gm, sorted(self.graph.nodes, key=self.key.__getitem__))
+
+    # ---- pieces
+
+    def _issue_point(self, members: list[_Member]) -> int:
+        """Position of the first node after every input of ``members`` is ready, in
+        their region, and not a placeholder: a reduce-scatter bucket stands before it."""
+        region = self.s.region_of(members[0].c.start)
+        position = max(max(m.ready for m in members) + 1,
+                       self.s.barrier_pos[region - 1] + 1 if region else 0)
+        while self.s.nodes[position].op == "placeholder":
+            position += 1
+        return position
+
+    def _move_input_chains(self, members: list[_Member], anchor: int) -> None:
+        for m in members:
+            for node in self.s.start_bundle[m.c.start]:
+                if node is not m.c.start:
+                    self._place(node, anchor)
+
+    def _flat(self, m: _Member, anchor: int) -> fx.Node:
+        """``m``'s all-gather input as one contiguous row of numel elements."""
+        x = self._contiguous(m, anchor)
+        return self._new(anchor, aten.view.default, (x, [m.value.numel()]), like=m.c.start, input_chain=True)
+
+    def _rank_blocks(self, m: _Member, anchor: int) -> fx.Node:
+        """``m``'s reduce-scatter input (world*m0, *rest) as (world, m0*prod(rest)): row r goes to rank r."""
+        world = m.c.group_size
+        x = self._contiguous(m, anchor)
+        return self._new(anchor, aten.view.default, (x, [world, m.value.numel() // world]), like=m.c.start,
+                         input_chain=True)
+
+    def _contiguous(self, m: _Member, anchor: int) -> fx.Node:
+        if m.value.is_contiguous():
+            return m.input
+        return self._new(anchor, aten.clone.default, (m.input,), {"memory_format": torch.contiguous_format},
+                         like=m.c.start, input_chain=True)
+
+    def _replace(self, m: _Member, result: fx.Node, anchor: int) -> None:
+        """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now
+        on; the views of the wait that stood before ``anchor`` move after ``result``."""
+        m.wait.replace_all_uses_with(result)
+        for view in self.s.wait_bundle[m.wait][1:]:
+            if self.s.pos[view] < anchor:
+                self._place(view, anchor)
+        self.replaced += [m.wait, m.c.start]
+
+    def _new(self, anchor: int, target, args, kwargs=None, *, like: fx.Node, name: str | None = None,
+             input_chain: bool = False) -> fx.Node:
+        kwargs = kwargs or {}
+        node = self.graph.create_node("call_function", target, tuple(args), kwargs,
+                                      name=name or target.overloadpacket.__name__)
+        node.meta["val"] = self.fake.run(target, args, kwargs)
+        for key in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+        if input_chain:
+            node.meta["overlapc_input_chain"] = True
+        self._place(node, anchor)
+        return node
+
+    def _place(self, node: fx.Node, anchor: int) -> None:
+        self.key[node] = (anchor, -1, next(self.count))
+
+    @staticmethod
+    def _note(kind: str, start: fx.Node, members: list[_Member]) -> BucketNote:
+        return BucketNote(start=start.name, kind=kind, group=members[0].c.group,
+                          nbytes=sum(m.nbytes for m in members),
+                          members=tuple(m.c.start.name for m in members),
+                          modules=tuple(m.module for m in members))
+
+
+class _FakeValues:
+    """``meta["val"]`` for new nodes: the op run on fake inputs, in the graph's own
+    fake mode when it has one (a fresh one otherwise)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        values = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        try:
+            mode = detect_fake_mode(values)
+        except AssertionError:   # values from several fake modes (make_fx in real mode)
+            mode = None
+        self.mode = mode or FakeTensorMode()
+
+    def of(self, node: fx.Node):
+        from torch._subclasses.fake_tensor import FakeTensor
+        value = node_value(node)
+        if isinstance(value, FakeTensor) and value.fake_mode is self.mode:
+            return value
+        with self.mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+    def run(self, target, args, kwargs):
+        args, kwargs = tree_map(lambda a: self.of(a) if isinstance(a, fx.Node) else a, (args, kwargs))
+        with self.mode:
+            return target(*args, **kwargs)
