@@ -104,15 +104,27 @@ def unscheduled_order(gm: fx.GraphModule, before: list[str]) -> list[str]:
     return gm.meta.get("overlapc_unscheduled_order", before)
 
 
-def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node]) -> None:
-    """Put ``gm.graph`` back as it was: its node order, or (when a pass added or
-    removed nodes) a copy of every node of ``saved``, in the same Graph object."""
+_REWRITE_NOTES = ("overlapc_buckets", "overlapc_chunks")
+
+
+def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], notes: dict) -> None:
+    """Put ``gm`` back as it was: its node order, or (when a pass added or removed
+    nodes) a copy of every node of ``saved`` under the same names, in the same
+    Graph object (Inductor holds it); ``gm.meta`` gets back the rewrite notes
+    ``notes`` held and loses the unscheduled order a rewrite recorded."""
     graph = gm.graph
-    if saved is None or len(graph.nodes) == len(order) and all(n.graph is graph for n in order):
+    gm.meta.pop("overlapc_unscheduled_order", None)
+    for key in _REWRITE_NOTES:
+        gm.meta.pop(key, None)
+        if key in notes:
+            gm.meta[key] = notes[key]
+    if saved is None or len(graph.nodes) == len(order) and not any(n._erased for n in order):
         apply_order(gm, order)
         return
     for node in reversed(list(graph.nodes)):
         graph.erase_node(node)
+    # erase_node keeps the names taken; free them so the copy keeps the original names
+    graph._graph_namespace = type(graph._graph_namespace)()
     value, output = graph.graph_copy(saved, {}, return_output_node=True)
     graph.output(value, type_expr=output.type).meta.update(output.meta)
 
@@ -138,13 +150,14 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     gm.meta.pop("overlapc_unscheduled_order", None)
     rewrites = cfg.chunks > 1 or cfg.bucket is not None
     saved = copy.deepcopy(gm.graph) if rewrites else None
+    notes = {key: list(gm.meta[key]) for key in _REWRITE_NOTES if key in gm.meta}
     collectives_before = len(overlapc_collectives(gm)) if rewrites and log.isEnabledFor(logging.INFO) else None
     collecting = gc.isenabled()
     gc.disable()   # the pass allocates many small objects; collections would cost more than it does
     try:
         stats = _run_passes(gm, cfg)
     except Exception as error:
-        _restore(gm, saved, original)
+        _restore(gm, saved, original, notes)
         if recompile:
             gm.recompile()
         failure = error if isinstance(error, ScheduleError) else ScheduleError(
@@ -168,6 +181,9 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
         rewritten = f"collectives {collectives_before} -> {summary['collectives']} (buckets/chunks); " \
             if collectives_before is not None else ""
         log.info("overlapc: %s%s; %s", rewritten, report.summary_line(summary), report.memory_text(summary))
+        if log.isEnabledFor(logging.DEBUG):   # one line per collective, under a header
+            for line in report.format_table(report.rows(gm, before, cfg.profile)).splitlines():
+                log.debug("overlapc: %s", line)
     return gm
 
 

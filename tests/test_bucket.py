@@ -517,3 +517,21 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
     for index, (kind, a, b) in enumerate(zip(kinds, expected[1:], got[1:])):
         if kind == "out":                       # gathered tensors: bit for bit
             assert torch.equal(a, b), f"gathered output {index}"
+
+
+def test_a_failure_after_bucketing_restores_names_notes_and_order(fake_pg, monkeypatch):
+    import overlapc.passes.pipeline as pipeline
+    gm = trace(uneven_gathers, (4, 16), (2, 16), (2,), (1, 16, 2), (3, 16))
+    names = [n.name for n in gm.graph.nodes]
+    code = gm.code
+
+    def broken_core(*args, **kwargs):   # fails after bucket_collectives rewrote the graph
+        raise overlapc.ScheduleError("injected after bucketing")
+
+    monkeypatch.setattr(pipeline, "schedule_order", broken_core)
+    with pytest.warns(UserWarning, match="injected after bucketing"):
+        overlapc.schedule(gm, overlapc.OverlapConfig(bucket="module"))
+    assert [n.name for n in gm.graph.nodes] == names and gm.code == code
+    assert "overlapc_buckets" not in gm.meta and "overlapc_unscheduled_order" not in gm.meta
+    assert pipeline.unscheduled_order(gm, names) == names
+    gm.graph.lint()

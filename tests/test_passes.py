@@ -1,4 +1,5 @@
 """Concrete schedules on small graphs: each test states the exact order expected."""
+import logging
 import os
 import subprocess
 import sys
@@ -307,3 +308,14 @@ def test_same_order_whatever_the_hash_seed():
         assert done.returncode == 0, done.stderr
         orders.add(done.stdout.strip())
     assert len(orders) == 1 and "all_gather_into_tensor" in orders.pop()
+
+
+def test_debug_logs_one_line_per_collective(fake_pg, caplog):
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    with caplog.at_level(logging.DEBUG, logger="overlapc"):
+        overlapc.schedule(gm)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    names = [c.start.name for c in overlapc.collectives(gm)]
+    assert len(names) == 4 and len(lines) == 1 + len(names)      # a header, then one per collective
+    assert "verdict" in lines[0]
+    assert [line.split()[1] for line in lines[1:]] == names      # "overlapc: <collective> ..." in issue order
