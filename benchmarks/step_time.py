@@ -635,7 +635,8 @@ def _error_text(exc: BaseException) -> str:
 
 def _same_config(names: list[str]) -> dict[str, str]:
     """overlapc variants whose effective OverlapConfig equals an earlier one's
-    (``overlapc_k2`` and ``overlapc`` with the default K=2): variant -> earlier."""
+    (``overlapc_nobucket`` and ``overlapc`` while the default does not bucket):
+    variant -> earlier."""
     from overlapc.config import OverlapConfig
     first: dict = {}
     aliases = {}

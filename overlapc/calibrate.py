@@ -280,14 +280,18 @@ def run_local(world_size: int, out: str, quick: bool = False, timeout: float = 6
                 if pipes[rank].poll():
                     try:
                         status, payload = pipes[rank].recv()
-                    except EOFError:
+                    except EOFError:   # the rank closed its end without a word: it died
                         status, payload = "died", None
                     if status == "ok":
                         results[rank] = payload
                         continue
                     if status == "raised":
                         raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
-                if procs[rank].exitcode is not None and not pipes[rank].poll():
+                    died = True
+                else:
+                    died = procs[rank].exitcode is not None
+                if died:
+                    procs[rank].join(timeout=5)
                     raise RuntimeError(f"calibration rank {rank} died (exit code {procs[rank].exitcode}) "
                                        f"before reporting; all ranks killed")
         for proc in procs:

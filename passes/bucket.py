@@ -69,9 +69,9 @@ import logging
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
 from overlapc.collectives import Collective, module_path, node_value, real_consumers
+from overlapc.passes.chunk import FakeValues
 from overlapc.passes.structure import Structure, apply_order
 
 __all__ = ["BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives"]
@@ -257,7 +257,7 @@ class _Rewrite:
         self.gm, self.s, self.graph = gm, s, gm.graph
         self.key: dict[fx.Node, tuple[int, int, int]] = {n: (i, 0, 0) for i, n in enumerate(s.nodes)}
         self.count = itertools.count()
-        self.fake = _FakeValues(gm)
+        self.fake = FakeValues(gm)
         self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
 
     def all_gather(self, members: list[_Member]) -> BucketNote:
@@ -375,31 +375,3 @@ class _Rewrite:
                           nbytes=sum(m.nbytes for m in members),
                           members=tuple(m.c.start.name for m in members),
                           modules=tuple(m.module for m in members))
-
-
-class _FakeValues:
-    """``meta["val"]`` for new nodes: the op run on fake inputs, in the graph's own
-    fake mode when it has one (a fresh one otherwise)."""
-
-    def __init__(self, gm: fx.GraphModule):
-        from torch._guards import detect_fake_mode
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        values = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-        try:
-            mode = detect_fake_mode(values)
-        except AssertionError:   # values from several fake modes (make_fx in real mode)
-            mode = None
-        self.mode = mode or FakeTensorMode()
-
-    def of(self, node: fx.Node):
-        from torch._subclasses.fake_tensor import FakeTensor
-        value = node_value(node)
-        if isinstance(value, FakeTensor) and value.fake_mode is self.mode:
-            return value
-        with self.mode:
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-
-    def run(self, target, args, kwargs):
-        args, kwargs = tree_map(lambda a: self.of(a) if isinstance(a, fx.Node) else a, (args, kwargs))
-        with self.mode:
-            return target(*args, **kwargs)

@@ -56,7 +56,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from overlapc.collectives import collective_op, node_value, role, wait_nodes
+from overlapc.collectives import collective_op, group_of, node_value, role, wait_nodes
+from overlapc.passes.structure import apply_order
 
 __all__ = ["ChunkNote", "chunk_collectives"]
 
@@ -139,13 +140,10 @@ def _group_size(start: fx.Node, op: str) -> int:
     return int(start.args[1] if op == "all_gather_into_tensor" else start.args[2])
 
 
-def _group(start: fx.Node) -> str:
-    from overlapc.collectives import group_of
-    return group_of(start)
-
-
-class _Fake:
-    """Fake values for new nodes, in the graph's own fake mode when it has one."""
+class FakeValues:
+    """``meta["val"]`` for nodes a pass creates: the op run on fake inputs, in the
+    graph's own fake mode when it has one (a fresh one otherwise). Shared by the
+    chunk and bucket passes."""
 
     def __init__(self, gm: fx.GraphModule):
         from torch._guards import detect_fake_mode
@@ -196,7 +194,7 @@ class _Rewriter:
         self.gm, self.graph, self.k = gm, gm.graph, chunks
         self.done: set[fx.Node] = set()
         self.changed = False
-        self.fake = _Fake(gm)
+        self.fake = FakeValues(gm)
         self.keys: dict[fx.Node, tuple] = {n: (i, 0, 0) for i, n in enumerate(self.graph.nodes)}
         self.seq = itertools.count()
         self.created: list[fx.Node] = []   # nodes of the pipeline being built
@@ -213,7 +211,7 @@ class _Rewriter:
             pattern = "all_to_all_expert"
         else:
             return None
-        group = _group(start)
+        group = group_of(start)
         try:
             if pattern == "matmul_reduce_scatter":
                 plan = self._plan_reduce_scatter(start, group)
@@ -287,7 +285,7 @@ class _Rewriter:
         for node in self._after(wait):
             if any(i in depends for i in node._input_nodes):
                 depends.add(node)
-                if collective_op(node) == sink_op and _group(node) == group and node.args[0] in depends:
+                if collective_op(node) == sink_op and group_of(node) == group and node.args[0] in depends:
                     sink = node
                     break
         if sink is None:
@@ -477,7 +475,8 @@ class _Rewriter:
         node = self.graph.create_node("call_function", target, tuple(args), kwargs, name=name)
         node.meta["val"] = self.fake.run(target, args, kwargs)
         if like is not None:
-            for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten", "seq_nr"):
+            for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "original_aten",
+                        "seq_nr"):
                 if key in like.meta:
                     node.meta[key] = like.meta[key]
         self.keys[node] = (self._anchor_key[0], -1, next(self.seq))
@@ -657,11 +656,7 @@ class _Rewriter:
         outputs = [n for n in order if n.op == "output"]
         order = [n for n in order if n.op == "placeholder"] + \
             [n for n in order if n.op not in ("placeholder", "output")] + outputs
-        previous = None
-        for node in order:
-            if previous is not None and previous.next is not node:
-                previous.append(node)
-            previous = node
+        apply_order(self.gm, order)
 
 
 def _opname(node: fx.Node) -> str:

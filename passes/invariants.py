@@ -9,9 +9,15 @@
    an all-gather's wait just before it (only waits, starts with their input
    chains and views of waited tensors in between);
 3. in-flight bound: per group and kind at most ``max_count`` open; per group
-   at most ``max_bytes`` held, except when the collective just issued holds
-   more than the budget allows on its own terms: then nothing else of its
-   group is open (or, for another kind than all-gather, only all-gathers);
+   at most ``max_bytes`` held when a collective is issued, with one exception:
+   the bytes may exceed the budget when nothing else of the group is open
+   that could have been waited first. For an all-gather that is every other
+   open collective; for any other kind, open all-gathers do not count (their
+   waits stay just before their consumers, 2.), so a reduce-scatter issued
+   while all-gathers fill the group may go over. The scheduler leaves
+   all-gathers issued ahead of need room for the group's largest other
+   collective (``Budget.reserve``); only all-gathers issued because their
+   consumer is due can fill that room;
 4. memory: peak live bytes <= a reference order's peak + the most bytes held
    in flight at once. ``schedule`` compares with the order it started from;
    ``verify`` on a graph alone with the serial order (same spine, all-gathers
