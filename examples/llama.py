@@ -78,3 +78,12 @@ def build(vocab: int = 1024, dim: int = 256, heads: int = 4, hidden: int = 688, 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = overlapc.fsdp.shard(Llama(vocab, dim, heads, hidden, depth), mesh)
     return model, (torch.randint(0, vocab, (batch, seq)),)
+
+
+def memory_reference():
+    """The model issue 9's memory target names: dim 1024, 8 layers (SwiGLU hidden
+    2816), one sequence of 256 tokens per rank::
+
+        overlapc report examples/llama.py:memory_reference --world-size 8
+    """
+    return build(vocab=1024, dim=1024, heads=8, hidden=2816, depth=8, batch=1, seq=256)
