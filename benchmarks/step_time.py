@@ -28,7 +28,8 @@ instance compiled up front, timed interleaved (A B C ... A B C ...):
                               they come from this run's calibration, not invented)
   overlapc                    overlapc.fsdp.shard + backend="overlapc", default options
   overlapc_bucket/_nobucket   ... bucket="module" / bucket=None
-  overlapc_k3                 ... max_in_flight=3
+  overlapc_k2/k3              ... max_in_flight=2 / 3
+  overlapc_count_none         ... no count limit (the byte budget alone)
   overlapc_count_only         ... max_in_flight=2, no byte budget (the v1 default)
   overlapc_unlimited          ... no count limit, no byte budget
 
@@ -90,12 +91,13 @@ if HERE not in sys.path:
 
 MODEL_VARIANTS = [
     "fsdp2_eager", "inductor", "inductor_pinned", "inductor_reorder", "inductor_overlap_scheduler",
-    "overlapc", "overlapc_bucket", "overlapc_nobucket", "overlapc_k3", "overlapc_count_only",
+    "overlapc", "overlapc_bucket", "overlapc_nobucket", "overlapc_k2", "overlapc_k3", "overlapc_count_none", "overlapc_count_only",
     "overlapc_unlimited",
 ]
 BOUND_VARIANTS = ["compute_only", "comm_only", "edge_comm"]
 OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket": {"bucket": "module"}, "overlapc_nobucket": {"bucket": None},
-                    "overlapc_k3": {"max_in_flight": 3},
+                    "overlapc_k2": {"max_in_flight": 2}, "overlapc_k3": {"max_in_flight": 3},
+                    "overlapc_count_none": {"max_in_flight": None},
                     "overlapc_count_only": {"max_in_flight": 2, "max_in_flight_bytes": None},
                     "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None}}
 INDUCTOR_OPTIONS = {"inductor": None, "inductor_pinned": {"reorder_for_peak_memory": False},

@@ -39,7 +39,7 @@ class OverlapConfig:
         (env OVERLAPC_DUMP_DIR), or None.
     """
 
-    max_in_flight: int | None = 2
+    max_in_flight: int | None = 3
     max_in_flight_bytes: int | str | None = "auto"
     bucket: str | int | None = None
     chunks: int = 1

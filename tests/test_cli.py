@@ -94,7 +94,7 @@ def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     mlp = small_target(tmp_path, "mlp", dim=64, hidden=128, depth=2, tokens=64)
     code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw", "--max-in-flight-bytes", "64KiB")
     assert code == 0, err
-    assert "schedule: max_in_flight=2, max_in_flight_bytes=65536" in out
+    assert "schedule: max_in_flight=3, max_in_flight_bytes=65536" in out
     assert "fw_0: 12 collectives (h100, nvlink)" in out and "bw_0" not in out
     assert "hidden" in out and "exposed (" in out and "blocks.1.up" in out
     assert "estimated exposed" in out and "peak in flight per group: all_gather" in out and "; step " in out

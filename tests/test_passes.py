@@ -281,7 +281,7 @@ def test_bad_input_is_rejected_clearly(fake_pg):
 def test_options_beat_environment_beat_defaults():
     assert overlapc.OverlapConfig.from_options({}, env={"OVERLAPC_DISABLE": "1"}).enabled is False
     assert overlapc.OverlapConfig.from_options({"enabled": True}, env={"OVERLAPC_DISABLE": "1"}).enabled
-    assert overlapc.OverlapConfig.from_options({}, env={}).max_in_flight == 2
+    assert overlapc.OverlapConfig.from_options({}, env={}).max_in_flight == 3   # chosen by step_time
 
 
 _SCHEDULE_IN_A_FRESH_PROCESS = """
