@@ -172,7 +172,13 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
 
 
-def parent(args, argv: list[str]) -> int:
+def parent(args, argv: list[str], script: str = __file__, label: str = "bench", say=None) -> int:
+    """Re-run ``script --worker argv`` in a fresh network namespace whose loopback is
+    shaped to ``args.rate`` (plain loopback when ``args.no_shape`` or shaping is not
+    possible, said in the log); the namespace is deleted at the end, on error and on
+    SIGINT/SIGTERM, and a worker past ``args.timeout`` + 120 s is killed. Shared by
+    the benchmarks (tp_moe.py calls it with its own script and label)."""
+    say = say or log
     reason = "--no-shape" if args.no_shape else _can_shape()
     ns = None
     child = None
@@ -182,10 +188,10 @@ def parent(args, argv: list[str]) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", *argv]
+        cmd = [sys.executable, os.path.abspath(script), "--worker", *argv]
         env = dict(os.environ)
         if reason is None:
-            ns = f"overlapc_bench_{os.getpid()}"
+            ns = f"overlapc_{label}_{os.getpid()}"
             _sh("ip", "netns", "add", ns)
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
@@ -195,20 +201,20 @@ def parent(args, argv: list[str]) -> int:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         else:
             link = f"plain loopback, NOT shaped ({reason})"
-        log(f"link: {link}")
+        say(f"link: {link}")
         cmd += ["--link", link]
         child = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
             return child.wait(timeout=args.timeout + 120)
         except subprocess.TimeoutExpired:
-            log(f"ERROR: worker still running after {args.timeout + 120:.0f} s; killing it")
+            say(f"ERROR: worker still running after {args.timeout + 120:.0f} s; killing it")
             return 124
     finally:
         if child is not None and child.poll() is None:
             _kill_group(child.pid)
         if ns is not None:
             result = _sh("ip", "netns", "del", ns, check=False)
-            log(f"deleted netns {ns}" if result.returncode == 0 else f"WARNING: ip netns del {ns}: {result.stderr.strip()}")
+            say(f"deleted netns {ns}" if result.returncode == 0 else f"WARNING: ip netns del {ns}: {result.stderr.strip()}")
         for s, h in old.items():
             signal.signal(s, h)
 

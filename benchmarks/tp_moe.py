@@ -44,9 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -59,7 +57,7 @@ for path in (HERE, os.path.join(ROOT, "examples")):
         sys.path.insert(0, path)
 
 from step_time import (  # noqa: E402  (same link set-up and memory probe)
-    _can_shape, _describe_exit, _free_port, _kill_group, _sh, profile_step,
+    _describe_exit, _free_port, parent, profile_step,
 )
 
 VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "compute_only", "comm_only"]
@@ -97,45 +95,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ parent: namespace
-
-
-def parent(args, argv) -> int:
-    reason = "--no-shape" if args.no_shape else _can_shape()
-    ns, child = None, None
-
-    def on_signal(signum, frame):
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", *argv]
-        env = dict(os.environ)
-        if reason is None:
-            ns = f"overlapc_tpmoe_{os.getpid()}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                "rate", args.rate, "burst", "256kb", "limit", "64mb")
-            link = f"loopback in netns {ns} shaped by tc tbf rate {args.rate} burst 256kb limit 64mb"
-            cmd = ["ip", "netns", "exec", ns, *cmd]
-            env["GLOO_SOCKET_IFNAME"] = "lo"
-        else:
-            link = f"plain loopback, NOT shaped ({reason})"
-        log(f"link: {link}")
-        child = subprocess.Popen([*cmd, "--link", link], env=env, start_new_session=True)
-        try:
-            return child.wait(timeout=args.timeout + 60)
-        except subprocess.TimeoutExpired:
-            log(f"ERROR: worker still running after {args.timeout + 60:.0f} s; killing it")
-            return 124
-    finally:
-        if child is not None and child.poll() is None:
-            _kill_group(child.pid)
-        if ns is not None:
-            done = _sh("ip", "netns", "del", ns, check=False)
-            log(f"deleted netns {ns}" if done.returncode == 0 else f"WARNING: ip netns del {ns}: {done.stderr.strip()}")
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 # ------------------------------------------------------------------ worker: ranks
@@ -453,7 +412,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    return parent(args, [a for a in argv if a != "--worker"])
+    return parent(args, [a for a in argv if a != "--worker"], script=__file__, label="tpmoe", say=log)
 
 
 if __name__ == "__main__":

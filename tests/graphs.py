@@ -23,3 +23,19 @@ def trace(fn, *shapes, dtype=torch.float32):
 def body(gm):
     """Names of the graph's nodes except placeholders and output, in order."""
     return [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def random_inputs(gm, seed=0):
+    """Random values for ``gm``'s placeholders from their ``meta["val"]`` (None for a
+    non-tensor, such as a device mesh: unused by the local stand-ins)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            out.append(None)
+        elif v.dtype.is_floating_point:
+            out.append(torch.randn(v.shape, generator=g).to(v.dtype))
+        else:
+            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
+    return out

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import overlapc
 from overlapc.passes.bucket import DEFAULT_BUCKET_BYTES, BucketNote, block_of, bucket_collectives
 from overlapc.passes.structure import Structure
-from graphs import F, WORLD, ag, trace, wait
+from graphs import F, WORLD, ag, trace, wait, random_inputs
 
 RANK = 3   # the rank the stand-ins pretend to be (not 0: a wrong block order shows)
 AG = F.all_gather_into_tensor.default
@@ -43,20 +43,6 @@ class RankCollectives(fx.Interpreter):
         if target == F.wait_tensor.default:
             return args[0].clone()
         return super().call_function(target, args, kwargs)
-
-
-def random_inputs(gm, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        v = node.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            out.append(None)
-        elif v.dtype.is_floating_point:
-            out.append(torch.randn(v.shape, generator=g).to(v.dtype))
-        else:
-            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
-    return out
 
 
 def assert_same_values(before, after, exact=True, seed=0):

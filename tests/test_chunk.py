@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from overlapc.passes.chunk import ChunkNote, chunk_collectives
-from graphs import F, WORLD, trace
+from graphs import F, WORLD, trace, random_inputs
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 EQUAL = [8] * WORLD   # all-to-all split sizes of the 64-row test tensors
@@ -40,20 +40,6 @@ class RankCollectives(fx.Interpreter):
         if target == F.wait_tensor.default:
             return args[0].clone()
         return super().call_function(target, args, kwargs)
-
-
-def random_inputs(gm, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        v = node.meta.get("val")
-        if not isinstance(v, torch.Tensor):       # a device mesh (opaque object): unused by the stand-ins
-            out.append(None)
-        elif v.dtype.is_floating_point:
-            out.append(torch.randn(v.shape, generator=g, dtype=v.dtype))
-        else:
-            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
-    return out
 
 
 def assert_same_values(before, after, seed=0):
