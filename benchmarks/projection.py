@@ -52,7 +52,7 @@ LINK_OF = {8: "nvlink"}  # larger world sizes: several nodes, InfiniBand
 OPTION_SETS = {
     "overlapc (default)": {},
     "overlapc_k1": {"max_in_flight": 1},
-    "overlapc_k3": {"max_in_flight": 3},
+    "overlapc_k2": {"max_in_flight": 2},
     "overlapc_count_unlimited": {"max_in_flight": None},
     "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None},
     "overlapc_nobucket": {"bucket": None},

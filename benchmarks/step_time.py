@@ -27,14 +27,16 @@ instance compiled up front, timed interleaved (A B C ... A B C ...):
                               on a CPU-only install it needs CPU numbers for two GPU queries;
                               they come from this run's calibration, not invented)
   overlapc                    overlapc.fsdp.shard + backend="overlapc", default options
-  overlapc_bucket/_nobucket   ... bucket="module" / bucket=None
+                              (bucket="auto", max_in_flight=3, max_in_flight_bytes="auto")
+  overlapc_bucket_module      ... bucket="module" (one bucket per block, as FSDP2 gathers)
+  overlapc_nobucket           ... bucket=None (one collective per parameter)
   overlapc_k2/k3              ... max_in_flight=2 / 3
   overlapc_count_none         ... no count limit (the byte budget alone)
   overlapc_count_only         ... max_in_flight=2, no byte budget (the v1 default)
   overlapc_unlimited          ... no count limit, no byte budget
 
-A variant whose effective OverlapConfig equals an earlier one's (overlapc_bucket
-= overlapc while the default buckets by module) is compiled and timed once and
+A variant whose effective OverlapConfig equals an earlier one's (overlapc_k3 =
+overlapc while the default is max_in_flight=3) is compiled and timed once and
 reported under both names ("same_as" in the JSON). Inductor's overlap scheduler
 is first tried on a 1-block model, so an error costs seconds.
 Every variant's functional all-gathers go through
@@ -91,12 +93,14 @@ if HERE not in sys.path:
 
 MODEL_VARIANTS = [
     "fsdp2_eager", "inductor", "inductor_pinned", "inductor_reorder", "inductor_overlap_scheduler",
-    "overlapc", "overlapc_bucket", "overlapc_nobucket", "overlapc_k2", "overlapc_k3", "overlapc_count_none", "overlapc_count_only",
+    "overlapc", "overlapc_bucket_module", "overlapc_nobucket", "overlapc_k2", "overlapc_k3",
+    "overlapc_count_none", "overlapc_count_only",
     "overlapc_unlimited",
 ]
 BOUND_VARIANTS = ["compute_only", "comm_only", "edge_comm"]
-OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket": {"bucket": "module"}, "overlapc_nobucket": {"bucket": None},
-                    "overlapc_k2": {"max_in_flight": 2}, "overlapc_k3": {"max_in_flight": 3},
+OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket_module": {"bucket": "module"},
+                    "overlapc_nobucket": {"bucket": None}, "overlapc_k2": {"max_in_flight": 2},
+                    "overlapc_k3": {"max_in_flight": 3},
                     "overlapc_count_none": {"max_in_flight": None},
                     "overlapc_count_only": {"max_in_flight": 2, "max_in_flight_bytes": None},
                     "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None}}
@@ -643,7 +647,7 @@ def _error_text(exc: BaseException) -> str:
 
 def _same_config(names: list[str]) -> dict[str, str]:
     """overlapc variants whose effective OverlapConfig equals an earlier one's
-    (``overlapc_nobucket`` and ``overlapc`` while the default does not bucket):
+    (``overlapc_k3`` and ``overlapc`` while the default is max_in_flight=3):
     variant -> earlier."""
     from overlapc.config import OverlapConfig
     first: dict = {}

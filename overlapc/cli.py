@@ -9,7 +9,7 @@ forward and backward through ``overlapc.backend.capture`` and works on the
 scheduled graphs ("fw_0", "bw_0", ...; ``--graph fw|bw|all`` selects). The
 schedule's options are ``--max-in-flight K|none``,
 ``--max-in-flight-bytes B|auto|none`` (B may end in KiB, MiB or GiB),
-``--bucket module|B|none`` and ``--chunks N``. The estimates
+``--bucket auto|module|B|none`` and ``--chunks N``. The estimates
 use ``--profile NAME|FILE`` (a built-in "device:link" name or a file written
 by ``overlapc calibrate``), else ``--device``/``--link`` (default h100 and
 nvlink: a plan for that machine, not a measurement of this one), with any of
@@ -49,7 +49,7 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
     {"schema": "overlapc.cli.report/1",
      "target": "examples/mlp.py:build", "world_size": 8, "rank": 0,
      "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | null,
-                "bucket": "module" | int | null, "chunks": int, "enabled": bool},
+                "bucket": "auto" | "module" | int | null, "chunks": int, "enabled": bool},
      "profile": {"device": {"name", "tflops", "mem_gbps"},
                  "link": {"name", "gbps", "latency_us", "per_kind": [[kind, gbps, latency_us], ...]},
                  "name": "h100:nvlink" | profile file path, "source": where the numbers came from},
@@ -126,8 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="collectives of one group and kind in flight, at most (default: OverlapConfig's)")
     common.add_argument("--max-in-flight-bytes", type=_limit, default=argparse.SUPPRESS, metavar="B|auto|none",
                         help="bytes held in flight per group, at most (e.g. 64MiB; default auto)")
-    common.add_argument("--bucket", type=_limit, default=argparse.SUPPRESS, metavar="module|B|none",
-                        help="merge collectives: one bucket per block, a byte target, or none")
+    common.add_argument("--bucket", type=_limit, default=argparse.SUPPRESS, metavar="auto|module|B|none",
+                        help="merge collectives: up to the largest one (auto, the default), "
+                        "one bucket per block, a byte target, or none")
     common.add_argument("--chunks", type=int, default=argparse.SUPPRESS, metavar="N",
                         help="split critical-path collectives into N pipelined pieces (default 1: off)")
     common.add_argument("--profile", metavar="NAME|FILE", help="estimates from a built-in 'device:link' "

@@ -22,9 +22,11 @@ class OverlapConfig:
         all-to-all inputs, issued and not yet waited (int >= 1), "auto"
         (derived per graph and group from its collectives' sizes, see
         ``overlapc.passes.inflight.auto_budget``), or None for no limit.
-    bucket: merge small collectives before scheduling: None (off), "module"
-        (one bucket per block of the model where the graph records modules, a
-        byte target otherwise) or an int byte target.
+    bucket: merge small collectives before scheduling: "auto" (within a block
+        of the model, up to the size of the group's largest collective, so the
+        byte budget and memory stay as without buckets), "module" (one bucket
+        per block where the graph records modules, 64 MiB otherwise), an int
+        byte target, or None (off). See ``overlapc.passes.bucket``.
     chunks: split collectives on the critical path into this many pipelined
         pieces (int >= 1; 1 = off).
     profile: estimates for reports and logs: a built-in "device:link" name
@@ -41,7 +43,7 @@ class OverlapConfig:
 
     max_in_flight: int | None = 3
     max_in_flight_bytes: int | str | None = "auto"
-    bucket: str | int | None = None
+    bucket: str | int | None = "auto"
     chunks: int = 1
     profile: str | None = None
     inductor_mode: str | None = None
@@ -54,8 +56,8 @@ class OverlapConfig:
         _positive_or_none("max_in_flight", self.max_in_flight)
         if self.max_in_flight_bytes != "auto":
             _positive_or_none("max_in_flight_bytes", self.max_in_flight_bytes, extra=', "auto"')
-        if self.bucket is not None and self.bucket != "module":
-            _positive_or_none("bucket", self.bucket, extra=', "module"')
+        if self.bucket not in (None, "auto", "module"):
+            _positive_or_none("bucket", self.bucket, extra=', "auto", "module"')
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"OverlapConfig.chunks must be an int >= 1 (1 = off), got {self.chunks!r}")
         for name in ("profile", "inductor_mode"):

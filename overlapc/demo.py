@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="collectives of a group and kind in flight (0 = no limit; default: overlapc's)")
-    parser.add_argument("--bucket", default=None, help='"module", a byte count, or "none" (default: overlapc\'s)')
+    parser.add_argument("--bucket", default=None, help='"auto", "module", a byte count, or "none" (default: overlapc\'s)')
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
     args = parser.parse_args(argv)
     if args.steps < 2:

@@ -1,6 +1,6 @@
 """Merge small all-gathers (reduce-scatters) into one collective per bucket.
 
-    notes = bucket_collectives(gm, bucket="module" | byte_target)   # in place; the caller recompiles
+    notes = bucket_collectives(gm, bucket="auto" | "module" | byte_target)   # in place; the caller recompiles
 
 Who merges. Movable ``all_gather_into_tensor`` (``reduce_scatter_tensor``)
 starts with exactly one ``wait_tensor`` and static shapes, in *lanes* of the
@@ -19,6 +19,12 @@ holds consecutive members. A bucket closes before a member when
   ``DEFAULT_BUCKET_BYTES``;
 * ``bucket=<int>``: adding it would take the bucket past that many bytes (a
   member larger than the target is a bucket alone);
+* ``bucket="auto"`` (the default): both of the above, with the byte target the
+  largest member of the same group and kind in the graph. A bucket then holds
+  no more than the largest single collective, so the "auto" in-flight byte
+  budget (twice the largest) and the memory it allows stay as without buckets;
+  what merges is the small collectives (norms, biases, the smaller projections)
+  that would each take a slot of the count bound and pay a latency;
 * either way: the bucket could not be issued before its first result is
   needed (a member's input is ready only after another member's first real
   consumer), or the member's result or input is tied to another collective.
@@ -74,7 +80,7 @@ from overlapc.collectives import Collective, module_path, node_value, real_consu
 from overlapc.passes.chunk import FakeValues
 from overlapc.passes.structure import Structure, apply_order
 
-__all__ = ["BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives"]
+__all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives"]
 
 log = logging.getLogger("overlapc")
 aten = torch.ops.aten
@@ -86,6 +92,7 @@ F = torch.ops._c10d_functional
 # of a model's gathered parameters (a Llama-8B block is ~400 MiB in bf16).
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
+BUCKET_MODES = ("auto", "module")
 _OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
 
 
@@ -103,15 +110,15 @@ class BucketNote:
     modules: tuple[str, ...]
 
 
-def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "module") -> list[BucketNote]:
+def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto") -> list[BucketNote]:
     """Merge ``gm``'s all-gathers and reduce-scatters into buckets (rules in the
-    module docstring), in place. ``bucket``: "module" or an int byte target >= 1."""
-    if bucket != "module" and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
-        raise ValueError(f'bucket_collectives: bucket must be "module" or an int byte target >= 1, '
+    module docstring), in place. ``bucket``: "auto", "module" or an int byte target >= 1."""
+    if bucket not in BUCKET_MODES and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+        raise ValueError(f'bucket_collectives: bucket must be "auto", "module" or an int byte target >= 1, '
                          f"got {bucket!r}")
     s = Structure(gm)
-    plans = [(kind, members) for kind in _OPS for lane in _lanes(s, kind).values()
-             for members in _split(lane, bucket)]
+    plans = [(kind, members) for kind in _OPS for lanes in [_lanes(s, kind)] for lane in lanes.values()
+             for members in _split(lane, bucket, _largest(lanes, lane))]
     notes: list[BucketNote] = []
     if plans:
         rewrite = _Rewrite(gm, s)
@@ -208,29 +215,35 @@ def _argument(node: fx.Node, index: int, name: str):
     return node.args[index] if index < len(node.args) else node.kwargs[name]
 
 
-def _split(lane: list[_Member], bucket: str | int) -> list[list[_Member]]:
-    """Consecutive members of ``lane`` cut into buckets; buckets of one dropped."""
+def _largest(lanes: dict[tuple, list[_Member]], lane: list[_Member]) -> int:
+    """Bytes of the largest member of ``lane``'s group in any lane (of this kind)."""
+    group = lane[0].c.group
+    return max(m.nbytes for members in lanes.values() if members[0].c.group == group for m in members)
+
+
+def _split(lane: list[_Member], bucket: str | int, largest: int) -> list[list[_Member]]:
+    """Consecutive members of ``lane`` cut into buckets; buckets of one dropped.
+    ``largest``: the byte target of ``bucket="auto"``."""
     buckets: list[list[_Member]] = []
     for m in lane:
-        if buckets and _joins(buckets[-1], m, bucket):
+        if buckets and _joins(buckets[-1], m, bucket, largest):
             buckets[-1].append(m)
         else:
             buckets.append([m])
     return [b for b in buckets if len(b) > 1]
 
 
-def _joins(members: list[_Member], m: _Member, bucket: str | int) -> bool:
+def _joins(members: list[_Member], m: _Member, bucket: str | int, largest: int) -> bool:
     """Whether ``m`` may join the open bucket ``members``."""
     if max(m.ready, *(x.ready for x in members)) >= min(m.target, *(x.target for x in members)):
         return False   # one member's input is ready only after another's result is needed
-    limit = bucket
-    if bucket == "module":
+    limit = {"auto": largest, "module": DEFAULT_BUCKET_BYTES}.get(bucket, bucket)
+    if bucket in BUCKET_MODES:
         block = block_of(m.module)
         if block != block_of(members[0].module):
             return False
-        if block:
+        if block and bucket == "module":
             return True
-        limit = DEFAULT_BUCKET_BYTES
     return sum(x.nbytes for x in members) + m.nbytes <= limit
 
 

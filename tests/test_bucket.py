@@ -437,7 +437,7 @@ def programs(draw):
         upfront=draw(st.booleans()),
         use=draw(st.permutations(list(range(n)))),
         barrier=draw(st.one_of(st.none(), st.integers(0, n - 1))),
-        bucket=draw(st.sampled_from(["module", 1, 100, 400, 1 << 20])),
+        bucket=draw(st.sampled_from(["auto", "module", 1, 100, 400, 1 << 20])),
         max_in_flight=draw(st.sampled_from([1, 2, None])),
     )
 
@@ -486,6 +486,10 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
     gm = trace(build(p, groups), (1,), (1,), *[shard_shape(p, i) for i in range(p["n"])], *weights)
     original = copy.deepcopy(gm)
     collectives = len(overlapc.collectives(gm))
+    largest = {}   # (group, kind) -> bytes of the largest all-gather output / reduce-scatter input
+    for c in overlapc.collectives(gm):
+        size = c.nbytes * (c.group_size if c.kind == "reduce_scatter" else 1)
+        largest[(c.group, c.kind)] = max(largest.get((c.group, c.kind), 0), size)
     cfg = overlapc.OverlapConfig(bucket=p["bucket"], max_in_flight=p["max_in_flight"], on_error="raise")
 
     overlapc.schedule(gm, cfg)
@@ -495,6 +499,8 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
     assert all(len(n.members) > 1 for n in notes)
     if isinstance(p["bucket"], int):
         assert all(n.nbytes <= p["bucket"] for n in notes)
+    if p["bucket"] == "auto":   # no bucket outgrows the largest collective it could have been
+        assert all(n.nbytes <= largest[(n.group, n.kind)] for n in notes), (notes, largest)
     overlapc.verify(gm, cfg)
     assert_same_values(original, gm, exact=False)
     inputs = random_inputs(original)

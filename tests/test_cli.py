@@ -78,7 +78,7 @@ def test_report_json_schema(capsys):
     doc = json.loads(out)
     assert doc["schema"] == cli.REPORT_SCHEMA
     assert (doc["target"], doc["world_size"], doc["rank"]) == (ALLGATHER, 8, 0)
-    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "auto", "bucket": None, "chunks": 1,
+    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "auto", "bucket": "auto", "chunks": 1,
                              "enabled": True}
     assert doc["profile"]["device"]["name"] == "cpu" and doc["profile"]["link"]["name"] == "ethernet"
     assert [g["name"] for g in doc["graphs"]] == ["fw_0", "bw_0"]
@@ -92,7 +92,8 @@ def test_report_json_schema(capsys):
 
 def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     mlp = small_target(tmp_path, "mlp", dim=64, hidden=128, depth=2, tokens=64)
-    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw", "--max-in-flight-bytes", "64KiB")
+    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw", "--max-in-flight-bytes", "64KiB",
+                         "--bucket", "none")
     assert code == 0, err
     assert "schedule: max_in_flight=3, max_in_flight_bytes=65536" in out
     assert "fw_0: 12 collectives (h100, nvlink)" in out and "bw_0" not in out

@@ -133,7 +133,7 @@ out.sum().backward()
 
 def counts(m, x):
     return {{r.name: collections.Counter(f"{{c.kind}}@{{c.group}}" for c in overlapc.collectives(r.gm))
-            for r in capture(m, x)}}
+            for r in capture(m, x, {{"bucket": None}})}}
 
 torch.manual_seed(0)
 tp_only = fsdp_tp.parallelize(fsdp_tp.Model(depth=1), mesh["tp"])

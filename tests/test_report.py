@@ -262,7 +262,7 @@ def test_module_paths_on_a_simplefsdp_capture(fake_pg):
     spec.loader.exec_module(example)
     model, inputs = example.build(dim=16, hidden=32, depth=2, tokens=8)
     owners = [f"blocks.{b}.{m}" for b in range(2) for m in ("attn.wq", "attn.wo", "up", "up", "down", "down")]
-    forward, backward = backend.capture(model, inputs, {"max_in_flight": 2})
+    forward, backward = backend.capture(model, inputs, {"max_in_flight": 2, "bucket": None})
     for record, kind, expected in ((forward, "all_gather", owners), (backward, "reduce_scatter", owners[::-1])):
         rows = report.rows(record.gm, record.before_order)
         assert {r.kind for r in rows} == {kind}

@@ -18,14 +18,11 @@ def step_time():
 
 
 def test_identical_overlapc_configs_are_measured_once(step_time):
-    # whatever the default bucketing, exactly one of the two bucket variants is the default config
-    names = ["overlapc", "overlapc_bucket", "overlapc_nobucket", "overlapc_k2", "inductor"]
-    aliases = step_time._same_config(names)
-    assert list(aliases.values()) == ["overlapc"] and len(aliases) == 1
-    assert set(aliases) < {"overlapc_bucket", "overlapc_nobucket"}
-    assert step_time._same_config(["overlapc_bucket", "overlapc"]) == {"overlapc": "overlapc_bucket"} \
-        or step_time._same_config(["overlapc_nobucket", "overlapc"]) == {"overlapc": "overlapc_nobucket"}
-    assert step_time._same_config(["overlapc_count_only", "overlapc_unlimited", "overlapc_k3"]) == {}
+    # overlapc_k3 spells out the default max_in_flight: the same config, measured once
+    names = ["overlapc", "overlapc_bucket_module", "overlapc_nobucket", "overlapc_k3", "overlapc_k2", "inductor"]
+    assert step_time._same_config(names) == {"overlapc_k3": "overlapc"}
+    assert step_time._same_config(["overlapc_k3", "overlapc"]) == {"overlapc": "overlapc_k3"}
+    assert step_time._same_config(["overlapc_count_only", "overlapc_unlimited", "overlapc_nobucket"]) == {}
 
 
 def _rank(times, rank, aliases, peaks, estimates):
