@@ -20,8 +20,10 @@ class OverlapConfig:
     max_in_flight_bytes: the in-flight budget of one process group: bytes of
         all-gather outputs plus bytes of reduce-scatter / all-reduce /
         all-to-all inputs, issued and not yet waited (int >= 1), "auto"
-        (derived per graph and group from its collectives' sizes, see
-        ``overlapc.passes.inflight.auto_budget``), or None for no limit.
+        (twice the group's largest collective, see
+        ``overlapc.passes.inflight.auto_budget``, and more wherever everything
+        in flight fits under the graph's memory peak, see
+        ``overlapc.passes.memory.Headroom``), or None for no limit.
     bucket: merge small collectives before scheduling: "auto" (within a block
         of the model, up to the size of the group's largest collective, so the
         byte budget and memory stay as without buckets), "module" (one bucket

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from overlapc.collectives import Collective
 from overlapc.config import OverlapConfig
-from overlapc.passes.structure import held_bytes
+from overlapc.passes.structure import Structure, held_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +27,21 @@ class Budget:
     reserve: group -> bytes all-gathers issued ahead of need leave free, so the
         group's largest other collective always fits once no other one is open
         (0 when the group has no other kind).
+    headroom: with the "auto" byte budget, a ``memory.Headroom`` of the graph:
+        a collective may also be issued past ``max_bytes`` when everything in
+        flight (all groups) fits the headroom at every spine node from here to
+        its wait's target (``fits_headroom``); None: ``max_bytes`` alone.
     """
 
     max_count: int | None
     max_bytes: dict[str, int | None]
     reserve: dict[str, int]
+    headroom: "Headroom | None" = None
+
+    def fits_headroom(self, in_flight: int, first: int, last: int) -> bool:
+        """Whether ``in_flight`` bytes (all groups, the new collective included) fit
+        the headroom at positions first..last."""
+        return self.headroom is not None and in_flight <= self.headroom.least(first, last)
 
     def gather_room(self, group: str) -> int | None:
         """Bytes open all-gathers of ``group`` may hold, or None for no limit."""
@@ -51,20 +61,23 @@ def auto_budget(collectives: list[Collective], held: dict[fx.Node, int] | None =
     return {group: max(1, 2 * size) for group, size in largest.items()}
 
 
-def budget_for(collectives: list[Collective], cfg: OverlapConfig,
-               held: dict[fx.Node, int] | None = None) -> Budget:
-    """The Budget ``cfg`` sets for a graph holding ``collectives`` (``held`` as in auto_budget)."""
-    held = _held(collectives, held)
+def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
+    """The Budget ``cfg`` sets for the graph of ``s`` (its movable collectives)."""
+    from overlapc.passes.memory import Headroom   # memory -> scheduler -> this module
+
+    collectives, held = s.movable, s.held
     groups = sorted({c.group for c in collectives})
+    headroom = None
     if cfg.max_in_flight_bytes == "auto":
         max_bytes: dict[str, int | None] = dict(auto_budget(collectives, held))
+        headroom = Headroom(s) if collectives else None
     else:
         max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
     reserve: dict[str, int] = {}
     for c in collectives:
         if c.kind != "all_gather":
             reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
-    return Budget(cfg.max_in_flight, max_bytes, reserve)
+    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom)
 
 
 def _held(collectives: list[Collective], held: dict[fx.Node, int] | None) -> dict[fx.Node, int]:

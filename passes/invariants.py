@@ -9,9 +9,11 @@
    an all-gather's wait just before it (only waits, starts with their input
    chains and views of waited tensors in between);
 3. in-flight bound: per group and kind at most ``max_count`` open; per group
-   at most ``max_bytes`` held when a collective is issued, with one exception:
-   the bytes may exceed the budget when nothing else of the group is open
-   that could have been waited first. For an all-gather that is every other
+   at most ``max_bytes`` held when a collective is issued, with two exceptions.
+   With a headroom (the "auto" budget, ``Budget.headroom``) the bytes may
+   exceed ``max_bytes`` when everything in flight fits the headroom from the
+   issuing point to the collective's wait target. And the bytes may exceed the
+   budget when nothing else of the group is open that could have been waited first. For an all-gather that is every other
    open collective; for any other kind, open all-gathers do not count (their
    waits stay just before their consumers, 2.), so a reduce-scatter issued
    while all-gathers fill the group may go over. The scheduler leaves
@@ -138,7 +140,10 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     flight = InFlight(s.held)
     waits_left = {c.start: len(c.waits) for c in s.movable}
     peak_count = 0
+    here = 0   # s.pos of the last spine node
     for node in o.nodes:
+        if node not in s.bundled:
+            here = s.pos[node]
         c = s.coll_of_start.get(node)
         if c is not None:
             flight.open(c)
@@ -151,9 +156,12 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
             if limit is not None and flight.nbytes(c.group) > limit:
                 others = [x for x in flight.open_in(c.group) if x is not c
                           and (c.kind == "all_gather" or x.kind != "all_gather")]
-                if others:
+                due = max([s.pos[s.target[w]] for w in c.waits if w in s.target] + [here])
+                if others and not budget.fits_headroom(flight.total, here, due):
                     raise o.fail(node, f"{flight.nbytes(c.group)} bytes in flight in group {c.group}, "
-                                       f"limit {limit}, with {others[0].start.name} still open")
+                                       f"limit {limit}, with {others[0].start.name} still open"
+                                       + (f", and {flight.total} bytes in flight exceed the memory headroom "
+                                          f"{budget.headroom.least(here, due)}" if budget.headroom else ""))
         c = s.coll_of_wait.get(node)
         if c is not None:
             waits_left[c.start] -= 1

@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from overlapc.passes.scheduler import schedule_order
+from overlapc.passes.structure import Structure
+
 from overlapc.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
 
 
@@ -108,3 +111,38 @@ def peak_bytes(order: list[fx.Node]) -> int:
     """Most bytes live at any point of ``order``, a topological order of one graph
     (ValueError naming the first node placed before its inputs otherwise)."""
     return Liveness(_topological(order)).peak_bytes(order)
+
+
+class Headroom:
+    """How far a graph's memory stays below its peak, along its spine.
+
+    Reference: the serial order (``scheduler.schedule_order(s, mode="serial")``:
+    the same spine, each all-gather issued right before its wait, every other
+    collective waited right after its start; the least memory any placement
+    needs). At a spine node, headroom = the reference's peak live bytes minus
+    the live bytes there. A schedule whose bytes in flight (all groups) stay
+    within the headroom at every spine node they span keeps the reference's
+    peak: its live bytes there are the reference's plus what is in flight.
+    Positions are ``s.pos``; ``least(first, last)`` is O(1) (a sparse table)."""
+
+    def __init__(self, s: Structure):
+        serial = schedule_order(s, mode="serial")
+        live = Liveness(s.nodes).live_bytes(serial)
+        peak = max(live, default=0)
+        level = [peak] * len(s.nodes)        # nodes in bundles do not constrain
+        for node, nbytes in zip(serial, live):
+            if node not in s.bundled:
+                level[s.pos[node]] = peak - nbytes
+        self.peak = peak
+        self.table = [level]
+        width = 1
+        while 2 * width <= len(level):
+            below = self.table[-1]
+            self.table.append([min(a, b) for a, b in zip(below, below[width:])])
+            width *= 2
+
+    def least(self, first: int, last: int) -> int:
+        """Smallest headroom at positions first..last (inclusive, first <= last)."""
+        k = (last - first + 1).bit_length() - 1
+        row = self.table[k]
+        return min(row[first], row[last - (1 << k) + 1])

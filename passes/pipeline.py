@@ -49,7 +49,7 @@ def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> di
     except Exception as error:
         raise ScheduleError(f"graph is not a valid FX graph: {error}") from error
     s = Structure(gm)
-    return invariants.check(s, s.nodes, budget_for(s.movable, cfg, s.held))
+    return invariants.check(s, s.nodes, budget_for(s, cfg))
 
 
 def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
@@ -95,7 +95,7 @@ def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig) -> dict | None:
         bucket_collectives(gm, bucket=cfg.bucket)
     if cfg.chunks > 1 or cfg.bucket is not None:
         gm.meta["overlapc_unscheduled_order"] = [n.name for n in gm.graph.nodes]
-    return _reorder(gm, lambda s: budget_for(s.movable, cfg, s.held))
+    return _reorder(gm, lambda s: budget_for(s, cfg))
 
 
 def unscheduled_order(gm: fx.GraphModule, before: list[str]) -> list[str]:
@@ -207,7 +207,7 @@ def limit_in_flight(gm: fx.GraphModule, max_in_flight: int | None | OverlapConfi
     if not isinstance(max_in_flight, OverlapConfig):
         max_in_flight = OverlapConfig(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes)
     cfg = max_in_flight
-    if _reorder(gm, lambda s: budget_for(s.movable, cfg, s.held)) is not None:
+    if _reorder(gm, lambda s: budget_for(s, cfg)) is not None:
         gm.recompile()
     return gm
 

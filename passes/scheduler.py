@@ -14,6 +14,11 @@ collectives' bundles, see ``structure.py``) in its order and places around it:
   barrier closing its region, or the output) unless the budget waited it
   earlier; all-gathers are never waited early for room.
 
+Room: the count bound always; the byte budget, or, when the budget has a
+headroom (``max_in_flight_bytes="auto"``), the headroom from the spine node
+last placed to the collective's wait target: where the graph's memory is far
+below its peak, collectives go ahead further than the byte budget alone allows.
+
 Modes: "schedule" (the above), "sink" (starts stay where they are; only waits
 move, no budget), "serial" (the memory reference: all-gathers issued right
 before their wait, every other collective waited right after its start).
@@ -72,6 +77,7 @@ class _Core:
         self.waits_left = {c.start: len(c.waits) for c in managed}
         self.region = 0
         self.dirty = True
+        self.here = 0   # s.pos of the spine node placed last
 
 
         # Readiness: a start may issue once every external input of its bundle is
@@ -180,7 +186,13 @@ class _Core:
 
     def _bytes_over(self, c: Collective) -> bool:
         limit = self.budget.max_bytes.get(c.group)
-        return limit is not None and self.flight.nbytes(c.group) + self.s.held[c.start] > limit
+        return limit is not None and self.flight.nbytes(c.group) + self.s.held[c.start] > limit \
+            and not self._in_headroom(c)
+
+    def _in_headroom(self, c: Collective) -> bool:
+        """Whether ``c`` issued now keeps everything in flight within the headroom until its wait is due."""
+        due = max(self.s.pos[self.s.target[w]] for w in c.waits)
+        return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, max(due, self.here))
 
     def _gather_fits(self, c: Collective) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open
@@ -188,7 +200,8 @@ class _Core:
         if self.mode == "serial" or self._count_full(c):
             return False
         room = self.budget.gather_room(c.group)
-        return room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room
+        return room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room \
+            or self._in_headroom(c)
 
     def _make_room(self, c: Collective, gathers: bool) -> None:
         """Wait the oldest open collectives of ``c``'s group until ``c`` fits or
@@ -262,6 +275,7 @@ class _Core:
                 if i not in placed:
                     self._ensure(i)
             self._place(node)
+            self.here = s.pos[node]
             if not self.move_starts and node in self.managed:
                 self.flight.open(self.managed[node])
             if node in s.is_barrier:

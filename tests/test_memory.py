@@ -9,7 +9,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import overlapc
 from overlapc.backend import capture
-from overlapc.passes.memory import Liveness, peak_bytes
+from overlapc.passes.memory import Headroom, Liveness, peak_bytes
+from overlapc.passes.scheduler import schedule_order
+from overlapc.passes.structure import Structure
 from graphs import F
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -79,3 +81,33 @@ def test_verify_reports_the_peaks_it_checked(captured):
     assert stats["peak_bytes"] == peak_bytes(list(gm.graph.nodes))
     assert stats["peak_bytes"] <= stats["reference_peak_bytes"] + stats["peak_in_flight_bytes"]
     assert 0 < stats["peak_in_flight_bytes"]
+
+
+def test_headroom_is_the_serial_orders_distance_to_its_peak(captured):
+    s = Structure(captured["mlp/bw_0"])
+    room = Headroom(s)
+    serial = schedule_order(s, mode="serial")
+    live = dict(zip(serial, Liveness(s.nodes).live_bytes(serial)))
+    assert room.peak == max(live.values())
+    level = [room.peak - live[n] if n not in s.bundled else room.peak for n in s.nodes]
+    assert min(level) == 0   # the peak is at a spine node
+    n = len(level)
+    for first, last in [(0, 0), (0, n - 1), (3, 17), (n // 2, n - 1), (5, 5 + 63), (1, 64)]:
+        assert room.least(first, last) == min(level[first:last + 1]), (first, last)
+
+
+def test_auto_budget_goes_further_ahead_where_memory_is_low(captured):
+    """Headroom lets the forward run more in flight than twice its largest collective
+    while its peak stays the serial order's (where the activations pile up)."""
+    gm = captured["llama/fw_0"]
+    s = Structure(gm)
+    twice_largest = 2 * max(s.held[c.start] for c in s.movable)
+    stats = {}
+    for name, options in (("auto", {"max_in_flight": None}),
+                          ("bytes only", {"max_in_flight": None, "max_in_flight_bytes": twice_largest})):
+        scheduled = copy.deepcopy(gm)
+        overlapc.schedule(scheduled, dict(options, on_error="raise"), recompile=False)
+        stats[name] = overlapc.verify(scheduled, overlapc.OverlapConfig(**options))
+    assert stats["bytes only"]["peak_in_flight_bytes"] <= twice_largest
+    assert stats["auto"]["peak_in_flight_bytes"] > twice_largest
+    assert stats["auto"]["peak_bytes"] <= max(stats["bytes only"]["peak_bytes"], stats["auto"]["reference_peak_bytes"])

@@ -33,12 +33,16 @@ def _rank(times, rank, aliases, peaks, estimates):
             "peak_bytes": peaks, "estimates": estimates}
 
 
+def met_of(result, goal):
+    return result["ratios"]["met"][goal]
+
+
 def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_time, tmp_path, capsys):
     variants = ["fsdp2_eager", "inductor", "inductor_overlap_scheduler", "overlapc", "overlapc_k3",
                 "overlapc_unlimited"]
     rank0 = {"fsdp2_eager": [3.0, 3.0, 3.0], "inductor": [2.6, 2.6, 2.6], "overlapc": [1.9, 2.0, 2.1],
              "overlapc_unlimited": [1.8, 1.8, 1.8], "compute_only": [0.9, 0.9, 0.9],
-             "comm_only": [1.8, 1.8, 1.8], "edge_comm": [0.2, 0.2, 0.2],
+             "comm_only": [1.8, 1.8, 1.8], "edge_comm": [0.2, 0.2, 0.2], "concurrent": [2.0, 2.0, 2.0],
              "inductor_overlap_scheduler": []}                 # as rank_main: failed, never timed
     rank1 = {n: list(t) for n, t in rank0.items()}
     rank1["overlapc"] = [2.0, 2.2, 2.0]                        # slower than rank 0 at steps 0 and 1
@@ -61,6 +65,8 @@ def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_ti
     assert overlapc["estimate_s"] == pytest.approx(1.9) and "estimate_s" not in result["variants"]["inductor"]
     assert result["variants"]["inductor_overlap_scheduler"] == {"error": "build: no triton"}
     assert result["bounds"]["bound_s"] == pytest.approx(1.8)   # max(0.9 + 0.2, 1.8)
+    assert result["bounds"]["concurrent_s"] == pytest.approx(2.0)
+    assert met_of(result, "overlapc within 1.05x of concurrent (the bound as this machine runs it)")  # 2.1 / 2.0
     met = result["ratios"]["met"]
     assert met["overlapc >= 1.3x faster than inductor"] is False      # 2.6 / 2.1 = 1.24
     assert met["overlapc faster than fsdp2_eager"] is True
