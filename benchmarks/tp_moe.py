@@ -18,7 +18,7 @@ Models (examples/tp_sp.py and examples/moe.py, fp32, forward + backward):
 Variants, timed interleaved (A B C ... A B C ...), medians over rounds of the
 slowest rank's step:
   eager        the model as written (DTensor / functional collectives, no compile)
-  chunks1/2/4  --path overlapc (default): torch.compile(backend="overlapc",
+  chunks1/2/4/8 --path overlapc (default): torch.compile(backend="overlapc",
                options={"chunks": k, "inner": "aot_eager"}): chunk_collectives, then
                the scheduler, graphs executed eagerly (no Inductor: its compile of
                these DTensor graphs costs ~45 s per variant). --path pass: an
@@ -67,7 +67,8 @@ from step_time import (  # noqa: E402  (same link set-up and memory probe)
     _describe_exit, _free_port, concurrent_step, parent, profile_step,
 )
 
-VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "compute_only", "comm_only", "concurrent"]
+VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "chunks8", "compute_only", "comm_only", "concurrent"]
+PIPELINED = [v for v in VARIANTS if v.startswith("chunks") and v != "chunks1"]
 MODELS = ["tp_sp", "moe"]
 
 
@@ -273,10 +274,10 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
                 fn = torch.compile(model, backend=chunk_backend(1, [], specs, local=True))
             elif args.path == "overlapc":
                 fn = torch.compile(model, backend="overlapc", options={
-                    "chunks": int(variant[-1]), "inner": "aot_eager", "on_error": "raise"})
+                    "chunks": int(variant[len("chunks"):]), "inner": "aot_eager", "on_error": "raise"})
             else:
                 notes[variant] = []
-                fn = torch.compile(model, backend=chunk_backend(int(variant[-1]), notes[variant]))
+                fn = torch.compile(model, backend=chunk_backend(int(variant[len("chunks"):]), notes[variant]))
             steps[variant] = _train_step(model, fn, x0)
         for variant in VARIANTS:          # compiles, then warm-up
             t0 = time.perf_counter()
@@ -374,7 +375,7 @@ def report(args, per_rank: list[dict]) -> int:
         rows[name] = {}
         ref = per_rank[0]["losses"][f"{name}/eager"]
         for v in VARIANTS:
-            k = int(v[-1]) if v.startswith("chunks") else None
+            k = int(v[len("chunks"):]) if v.startswith("chunks") else None
             bound = None if k is None else max(compute, comm) + min(compute, comm) / k
             peak = max(r["peak_bytes"][f"{name}/{v}"] for r in per_rank)
             loss_ok = None
@@ -392,7 +393,7 @@ def report(args, per_rank: list[dict]) -> int:
             print(f"{v:<14}{med[v] * 1e3:>9.0f}{speed:>11.2f}x{'' if bound is None else f'{bound * 1e3:>10.0f}':>10}"
                   f"{peak / 2**20:>10.1f}{per_rank[0]['collectives_run'][f'{name}/{v}']:>7}  "
                   f"{'' if loss_ok is None else loss_ok}")
-        best = min(("chunks2", "chunks4"), key=lambda v: med[v])
+        best = min(PIPELINED, key=lambda v: med[v])
         ceiling = med["chunks1"] / med["concurrent"]
         rows[name]["floor_ms"] = max(compute, comm) * 1e3
         rows[name]["best"] = {"variant": best, "speedup_vs_chunks1": med["chunks1"] / med[best],
@@ -406,7 +407,7 @@ def report(args, per_rank: list[dict]) -> int:
               f"{med['concurrent'] / max(compute, comm):.2f}x the floor: the most any chunk count gains "
               f"here is {ceiling:.2f}x; {best} reaches {med['chunks1'] / med[best] / ceiling:.0%} of it")
         notes = per_rank[0]["notes"][name]
-        for v in ("chunks2", "chunks4") if notes else ():
+        for v in PIPELINED if notes else ():
             applied = sum(1 for _, a, _ in notes.get(v, []) if a)
             print(f"  {v}: {applied} of {len(notes.get(v, []))} patterns chunked")
         rows[name]["notes"] = notes

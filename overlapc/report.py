@@ -343,9 +343,17 @@ def rewrites(gm: fx.GraphModule) -> list[dict]:
 
 
 def rewrites_text(summary: dict) -> str:
-    """One line per bucket or chunked pattern (applied or not, and why); "" when none."""
-    lines = []
-    for r in summary.get("rewrites", ()):
+    """The collective count before -> after the rewrites, then one line per bucket or
+    chunked pattern (applied or not, and why); "" when none."""
+    records = summary.get("rewrites", ())
+    if not records:
+        return ""
+    merged = sum(len(r["members"]) - 1 for r in records if r["rewrite"] == "bucket")
+    split = sum(len(r["pieces"]) - len(r["starts"]) for r in records if r["rewrite"] == "chunk" and r["applied"])
+    buckets = sum(r["rewrite"] == "bucket" for r in records)
+    lines = [f"collectives {summary['collectives'] + merged - split} -> {summary['collectives']}: "
+             f"{merged + buckets} merged into {buckets} buckets, {split} pieces added by chunking"]
+    for r in records:
         if r["rewrite"] == "chunk":
             state = f"split into {r['chunks']}: {', '.join(r['pieces'])}" if r["applied"] \
                 else f"left alone: {r['reason']}"

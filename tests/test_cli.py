@@ -100,6 +100,12 @@ def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     assert "hidden" in out and "exposed (" in out and "blocks.1.up" in out
     assert "estimated exposed" in out and "peak in flight per group: all_gather" in out and "; step " in out
     assert "reduce_scatter" not in out   # forward only: no line for a kind it lacks
+    assert "collectives 12 ->" not in out and "bucket " not in out   # --bucket none: no rewrite lines
+    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw")   # default bucket="auto"
+    assert code == 0, err
+    # per block: norm weight and bias and the up-projection's bias merge; the big weights stay alone
+    assert "fw_0: 8 collectives" in out and "collectives 12 -> 8: 6 merged into 2 buckets" in out
+    assert "bucket all_gather_bucket (all_gather, group 0, " in out and "blocks.1.norm, blocks.1.norm" in out
     llama = small_target(tmp_path, "llama", vocab=64, dim=32, heads=2, hidden=64, depth=1, seq=16)
     code, out, err = run(capsys, "report", llama, *WORLD, "--graph", "bw", "--quiet")
     assert code == 0, err
