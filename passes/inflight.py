@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
 from overlapc.collectives import Collective
 from overlapc.config import OverlapConfig
 from overlapc.passes.structure import Structure, held_bytes
+
+if TYPE_CHECKING:
+    from overlapc.passes.memory import Headroom
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Budget:
     max_count: int | None
     max_bytes: dict[str, int | None]
     reserve: dict[str, int]
-    headroom: "Headroom | None" = None
+    headroom: Headroom | None = None
 
     def fits_headroom(self, in_flight: int, first: int, last: int) -> bool:
         """Whether ``in_flight`` bytes (all groups, the new collective included) fit

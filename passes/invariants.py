@@ -12,11 +12,12 @@
    at most ``max_bytes`` held when a collective is issued, with two exceptions.
    With a headroom (the "auto" budget, ``Budget.headroom``) the bytes may
    exceed ``max_bytes`` when everything in flight fits the headroom from the
-   issuing point to the collective's wait target. And the bytes may exceed the
-   budget when nothing else of the group is open that could have been waited first. For an all-gather that is every other
-   open collective; for any other kind, open all-gathers do not count (their
-   waits stay just before their consumers, 2.), so a reduce-scatter issued
-   while all-gathers fill the group may go over. The scheduler leaves
+   issuing point to the collective's wait target. And the bytes may exceed
+   the budget when nothing else of the group is open that could have been
+   waited first. For an all-gather that is every other open collective; for
+   any other kind, open all-gathers do not count (their waits stay just
+   before their consumers, 2.), so a reduce-scatter issued while all-gathers
+   fill the group may go over. The scheduler leaves
    all-gathers issued ahead of need room for the group's largest other
    collective (``Budget.reserve``); only all-gathers issued because their
    consumer is due can fill that room;

@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from overlapc.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
 from overlapc.passes.scheduler import schedule_order
 from overlapc.passes.structure import Structure
-
-from overlapc.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
 
 
 class Liveness:
