@@ -70,8 +70,10 @@ whose result feeds another collective's input chain directly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -110,17 +112,25 @@ class BucketNote:
     modules: tuple[str, ...]
 
 
-def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto") -> list[BucketNote]:
+def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
+                       before_rewrite: Callable[[], None] | None = None,
+                       structure: Structure | None = None) -> list[BucketNote]:
     """Merge ``gm``'s all-gathers and reduce-scatters into buckets (rules in the
-    module docstring), in place. ``bucket``: "auto", "module" or an int byte target >= 1."""
+    module docstring), in place. ``bucket``: "auto", "module" or an int byte target >= 1.
+    ``before_rewrite`` is called once just before the graph is first changed (not when
+    nothing merges): the pipeline saves a copy there to roll back to. ``structure``:
+    ``Structure(gm)`` when the caller has built it (the pipeline reuses it when
+    nothing merged)."""
     if bucket not in BUCKET_MODES and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
         raise ValueError(f'bucket_collectives: bucket must be "auto", "module" or an int byte target >= 1, '
                          f"got {bucket!r}")
-    s = Structure(gm)
+    s = structure if structure is not None else Structure(gm)
     plans = [(kind, members) for kind in _OPS for lanes in [_lanes(s, kind)] for lane in lanes.values()
              for members in _split(lane, bucket, _largest(lanes, lane))]
     notes: list[BucketNote] = []
     if plans:
+        if before_rewrite is not None:
+            before_rewrite()
         rewrite = _Rewrite(gm, s)
         for kind, members in plans:
             note = rewrite.all_gather(members) if kind == "all_gather" else rewrite.reduce_scatter(members)
@@ -148,7 +158,14 @@ class _Member:
     nbytes: int                # all-gather output / reduce-scatter input
     ready: int                 # position of the last node its start bundle reads (-1: none)
     target: int                # position of its wait's first real consumer (or region end)
-    module: str
+    target_node: fx.Node
+
+    @functools.cached_property
+    def module(self) -> str:
+        """Module path of the start, else of its first real consumer ("" unknown); looked
+        up only when a rule needs it (a lookup walks the node's module stack)."""
+        found = module_path(self.c.start)
+        return found or (module_path(self.target_node) if self.target_node.op == "call_function" else "")
 
 
 def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
@@ -190,8 +207,7 @@ def _member(s: Structure, c: Collective) -> _Member | None:
     return _Member(
         c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
         nbytes=(out if gathered else value).numel() * value.element_size(),
-        ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target],
-        module=module_path(start) or (module_path(target) if target.op == "call_function" else ""),
+        ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
     )
 
 
@@ -238,6 +254,8 @@ def _joins(members: list[_Member], m: _Member, bucket: str | int, largest: int) 
     if max(m.ready, *(x.ready for x in members)) >= min(m.target, *(x.target for x in members)):
         return False   # one member's input is ready only after another's result is needed
     limit = {"auto": largest, "module": DEFAULT_BUCKET_BYTES}.get(bucket, bucket)
+    if bucket != "module" and sum(x.nbytes for x in members) + m.nbytes > limit:
+        return False   # (before the module lookup: bytes are cheap to compare)
     if bucket in BUCKET_MODES:
         block = block_of(m.module)
         if block != block_of(members[0].module):

@@ -85,10 +85,13 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     _check_waits(o)
     _check_consumer_order(o)
     flight, peak_count = _check_bounds(o, budget)
-    liveness = Liveness(s.nodes)
+    room = budget.headroom   # built on this structure: its liveness and serial order serve here too
+    liveness = room.liveness if room is not None else Liveness(s.nodes)
     peak = liveness.peak_bytes(order)
     what = "order before scheduling" if reference is not None else "serial order"
-    reference = liveness.peak_bytes(reference if reference is not None else schedule_order(s, mode="serial"))
+    if reference is None:
+        reference = room.serial if room is not None else schedule_order(s, mode="serial")
+    reference = liveness.peak_bytes(reference)
     if peak > reference + flight.peak_total:
         raise ScheduleError(f"peak live bytes {peak} exceed the {what}'s {reference} plus the "
                             f"{flight.peak_total} bytes in flight")

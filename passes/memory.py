@@ -125,19 +125,21 @@ class Headroom:
     Positions are ``s.pos``; ``least(first, last)`` is O(1) (a sparse table)."""
 
     def __init__(self, s: Structure):
-        serial = schedule_order(s, mode="serial")
-        live = Liveness(s.nodes).live_bytes(serial)
+        self.serial = schedule_order(s, mode="serial")
+        self.liveness = Liveness(s.nodes)   # kept: the invariant check reuses both
+        live = self.liveness.live_bytes(self.serial)
         peak = max(live, default=0)
         level = [peak] * len(s.nodes)        # nodes in bundles do not constrain
-        for node, nbytes in zip(serial, live):
+        for node, nbytes in zip(self.serial, live):
             if node not in s.bundled:
                 level[s.pos[node]] = peak - nbytes
         self.peak = peak
+        # plain lists, no torch: the backend runs this under a fake tensor mode
         self.table = [level]
         width = 1
         while 2 * width <= len(level):
             below = self.table[-1]
-            self.table.append([min(a, b) for a, b in zip(below, below[width:])])
+            self.table.append(list(map(min, below, below[width:])))
             width *= 2
 
     def least(self, first: int, last: int) -> int:

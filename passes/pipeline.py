@@ -53,10 +53,11 @@ def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> di
 
 
 def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
-             kinds: tuple[str, ...] | None = None) -> dict | None:
+             kinds: tuple[str, ...] | None = None, s: Structure | None = None) -> dict | None:
     """Schedule ``gm.graph`` in place with the core and check the result; None when
-    nothing is movable. ``budget_of(structure)`` gives the Budget."""
-    s = Structure(gm)
+    nothing is movable. ``budget_of(structure)`` gives the Budget; ``s``: the graph's
+    Structure when the caller has it (the graph unchanged since)."""
+    s = s if s is not None else Structure(gm)
     if not s.movable:
         return None
     budget: Budget = budget_of(s)
@@ -85,17 +86,22 @@ def _check_kept(s: Structure, order: list[fx.Node]) -> None:
                 raise fail(s, node, "moved across a barrier", order)
 
 
-def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig) -> dict | None:
-    """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured."""
+def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> dict | None:
+    """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured.
+    ``snapshot()`` runs before a rewrite first changes the graph."""
     if cfg.chunks > 1:
         from overlapc.passes.chunk import chunk_collectives
+        snapshot()
         chunk_collectives(gm, cfg.chunks)
+    s = None
     if cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives
-        bucket_collectives(gm, bucket=cfg.bucket)
+        s = Structure(gm)
+        if bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s):
+            s = None   # the graph changed: the core needs a new one
     if cfg.chunks > 1 or cfg.bucket is not None:
         gm.meta["overlapc_unscheduled_order"] = [n.name for n in gm.graph.nodes]
-    return _reorder(gm, lambda s: budget_for(s, cfg))
+    return _reorder(gm, lambda s: budget_for(s, cfg), s=s)
 
 
 def unscheduled_order(gm: fx.GraphModule, before: list[str]) -> list[str]:
@@ -149,15 +155,19 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     original = list(gm.graph.nodes)
     gm.meta.pop("overlapc_unscheduled_order", None)
     rewrites = cfg.chunks > 1 or cfg.bucket is not None
-    saved = copy.deepcopy(gm.graph) if rewrites else None
+    saved: list[fx.Graph] = []   # a copy to roll back to, taken only when a rewrite changes the graph
+
+    def snapshot() -> None:
+        if not saved:
+            saved.append(copy.deepcopy(gm.graph))
     notes = {key: list(gm.meta[key]) for key in _REWRITE_NOTES if key in gm.meta}
     collectives_before = len(overlapc_collectives(gm)) if rewrites and log.isEnabledFor(logging.INFO) else None
     collecting = gc.isenabled()
     gc.disable()   # the pass allocates many small objects; collections would cost more than it does
     try:
-        stats = _run_passes(gm, cfg)
+        stats = _run_passes(gm, cfg, snapshot)
     except Exception as error:
-        _restore(gm, saved, original, notes)
+        _restore(gm, saved[0] if saved else None, original, notes)
         if recompile:
             gm.recompile()
         failure = error if isinstance(error, ScheduleError) else ScheduleError(
