@@ -259,15 +259,15 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
         steps, notes = {}, {}
         specs: list = []
         for variant in VARIANTS:
-            torch._dynamo.reset()
-            model, inputs = builders[name]()
-            x0 = inputs[0].detach()
             if variant == "comm_only":
                 steps[variant] = _comm_step(specs)
                 continue
             if variant == "concurrent":
                 steps[variant] = concurrent_step(steps["compute_only"], steps["comm_only"])
                 continue
+            torch._dynamo.reset()
+            model, inputs = builders[name]()
+            x0 = inputs[0].detach()
             if variant == "eager":
                 fn = model
             elif variant == "compute_only":

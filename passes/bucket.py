@@ -125,8 +125,8 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
         raise ValueError(f'bucket_collectives: bucket must be "auto", "module" or an int byte target >= 1, '
                          f"got {bucket!r}")
     s = structure if structure is not None else Structure(gm)
-    plans = [(kind, members) for kind in _OPS for lanes in [_lanes(s, kind)] for lane in lanes.values()
-             for members in _split(lane, bucket, _largest(lanes, lane))]
+    plans = [(kind, members) for kind in _OPS for lanes in [_lanes(s, kind)] for largest in [_largest(lanes)]
+             for lane in lanes.values() for members in _split(lane, bucket, largest[lane[0].c.group])]
     notes: list[BucketNote] = []
     if plans:
         if before_rewrite is not None:
@@ -231,10 +231,13 @@ def _argument(node: fx.Node, index: int, name: str):
     return node.args[index] if index < len(node.args) else node.kwargs[name]
 
 
-def _largest(lanes: dict[tuple, list[_Member]], lane: list[_Member]) -> int:
-    """Bytes of the largest member of ``lane``'s group in any lane (of this kind)."""
-    group = lane[0].c.group
-    return max(m.nbytes for members in lanes.values() if members[0].c.group == group for m in members)
+def _largest(lanes: dict[tuple, list[_Member]]) -> dict[str, int]:
+    """Group -> bytes of its largest member in any of ``lanes`` (one kind's)."""
+    largest: dict[str, int] = {}
+    for members in lanes.values():
+        for m in members:
+            largest[m.c.group] = max(largest.get(m.c.group, 0), m.nbytes)
+    return largest
 
 
 def _split(lane: list[_Member], bucket: str | int, largest: int) -> list[list[_Member]]:

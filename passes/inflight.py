@@ -53,12 +53,11 @@ class Budget:
         return None if limit is None else limit - self.reserve.get(group, 0)
 
 
-def auto_budget(collectives: list[Collective], held: dict[fx.Node, int] | None = None) -> dict[str, int]:
+def auto_budget(collectives: list[Collective], held: dict[fx.Node, int]) -> dict[str, int]:
     """The "auto" byte budget per group: twice the bytes held by the group's
     largest collective (so the next one can be in flight while the largest
     one is, as FSDP2's one-ahead prefetch does). ``held``: start -> held bytes
-    when already known (``Structure.held``)."""
-    held = _held(collectives, held)
+    (``Structure.held``)."""
     largest: dict[str, int] = {}
     for c in collectives:
         largest[c.group] = max(largest.get(c.group, 0), held[c.start])
@@ -82,10 +81,6 @@ def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
         if c.kind != "all_gather":
             reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
     return Budget(cfg.max_in_flight, max_bytes, reserve, headroom)
-
-
-def _held(collectives: list[Collective], held: dict[fx.Node, int] | None) -> dict[fx.Node, int]:
-    return held if held is not None else {c.start: held_bytes(c) for c in collectives}
 
 
 class InFlight:

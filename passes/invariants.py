@@ -160,7 +160,7 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
             if limit is not None and flight.nbytes(c.group) > limit:
                 others = [x for x in flight.open_in(c.group) if x is not c
                           and (c.kind == "all_gather" or x.kind != "all_gather")]
-                due = max([s.pos[s.target[w]] for w in c.waits if w in s.target] + [here])
+                due = max(s.due(c), here)
                 if others and not budget.fits_headroom(flight.total, here, due):
                     raise o.fail(node, f"{flight.nbytes(c.group)} bytes in flight in group {c.group}, "
                                        f"limit {limit}, with {others[0].start.name} still open"

@@ -191,8 +191,8 @@ class _Core:
 
     def _in_headroom(self, c: Collective) -> bool:
         """Whether ``c`` issued now keeps everything in flight within the headroom until its wait is due."""
-        due = max(self.s.pos[self.s.target[w]] for w in c.waits)
-        return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, max(due, self.here))
+        due = max(self.s.due(c), self.here)
+        return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
 
     def _gather_fits(self, c: Collective) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open

@@ -115,6 +115,11 @@ class Structure:
         index = self.region_of(node)
         return self.barrier_pos[index] if index < len(self.barrier_pos) else self.pos[self.output]
 
+    def due(self, c: Collective) -> int:
+        """Position of the latest target among ``c``'s waits (-1 when none has one):
+        where ``c`` must be complete."""
+        return max((self.pos[self.target[w]] for w in c.waits if w in self.target), default=-1)
+
     # -- bundles -----------------------------------------------------------------
     def _input_chain(self, start: fx.Node) -> list[fx.Node]:
         """Cheap (or marked) nodes in ``start``'s region whose every use is ``start`` or the chain."""

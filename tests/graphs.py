@@ -39,3 +39,18 @@ def random_inputs(gm, seed=0):
         else:
             out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
     return out
+
+
+class Block(torch.nn.Module):
+    """A residual norm -> up -> activation -> down block (6 parameters): the module
+    unit the bucketing tests shard and bucket."""
+
+    def __init__(self, dim, activation=torch.relu):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+        self.activation = activation
+
+    def forward(self, x):
+        return x + self.down(self.activation(self.up(self.norm(x))))

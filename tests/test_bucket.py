@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import overlapc
 from overlapc.passes.bucket import DEFAULT_BUCKET_BYTES, BucketNote, block_of, bucket_collectives
 from overlapc.passes.structure import Structure
-from graphs import F, WORLD, ag, trace, wait, random_inputs
+from graphs import F, WORLD, Block, ag, trace, wait, random_inputs
 
 RANK = 3   # the rank the stand-ins pretend to be (not 0: a wrong block order shows)
 AG = F.all_gather_into_tensor.default
@@ -248,17 +248,6 @@ def test_reduce_scatter_bucket_waits_for_its_last_input_and_not_longer(fake_pg):
 
 
 # ------------------------------------------------------------------ modules, on a captured model
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(dim)
-        self.up = torch.nn.Linear(dim, 2 * dim)
-        self.down = torch.nn.Linear(2 * dim, dim)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 class Tiny(torch.nn.Module):
