@@ -172,11 +172,30 @@ def _named(kind: str, compile_fn: Callable, index: int) -> Callable:
     return compile_named
 
 
+def drop_dead_compute(gm: fx.GraphModule) -> int:
+    """Erase nodes of ``gm.graph`` whose results nothing reads, as Inductor's
+    post-grad DCE does before overlapc's pass runs there; collectives, waits and
+    ops with side effects stay. Returns how many were erased; no recompile.
+
+    Why: AOTAutograd's partitioner (torch 2.13) keeps dead non-collective nodes,
+    so a backward recomputes, for nothing, the matmul that fed a saved
+    collective (a TP row-parallel output); with inner="aot_eager" they would run.
+    """
+    from overlapc.collectives import role
+
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.is_impure() or role(n)[0] is not None or role(n)[1])
+    return before - len(gm.graph.nodes)
+
+
 def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
     def compile_graph(gm, example_inputs, *args, **kwargs):
+        if drop_dead_compute(gm):
+            gm.recompile()
         _schedule_and_record(gm, cfg, sink)
         return make_boxed_func(gm.forward)
 

@@ -261,3 +261,37 @@ def test_importing_overlapc_registers_nothing_twice():
     done = subprocess.run([sys.executable, "-c", "import overlapc, overlapc.backend\n" + _FRESH],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_drop_dead_compute_erases_unread_compute_and_keeps_collectives(fake_pg):
+    from graphs import ag, trace, wait
+    from overlapc.backend import drop_dead_compute
+
+    def fn(x, w, buf):
+        torch.mm(x, w).relu()          # read by nothing
+        buf.add_(1)                    # mutates an input: stays
+        wait(ag(x))                    # a collective whose result nothing reads: stays
+        return wait(ag(x)).relu()
+
+    gm = trace(fn, (4, 4), (4, 4), (4,))
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.aten.mm.default in targets
+    assert drop_dead_compute(gm) == 2
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.aten.mm.default not in targets and torch.ops.aten.relu.default in targets
+    assert torch.ops.aten.add_.Tensor in targets
+    assert targets.count(torch.ops._c10d_functional.all_gather_into_tensor.default) == 2
+
+
+def test_captured_tp_backward_recomputes_nothing_dead(fake_pg):
+    # torch 2.13's partitioner leaves the matmul feeding a saved reduce-scatter in
+    # the backward with no users; the aot_eager path drops it as Inductor would.
+    from overlapc.backend import capture
+    from overlapc.collectives import role
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import tp_sp
+    model, inputs = tp_sp.build(heads=8, depth=1)
+    for record in capture(model, inputs, {"enabled": False}):
+        dead = [n.name for n in record.gm.graph.nodes if n.op == "call_function" and not n.users
+                and not n.is_impure() and role(n)[0] is None and not role(n)[1]]
+        assert dead == [], (record.name, dead)
