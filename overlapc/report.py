@@ -357,6 +357,8 @@ def rewrites_text(summary: dict) -> str:
         if r["rewrite"] == "chunk":
             state = f"split into {r['chunks']}: {', '.join(r['pieces'])}" if r["applied"] \
                 else f"left alone: {r['reason']}"
+            if r.get("fed_by"):
+                state += f"; fed piece by piece by {r['fed_by']}'s pieces"
             lines.append(f"chunk {r['pattern']} ({', '.join(r['starts'])}, group {r['group']}): {state}")
         else:
             members = ", ".join(r.get("modules") or r.get("members") or ())

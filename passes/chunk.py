@@ -21,8 +21,9 @@ with the collectives, so every result is exact (only matmuls over fewer rows):
 * all_to_all_single(x)[piece i] = all_to_all_single(x[piece i]) for equal splits.
 
 Row-wise compute (matmul with the rows as its first operand and a weight not
-derived from them, elementwise ops, views that keep dim 0 a multiple of
-W*chunks, permutes that keep dim 0 first) maps piece i to piece i. Patterns:
+derived from them, elementwise ops, reductions over other dims such as a norm's
+statistics, views that keep dim 0 a multiple of W*chunks, permutes that keep
+dim 0 first) maps piece i to piece i. Patterns:
 
 * ``all_gather_matmul``: all-gather -> row-wise compute -> reduce-scatter of
   the same group (a TP+SP MLP, forward and backward) becomes one pipeline and
@@ -33,13 +34,24 @@ W*chunks, permutes that keep dim 0 first) maps piece i to piece i. Patterns:
 * ``all_to_all_expert``: all_to_all_single -> row-wise expert compute ->
   all_to_all_single of the same group (MoE dispatch / combine).
 
+Chained pipelines: when an all-gather's input is row-wise compute of an earlier
+reduce-scatter pipeline's result (the residual add and norm between attention
+and MLP in TP+SP), that compute runs piece by piece on the reduce-scatter's
+pieces and feeds the all-gather's pieces directly (the note's ``fed_by``), so
+the two pipelines become one and piece i's reduce-scatter overlaps the compute
+of other pieces of the next pattern.
+
 Values computed inside a pipeline that other nodes read (activations saved for
 backward, weight gradients, graph outputs) are reassembled with one ``cat``;
 operands from outside with full rows (saved activations in a backward) are
-sliced piece by piece. Node order emitted: piece i+1's start before piece i's
-compute, piece i's reduce-scatter/combine start right after piece i's compute,
-its wait after the next piece's compute; nodes that read a reassembled value
-move after it (a stable topological order, the same on every rank).
+sliced piece by piece. Node order emitted: in waves; a pipeline's stages are
+its source start (0), its compute and sink start (1) and its sink wait (2), a
+fed pipeline's counting on from its feeder's, and wave w holds stage s of
+piece w - s, stages in order. So piece i+1's start comes before piece i's
+compute, and each collective is in flight over one wave of other pieces'
+compute. Nodes that read a reassembled value move after it (a stable
+topological order, the same on every rank); a node outside the pipelines that
+it reads (a weight's transpose) moves to just before its first reader.
 
 Left alone, with a ChunkNote saying why: a dim 0 that does not divide, unknown
 or symbolic shapes, unequal all-to-all splits, a start without exactly one
@@ -51,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import operator
 
 import torch
 import torch.fx as fx
@@ -68,6 +81,9 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _PERMUTES = {aten.permute.default, aten.transpose.int, aten.t.default}
 _COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default}
 _MATMULS = {aten.mm.default, aten.addmm.default}
+# reductions whose dims are args[1]: row-wise when dim 0 is not among them (norm statistics)
+_ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.var_mean.correction, aten.var.correction,
+                   aten.amax.default, aten.amin.default}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +96,9 @@ class ChunkNote:
     group: process group name. chunks: pieces asked for.
     applied: True when the graph was rewritten; reason: why not ("" when applied).
     pieces: names of the new collective start nodes (empty when not applied).
+    fed_by: the start of an earlier pipeline whose pieces feed this one, piece by
+        piece, through row-wise compute (a reduce-scatter -> residual add -> norm ->
+        all-gather chain); "" when the pipeline starts from a whole tensor.
     """
 
     pattern: str
@@ -89,6 +108,7 @@ class ChunkNote:
     applied: bool
     reason: str = ""
     pieces: tuple[str, ...] = ()
+    fed_by: str = ""
 
 
 class _Skip(Exception):
@@ -123,7 +143,20 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int) -> list[ChunkNote]:
 
 
 def _val(node) -> torch.Tensor:
+    return _outputs(node)[0] if _is_multi(node) else _checked(node, node_value(node) if isinstance(node, fx.Node) else None)
+
+
+def _outputs(node) -> list[torch.Tensor]:
+    """The tensors ``node`` returns (one, or each of a tuple such as var_mean's)."""
     value = node_value(node) if isinstance(node, fx.Node) else None
+    return [_checked(node, v) for v in value] if isinstance(value, (tuple, list)) else [_checked(node, value)]
+
+
+def _is_multi(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node_value(node), (tuple, list))
+
+
+def _checked(node, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise _Skip(f"unknown shape of {getattr(node, 'name', node)}")
     if any(not isinstance(d, int) for d in value.shape):
@@ -187,6 +220,26 @@ class _Plan:
     region: list[fx.Node]            # row-wise nodes, graph order
     cut: list[fx.Node]               # row operands cut into pieces (matmul -> reduce-scatter)
     anchor: fx.Node                  # new nodes go just before it
+    link: _Link | None = None        # an earlier pipeline's pieces feed source_input
+
+
+@dataclasses.dataclass
+class _Joined:
+    """A reduce-scatter pipeline's result, reassembled by one cat of its pieces."""
+
+    pieces: list[fx.Node]            # piece i: rows i*n/k ... of the shard
+    key: tuple                       # the pipeline's key prefix (its anchor) and stage of the pieces
+    stage: int
+    start: str                       # the original reduce-scatter's name
+
+
+@dataclasses.dataclass
+class _Link:
+    """Row-wise compute (shard layout) from a _Joined cat to an all-gather's input."""
+
+    join: fx.Node
+    joined: _Joined
+    bridge: list[fx.Node]            # graph order, ending at the all-gather's input
 
 
 class _Rewriter:
@@ -195,9 +248,17 @@ class _Rewriter:
         self.done: set[fx.Node] = set()
         self.changed = False
         self.fake = FakeValues(gm)
-        self.keys: dict[fx.Node, tuple] = {n: (i, 0, 0) for i, n in enumerate(self.graph.nodes)}
+        self.original = list(self.graph.nodes)
+        # finish() orders by key: (original index, 0, ...) for the graph's nodes; a
+        # pipeline's nodes (its anchor's index, -1, wave, stage, seq), where piece i's
+        # nodes of stage s (0: source start, 1: compute, 2: sink wait; a fed pipeline
+        # counts on from its feeder's) run in wave i + s, so that stage s of piece i
+        # overlaps stage s + 1 of piece i - 1.
+        self.keys: dict[fx.Node, tuple] = {n: (i, 0, 0, 0, 0) for i, n in enumerate(self.original)}
         self.seq = itertools.count()
         self.created: list[fx.Node] = []   # nodes of the pipeline being built
+        self.joins: list[tuple[fx.Node, _Joined]] = []   # in the order made
+        self._prefix, self._base, self._at = (0, -1), 0, (0, 0)
 
     # ---- finding patterns
 
@@ -230,7 +291,8 @@ class _Rewriter:
             return ChunkNote(pattern, (start.name,), group, self.k, False, str(skip))
         self.created = []
         starts = tuple(n.name for n in (plan.source, plan.sink) if n is not None)
-        return ChunkNote(plan.pattern, starts, group, self.k, True, "", pieces)
+        fed_by = plan.link.joined.start if plan.link is not None else ""
+        return ChunkNote(plan.pattern, starts, group, self.k, True, "", pieces, fed_by)
 
     def _one_wait(self, start: fx.Node) -> fx.Node:
         waits = wait_nodes(start)
@@ -239,12 +301,17 @@ class _Rewriter:
         return waits[0]
 
     def _rows(self, node: fx.Node, world: int) -> int:
-        """Dim 0 of ``node``: must split into world * chunks equal blocks."""
-        value = _val(node)
-        if value.dim() == 0 or value.shape[0] % (world * self.k):
-            raise _Skip(f"dim 0 of {node.name} ({tuple(value.shape)}) does not divide by "
-                        f"world {world} x chunks {self.k}")
-        return value.shape[0]
+        """Dim 0 of ``node`` (of each of its outputs): must split into world * chunks
+        equal blocks, the same for all outputs."""
+        rows = set()
+        for value in _outputs(node):
+            if value.dim() == 0 or value.shape[0] % (world * self.k):
+                raise _Skip(f"dim 0 of {node.name} ({tuple(value.shape)}) does not divide by "
+                            f"world {world} x chunks {self.k}")
+            rows.add(value.shape[0])
+        if len(rows) != 1:
+            raise _Skip(f"outputs of {node.name} differ in dim 0 ({sorted(rows)})")
+        return rows.pop()
 
     def _plan_source(self, start, op, pattern, group) -> _Plan | None:
         world = _group_size(start, op)
@@ -260,12 +327,55 @@ class _Rewriter:
         self._rows(wait, world)
         sink_op = "reduce_scatter_tensor" if op == "all_gather_into_tensor" else "all_to_all_single"
         region, sink, why = self._region_to_sink(wait, sink_op, group, world)
-        if sink is not None:
-            return _Plan(pattern, group, world, start, start.args[0], sink, region, [], sink)
-        if op == "all_to_all_single":
+        if sink is None and op == "all_to_all_single":
             raise _Skip(why or f"no all_to_all_single of group {group} reads {wait.name}'s rows")
-        region = self._matmul_consumers(wait, world)
-        return _Plan(pattern, group, world, start, start.args[0], None, region, [], region[-1])
+        if sink is None:
+            region = self._matmul_consumers(wait, world)
+        plan = _Plan(pattern, group, world, start, start.args[0], sink, region, [], sink or region[-1])
+        if op == "all_gather_into_tensor":
+            plan.link = self._link(start)
+        return plan
+
+    def _link(self, start: fx.Node) -> _Link | None:
+        """The row-wise compute by which an earlier reduce-scatter pipeline's result
+        (a _Joined cat) reaches the all-gather ``start``'s input, or None. Every node
+        on the way must be row-wise on the shard's rows and no barrier may lie
+        between that pipeline and ``start``."""
+        shard = start.args[0]
+        end = self.keys[start][0]
+        for join, joined in self.joins:
+            if join._erased:
+                continue
+            reach = {join}           # original nodes before ``start`` that read the join
+            for node in self.original[joined.key[0] + 1:end]:
+                if not node._erased and any(i in reach for i in node._input_nodes):
+                    reach.add(node)
+            if shard not in reach:
+                continue
+            needed = {shard}
+            for node in reversed(self.original[:end]):
+                if node in needed:
+                    needed.update(i for i in node._input_nodes if i in reach)
+            bridge = [n for n in self.original[:end] if n in needed and n is not join]
+            for node in list(bridge):   # the other outputs of a var_mean on the way
+                if _is_multi(node):
+                    bridge += [u for u in node.users if u.target is operator.getitem and u not in needed]
+            bridge.sort(key=lambda n: self.keys[n])
+            try:
+                inside = set(bridge) | {join}
+                for node in bridge:
+                    self._check_rowwise(node, inside, 1)
+                    if _is_multi(node) and any(u not in inside for u in node.users):
+                        raise _Skip(f"{node.name} ({_opname(node)}) has a reader outside the chain")
+                self._check_no_feedback(bridge, join, reach)
+                first = joined.key[0]
+                for node in self.original[first + 1:end]:
+                    if role(node)[2] is not None:
+                        raise _Skip(f"barrier {node.name}")
+            except _Skip:
+                return None
+            return _Link(join, joined, bridge)
+        return None
 
     def _equal_splits(self, start: fx.Node, world: int) -> None:
         out_splits, in_splits = start.args[1], start.args[2]
@@ -393,6 +503,17 @@ class _Rewriter:
         self._rows(node, world)
         tensor_args = [a for a in node.args if isinstance(a, fx.Node)] + \
             [a for a in node.kwargs.values() if isinstance(a, fx.Node)]
+        if target is operator.getitem:
+            if node.args[0] not in inside:
+                raise _Skip(why)
+            return
+        if target in _ROW_REDUCTIONS:
+            dims = node.args[1] if len(node.args) > 1 else None
+            rank = _val(node.args[0]).dim()
+            if node.args[0] not in inside or len(tensor_args) != 1 or not dims or \
+                    any(d % rank == 0 for d in dims):
+                raise _Skip(f"{node.name} ({_opname(node)}) reduces over the rows")
+            return
         if target in _VIEWS or target in _COPIES or self._keeps_rows(node):
             if node.args[0] not in inside or len(tensor_args) != 1:
                 raise _Skip(why)
@@ -479,7 +600,8 @@ class _Rewriter:
                         "seq_nr"):
                 if key in like.meta:
                     node.meta[key] = like.meta[key]
-        self.keys[node] = (self._anchor_key[0], -1, next(self.seq))
+        piece, stage = self._at
+        self.keys[node] = (*self._prefix, piece + self._base + stage, self._base + stage, next(self.seq))
         self.created.append(node)
         return node
 
@@ -536,8 +658,11 @@ class _Rewriter:
         return self._new(node.target, args, kwargs, like=node)
 
     def _rewrite(self, plan: _Plan) -> tuple[str, ...]:
-        k, world = self.k, plan.world
-        self._anchor_key = self.keys[plan.anchor]
+        k, world, link = self.k, plan.world, plan.link
+        if link is not None:   # counts on in the feeding pipeline's waves
+            self._prefix, self._base = link.joined.key, link.joined.stage
+        else:
+            self._prefix, self._base = (self.keys[plan.anchor][0], -1), 0
         inside = set(plan.region)
         source_wait = self._one_wait(plan.source) if plan.source is not None else None
         if source_wait is not None:
@@ -549,10 +674,19 @@ class _Rewriter:
         sink_results: list[fx.Node] = []
         sink_wait = self._one_wait(plan.sink) if plan.sink is not None else None
 
+        bridge_envs: list[dict] = [{} for _ in range(k)]
+
         def start_source(i):
+            self._at = (i, 0)
             src = plan.source
             op = collective_op(src)
-            if op == "all_gather_into_tensor":
+            if link is not None:   # the feeder's piece i through the row-wise bridge
+                env = bridge_envs[i]
+                env[link.join] = link.joined.pieces[i]
+                for node in link.bridge:
+                    env[node] = self._copy_piece(node, env, i, 1, set(link.bridge) | {link.join})
+                shard = env[plan.source_input]
+            elif op == "all_gather_into_tensor":
                 shard = self._piece(plan.source_input, i, 1, src)
             else:
                 shard = self._piece(plan.source_input, i, world, src)
@@ -565,6 +699,7 @@ class _Rewriter:
             source_starts.append(started)
 
         def compute(i):
+            self._at = (i, 1)
             env = envs[i]
             if source_wait is not None:
                 env[source_wait] = self._new(F.wait_tensor.default, (source_starts[i],), like=source_wait)
@@ -574,6 +709,7 @@ class _Rewriter:
                 env[node] = self._copy_piece(node, env, i, world, inside | set(plan.cut))
 
         def start_sink(i):
+            self._at = (i, 1)
             sink = plan.sink
             args = list(sink.args)
             args[0] = envs[i][sink.args[0]]
@@ -584,6 +720,7 @@ class _Rewriter:
             sink_starts.append(started)
 
         def wait_sink(i):
+            self._at = (i, 2)
             sink_results.append(self._new(F.wait_tensor.default, (sink_starts[i],), like=sink_wait))
 
         # emission order: the pipeline
@@ -602,21 +739,32 @@ class _Rewriter:
 
         # reassemble what the rest of the graph reads
         replaced: dict[fx.Node, fx.Node] = {}
+        if link is not None:
+            self._at = (k - 1, 0)
+            bridge = set(link.bridge)
+            for node in link.bridge:
+                if any(u not in bridge and u is not plan.source for u in node.users):
+                    replaced[node] = self._join([bridge_envs[i][node] for i in range(k)], 1, node)
+        self._at = (k - 1, 1)
         for node in [source_wait, *plan.region] if source_wait is not None else plan.region:
             outside = [u for u in node.users if u not in inside and u is not plan.sink]
             if outside:
                 replaced[node] = self._join([envs[i][node] for i in range(k)], world, node)
         if plan.sink is not None:
+            self._at = (k - 1, 2)
             sink_world = 1 if collective_op(plan.sink) == "reduce_scatter_tensor" else world
             joined = self._join(sink_results, sink_world, plan.sink)
             if tuple(_val(joined).shape) != tuple(_val(sink_wait).shape):
                 joined = self._new(aten.view.default, (joined, list(_val(sink_wait).shape)), like=sink_wait)
+            elif sink_world == 1:   # a later all-gather may read these pieces through row-wise compute
+                self.joins.append((joined, _Joined(sink_results, self._prefix, self._base + 2, plan.sink.name)))
             replaced[sink_wait] = joined
+        keep = inside | ({plan.source} if link is not None else set()) | \
+            (set(link.bridge) if link is not None else set())
         for old, new in replaced.items():
-            old.replace_all_uses_with(new, delete_user_cb=lambda u, old=old: u not in inside and
-                                      u is not plan.sink)
+            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in keep and u is not plan.sink)
         # erase the originals (users first)
-        dead = [*plan.region]
+        dead = [*plan.region, *(link.bridge if link is not None else ())]
         if plan.sink is not None:
             dead += [plan.sink, self._one_wait(plan.sink)]
         if plan.source is not None:
@@ -628,6 +776,8 @@ class _Rewriter:
             else:
                 raise RuntimeError(f"overlapc chunk: {node.name} ({_opname(node)}) still has users "
                                    f"{[u.name for u in node.users]}")
+        if link is not None and not link.join.users:   # every reader now takes the pieces
+            self.graph.erase_node(link.join)
         for node in (plan.source, plan.sink):
             if node is not None:
                 self.done.add(node)
@@ -636,27 +786,39 @@ class _Rewriter:
 
     def finish(self) -> None:
         """Stable topological order by key: original order, new nodes before their
-        anchor, and nodes that read a reassembled value after it."""
+        anchor in wave order, and nodes that read a reassembled value after it. A
+        graph node that a pipeline reads (a weight's transpose) takes its reader's
+        key when that is smaller, so that it is placed before the pipeline needs it
+        rather than when the pipeline stalls on it."""
         nodes = list(self.graph.nodes)
-        key = {n: self.keys.get(n, (len(nodes), 0, 0)) for n in nodes}
-        indegree = {n: len(set(n._input_nodes)) for n in nodes}
-        ready = [(key[n], i, n) for i, n in enumerate(nodes) if indegree[n] == 0]
-        index = {n: i for i, n in enumerate(nodes)}
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            _, _, node = heapq.heappop(ready)
-            order.append(node)
-            for user in node.users:
-                indegree[user] -= 1
-                if indegree[user] == 0:
-                    heapq.heappush(ready, (key[user], index[user], user))
-        if len(order) != len(nodes):
-            raise RuntimeError("overlapc chunk: the rewritten graph has a cycle")
+        key = {n: self.keys.get(n, (len(nodes), 0, 0, 0, 0)) for n in nodes}
+        for node in reversed(_topological(nodes, key)):
+            if key[node][1] == 0:
+                key[node] = min([key[node], *(key[u] for u in node.users)])
+        order = _topological(nodes, key)
         outputs = [n for n in order if n.op == "output"]
         order = [n for n in order if n.op == "placeholder"] + \
             [n for n in order if n.op not in ("placeholder", "output")] + outputs
         apply_order(self.gm, order)
+
+
+def _topological(nodes: list[fx.Node], key: dict) -> list[fx.Node]:
+    """``nodes`` in a topological order that, among the nodes ready, takes the least key."""
+    indegree = {n: len(set(n._input_nodes)) for n in nodes}
+    index = {n: i for i, n in enumerate(nodes)}
+    ready = [(key[n], i, n) for i, n in enumerate(nodes) if indegree[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in node.users:
+            indegree[user] -= 1
+            if indegree[user] == 0:
+                heapq.heappush(ready, (key[user], index[user], user))
+    if len(order) != len(nodes):
+        raise RuntimeError("overlapc chunk: the rewritten graph has a cycle")
+    return order
 
 
 def _opname(node: fx.Node) -> str:

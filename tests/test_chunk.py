@@ -101,6 +101,23 @@ def test_tp_sp_every_pattern_is_pipelined_with_the_same_values(tp_graphs, chunks
     # the MLP backward (all-gather of the gradient -> ... -> reduce-scatter) is one pipeline too
     bw_notes = bw.meta["overlapc_chunks"]
     assert bw_notes[0].pattern == "all_gather_matmul" and len(bw_notes[0].starts) == 2
+    # chained through the residual add and the norm (its backward): attention o's
+    # reduce-scatter feeds the MLP's all-gather piece by piece, the MLP backward's
+    # reduce-scatter feeds the all-gather before o's backward matmul
+    assert [n.fed_by for n in fw_notes] == ["", "", fw_notes[1].starts[0]]
+    assert [n.fed_by for n in bw_notes] == ["", bw_notes[0].starts[1], ""]
+    for gm, feeder, fed in ((fw, fw_notes[1], fw_notes[2]), (bw, bw_notes[0], bw_notes[1])):
+        pos = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+        nodes = {n.name: n for n in gm.graph.nodes}
+        gathers = [nodes[p] for p in fed.pieces if "all_gather" in p]
+        assert all(g.args[0].target is not torch.ops.aten.slice.Tensor for g in gathers)
+        last_feeder_wait = max(pos[w.name] for p in feeder.pieces if "reduce_scatter" in p
+                               for w in nodes[p].users)
+        # waves: with more than 2 pieces, the fed pipeline's first piece computes
+        # before the feeder's last piece arrives
+        first_compute = min(pos[u.name] for u in next(iter(gathers[0].users)).users)
+        assert pos[gathers[0].name] < first_compute
+        assert chunks == 2 or first_compute < last_feeder_wait
 
 
 @pytest.mark.parametrize("chunks", [2, 4])
@@ -283,4 +300,36 @@ def test_all_to_all_expert_with_saved_full_row_operand(fake_pg):
     note, = chunk_collectives(gm, 4)
     assert note.applied, note
     gm.graph.lint()
+    assert_same_values(original, gm)
+
+
+def _rs_norm_ag(x, w1, w2, residual):
+    """matmul -> reduce-scatter -> residual add and a norm -> all-gather -> matmul."""
+    y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))
+    h = residual + y
+    h = (h - h.mean(1, keepdim=True)) * torch.rsqrt(h.var(1, keepdim=True) + 1e-5)
+    g = F.wait_tensor(F.all_gather_into_tensor(h, WORLD, "0"))
+    return torch.mm(g, w2), h
+
+
+def test_reduce_scatter_feeds_the_next_gather_piece_by_piece(fake_pg):
+    gm = trace(_rs_norm_ag, (64, 16), (16, 8), (8, 4), (8, 8))
+    original = copy.deepcopy(gm)
+    rs, ag = chunk_collectives(gm, 4)
+    gm.graph.lint()
+    assert rs.applied and ag.applied and ag.fed_by == rs.starts[0], (rs, ag)
+    assert_same_values(original, gm)   # h (a graph output) is reassembled from its pieces
+    assert not any(n.target is torch.ops.aten.slice.Tensor for n in gm.graph.nodes
+                   if any(u.name in ag.pieces for u in n.users))
+
+
+def test_compute_that_mixes_rows_between_is_not_chained(fake_pg):
+    def fn(x, w1, w2):
+        y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))
+        g = F.wait_tensor(F.all_gather_into_tensor(y.cumsum(0), WORLD, "0"))
+        return torch.mm(g, w2)
+    gm = trace(fn, (64, 16), (16, 8), (8, 4))
+    original = copy.deepcopy(gm)
+    rs, ag = chunk_collectives(gm, 2)
+    assert rs.applied and ag.applied and ag.fed_by == ""   # both pipelined, each on its own
     assert_same_values(original, gm)
