@@ -143,7 +143,8 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int) -> list[ChunkNote]:
 
 
 def _val(node) -> torch.Tensor:
-    return _outputs(node)[0] if _is_multi(node) else _checked(node, node_value(node) if isinstance(node, fx.Node) else None)
+    """``node``'s (first) output tensor, with int sizes; _Skip otherwise."""
+    return _outputs(node)[0]
 
 
 def _outputs(node) -> list[torch.Tensor]:
@@ -228,8 +229,8 @@ class _Joined:
     """A reduce-scatter pipeline's result, reassembled by one cat of its pieces."""
 
     pieces: list[fx.Node]            # piece i: rows i*n/k ... of the shard
-    key: tuple                       # the pipeline's key prefix (its anchor) and stage of the pieces
-    stage: int
+    prefix: tuple                    # the pipeline's key prefix: (its anchor's index, -1)
+    stage: int                       # the pieces' stage (their waits')
     start: str                       # the original reduce-scatter's name
 
 
@@ -346,8 +347,8 @@ class _Rewriter:
         for join, joined in self.joins:
             if join._erased:
                 continue
-            reach = {join}           # original nodes before ``start`` that read the join
-            for node in self.original[joined.key[0] + 1:end]:
+            reach = {join}           # original nodes before ``start`` that depend on the join
+            for node in self.original[joined.prefix[0] + 1:end]:
                 if not node._erased and any(i in reach for i in node._input_nodes):
                     reach.add(node)
             if shard not in reach:
@@ -368,8 +369,7 @@ class _Rewriter:
                     if _is_multi(node) and any(u not in inside for u in node.users):
                         raise _Skip(f"{node.name} ({_opname(node)}) has a reader outside the chain")
                 self._check_no_feedback(bridge, join, reach)
-                first = joined.key[0]
-                for node in self.original[first + 1:end]:
+                for node in self.original[joined.prefix[0] + 1:end]:
                     if role(node)[2] is not None:
                         raise _Skip(f"barrier {node.name}")
             except _Skip:
@@ -660,7 +660,7 @@ class _Rewriter:
     def _rewrite(self, plan: _Plan) -> tuple[str, ...]:
         k, world, link = self.k, plan.world, plan.link
         if link is not None:   # counts on in the feeding pipeline's waves
-            self._prefix, self._base = link.joined.key, link.joined.stage
+            self._prefix, self._base = link.joined.prefix, link.joined.stage
         else:
             self._prefix, self._base = (self.keys[plan.anchor][0], -1), 0
         inside = set(plan.region)
@@ -759,8 +759,9 @@ class _Rewriter:
             elif sink_world == 1:   # a later all-gather may read these pieces through row-wise compute
                 self.joins.append((joined, _Joined(sink_results, self._prefix, self._base + 2, plan.sink.name)))
             replaced[sink_wait] = joined
-        keep = inside | ({plan.source} if link is not None else set()) | \
-            (set(link.bridge) if link is not None else set())
+        keep = set(inside)   # readers that go with the originals
+        if link is not None:
+            keep |= {plan.source, *link.bridge}
         for old, new in replaced.items():
             old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in keep and u is not plan.sink)
         # erase the originals (users first)
