@@ -382,16 +382,25 @@ def _mark_gathered(full: torch.Tensor, gather: _Gather, param: DTensor) -> None:
 
 
 class _Source:
-    """How to re-gather one gathered tensor; keeps the latest re-gathered copy while something uses it."""
+    """How to re-gather one gathered tensor for the tensors autograd saved from it.
+
+    The re-gathered copy is kept from the first unpack to the last of those saved
+    tensors, by count. Never by whether something still holds the copy: when it
+    dies depends on garbage collection, which differs between ranks, and a
+    re-gather is a collective that every rank must issue alike (a weak reference
+    here once let one rank re-gather while its peer went on to a reduce-scatter).
+    """
 
     def __init__(self, gather: _Gather, param: DTensor, full: torch.Tensor):
         self.gather = gather
         self.param = param
         self.layout = (full.shape, full.stride(), full.storage_offset(), full.dtype, full.untyped_storage().nbytes())
-        self.latest = lambda: None
+        self.saved = 0        # saved tensors not unpacked yet
+        self.copy: torch.Tensor | None = None
 
     def full(self) -> torch.Tensor:
-        full = self.latest()
+        """The re-gathered tensor, for one unpack; gathers when no copy is kept."""
+        full = self.copy
         if full is None:
             with torch.no_grad():
                 full = self.gather.local(self.param)
@@ -401,7 +410,8 @@ class _Source:
                     f"overlapc.fsdp: re-gathering a parameter for backward gave layout {layout}, the forward "
                     f"had {self.layout}; shard with reshard_after_forward=False to keep gathered parameters"
                 )
-            self.latest = weakref.ref(full)
+        self.saved -= 1
+        self.copy = full if self.saved > 0 else None   # a second backward (retain_graph) gathers again
         return full
 
 
@@ -410,6 +420,7 @@ class _Regather:
 
     def __init__(self, source: _Source, local: torch.Tensor, spec):
         self.source = source
+        source.saved += 1
         self.view = (local.shape, local.stride(), local.storage_offset())
         self.spec = spec  # (mesh, placements, shape, stride) of a DTensor, else None
 

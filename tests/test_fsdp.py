@@ -440,3 +440,31 @@ def _user_region(x):
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(torch.sin, x, use_reentrant=False, context_fn=_user_contexts)
+
+
+def test_eager_regather_does_not_depend_on_what_is_still_alive():
+    """Whether unpacking a saved gathered parameter re-gathers (a collective) must be
+    the same on every rank: decided by counting the saved tensors, never by whether
+    an earlier re-gathered copy has been garbage-collected yet."""
+    import gc
+
+    from overlapc.fsdp import _Regather, _Source
+
+    calls = []
+
+    class Gather:   # stands in for the all-gather of the parameter's shards
+        def local(self, param):
+            calls.append(param)
+            return torch.arange(6.0).reshape(2, 3)
+
+    full = torch.arange(6.0).reshape(2, 3)
+    source = _Source(Gather(), "weight", full)
+    saved = [_Regather(source, full, None), _Regather(source, full.t(), None)]
+    first = saved[0].unpack()
+    del first
+    gc.collect()          # the first copy is gone: a liveness test would gather again
+    second = saved[1].unpack()
+    assert len(calls) == 1 and torch.equal(second, full.t())
+    assert source.copy is None   # all saved tensors unpacked: the copy is freed
+    saved[0].unpack()            # a second backward (retain_graph) gathers again, on every rank
+    assert len(calls) == 2

@@ -125,7 +125,10 @@ def _job_battery(rank, world_size, port):
         torch._dynamo.reset()  # a fresh compile per case (else Dynamo's recompile limit falls back to eager)
         before = len(compiled_graphs)
         backend = {"eager": None, "aot_eager": counting_aot_eager, "inductor": "inductor"}[mode]
-        out, dx = _step(sharded, x, backend, seed=7 + rank)
+        try:
+            out, dx = _step(sharded, x, backend, seed=7 + rank)
+        except RuntimeError as error:   # a gloo timeout says nothing of the case
+            raise RuntimeError(f"rank {rank}, {label}: {error}") from error
         compiled[label] = len(compiled_graphs) - before
         bad += [f"{label}: {m}" for m in _mismatches(name, reference, sharded, ref_out, out, ref_dx, dx)]
     return bad, compiled
