@@ -184,8 +184,9 @@ def rank_entry(rank, world, port, argd, conn) -> None:
 
 def chunk_backend(chunks: int, notes: list, specs: list | None = None, local: bool = False):
     """AOTAutograd backend: drop_dead_compute and chunk_collectives(gm, chunks) on
-    forward and backward (what backend="overlapc" does before scheduling), eager execution. ``specs`` collects each collective (op, input shape, dtype,
-    other args) in graph order; ``local`` replaces collectives by local ops."""
+    forward and backward (what backend="overlapc" does before scheduling), eager
+    execution. ``specs`` collects each collective (op, input shape, dtype, other
+    args) in graph order; ``local`` replaces collectives by local ops."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.decomposition import select_decomp_table

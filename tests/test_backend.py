@@ -288,7 +288,9 @@ def test_captured_tp_backward_recomputes_nothing_dead(fake_pg):
     # the backward with no users; the aot_eager path drops it as Inductor would.
     from overlapc.backend import capture
     from overlapc.collectives import role
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
     import tp_sp
     model, inputs = tp_sp.build(heads=8, depth=1)
     for record in capture(model, inputs, {"enabled": False}):
