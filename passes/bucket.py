@@ -125,8 +125,12 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
         raise ValueError(f'bucket_collectives: bucket must be "auto", "module" or an int byte target >= 1, '
                          f"got {bucket!r}")
     s = structure if structure is not None else Structure(gm)
-    plans = [(kind, members) for kind in _OPS for lanes in [_lanes(s, kind)] for largest in [_largest(lanes)]
-             for lane in lanes.values() for members in _split(lane, bucket, largest[lane[0].c.group])]
+    plans = []
+    for kind in _OPS:
+        lanes = _lanes(s, kind)
+        largest = _largest(lanes)
+        plans += [(kind, members) for lane in lanes.values()
+                  for members in _split(lane, bucket, largest[lane[0].c.group])]
     notes: list[BucketNote] = []
     if plans:
         if before_rewrite is not None:
@@ -257,7 +261,8 @@ def _joins(members: list[_Member], m: _Member, bucket: str | int, largest: int) 
     if max(m.ready, *(x.ready for x in members)) >= min(m.target, *(x.target for x in members)):
         return False   # one member's input is ready only after another's result is needed
     limit = {"auto": largest, "module": DEFAULT_BUCKET_BYTES}.get(bucket, bucket)
-    if bucket != "module" and sum(x.nbytes for x in members) + m.nbytes > limit:
+    fits = sum(x.nbytes for x in members) + m.nbytes <= limit
+    if bucket != "module" and not fits:
         return False   # (before the module lookup: bytes are cheap to compare)
     if bucket in BUCKET_MODES:
         block = block_of(m.module)
@@ -265,7 +270,7 @@ def _joins(members: list[_Member], m: _Member, bucket: str | int, largest: int) 
             return False
         if block and bucket == "module":
             return True
-    return sum(x.nbytes for x in members) + m.nbytes <= limit
+    return fits
 
 
 def block_of(path: str) -> str:
