@@ -64,7 +64,7 @@ collective's shapes contradict its group size.
 
 Left alone: coalesced and ``_out`` collectives, all-reduce and all-to-all,
 collectives with several waits or symbolic/unknown shapes, the pieces of a
-chunked collective (``passes/chunk.py``'s notes name them), and collectives
+chunked collective (``passes/chunk/``'s notes name them), and collectives
 whose result feeds another collective's input chain directly.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ import torch
 import torch.fx as fx
 
 from overlapc.collectives import Collective, module_path, node_value, real_consumers
-from overlapc.passes.chunk import FakeValues
+from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
 
 __all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives"]
@@ -393,13 +393,8 @@ class _Rewrite:
 
     def _new(self, anchor: int, target, args, kwargs=None, *, like: fx.Node, name: str | None = None,
              input_chain: bool = False) -> fx.Node:
-        kwargs = kwargs or {}
-        node = self.graph.create_node("call_function", target, tuple(args), kwargs,
-                                      name=name or target.overloadpacket.__name__)
-        node.meta["val"] = self.fake.run(target, args, kwargs)
-        for key in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace"):
-            if key in like.meta:
-                node.meta[key] = like.meta[key]
+        node = new_node(self.graph, self.fake, target, args, kwargs, like=like,
+                        name=name or target.overloadpacket.__name__)
         if input_chain:
             node.meta["overlapc_input_chain"] = True
         self._place(node, anchor)

@@ -1,0 +1,139 @@
+"""Split collectives on the critical path into pipelined pieces.
+
+    notes = chunk_collectives(gm, chunks)   # rewrites gm.graph in place; no recompile
+
+Targets: a collective whose input is produced right before it and whose result
+is needed right after (tensor/sequence parallel, MoE), where reordering alone
+hides nothing. Each becomes ``chunks`` pieces so that piece i+1's collective
+runs while piece i computes.
+
+Row layout. All three patterns split dim 0 ("rows": tokens or sequence) and
+never the dims a collective or a matmul contracts. A tensor of R rows that a
+collective over W ranks moves is R = W blocks of n rows (rank-major); piece i
+of it is rows ``r*n + i*n/chunks + j`` of every block r. That layout commutes
+with the collectives, so every result is exact (only matmuls over fewer rows):
+
+* all_gather(shard)[piece i] = all_gather(shard rows i*n/k ...): the shard is
+  split along its own dim 0 (a cheap view) and the gathered pieces are already
+  in piece layout; splitting a non-gathered dim instead would need a strided
+  copy of the shard and only works for inputs with a batch dim.
+* reduce_scatter(x)[rows i*n/k ...] = reduce_scatter(x[piece i]).
+* all_to_all_single(x)[piece i] = all_to_all_single(x[piece i]) for equal splits.
+
+Row-wise compute (matmul with the rows as its first operand and a weight not
+derived from them, elementwise ops, reductions over other dims such as a norm's
+statistics, views that keep dim 0 a multiple of W*chunks, permutes that keep
+dim 0 first) maps piece i to piece i. Patterns:
+
+* ``all_gather_matmul``: all-gather -> row-wise compute -> reduce-scatter of
+  the same group (a TP+SP MLP, forward and backward) becomes one pipeline and
+  its note names both starts; without a reduce-scatter reachable through
+  row-wise compute, all-gather -> views -> the matmuls that read the rows.
+* ``matmul_reduce_scatter``: matmul -> views -> reduce-scatter; the matmul's
+  row operand is copied piece by piece.
+* ``all_to_all_expert``: all_to_all_single -> row-wise expert compute ->
+  all_to_all_single of the same group (MoE dispatch / combine).
+
+Chained pipelines: when an all-gather's input is row-wise compute of an earlier
+reduce-scatter pipeline's result (the residual add and norm between attention
+and MLP in TP+SP), that compute runs piece by piece on the reduce-scatter's
+pieces and feeds the all-gather's pieces directly (the note's ``fed_by``), so
+the two pipelines become one and piece i's reduce-scatter overlaps the compute
+of other pieces of the next pattern.
+
+Values computed inside a pipeline that other nodes read (activations saved for
+backward, weight gradients, graph outputs) are reassembled with one ``cat``;
+operands from outside with full rows (saved activations in a backward) are
+sliced piece by piece. Node order emitted: in waves; a pipeline's stages are
+its source start (0), its compute and sink start (1) and its sink wait (2), a
+fed pipeline's counting on from its feeder's, and wave w holds stage s of
+piece w - s, stages in order. So piece i+1's start comes before piece i's
+compute, and each collective is in flight over one wave of other pieces'
+compute. Nodes that read a reassembled value move after it (a stable
+topological order, the same on every rank); a node outside the pipelines that
+it reads (a weight's transpose) moves to just before its first reader.
+
+Code: ``legality`` (row-wise checks), ``plan`` (finding patterns and chaining
+them into Plans), ``emit`` (pieces, reassembly, order); this module drives them.
+
+Left alone, with a ChunkNote saying why: a dim 0 that does not divide, unknown
+or symbolic shapes, unequal all-to-all splits, a start without exactly one
+wait, compute that is not row-wise, an intermediate whose other users feed the
+pipeline back, a barrier between the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from overlapc.collectives import collective_op, group_of
+
+__all__ = ["ChunkNote", "chunk_collectives"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkNote:
+    """What chunk_collectives did with one pattern.
+
+    pattern: "all_gather_matmul", "matmul_reduce_scatter" or "all_to_all_expert".
+    starts: names of the original collective start node(s) (a pipeline that
+        ends in a reduce-scatter or combine all-to-all names both).
+    group: process group name. chunks: pieces asked for.
+    applied: True when the graph was rewritten; reason: why not ("" when applied).
+    pieces: names of the new collective start nodes (empty when not applied).
+    fed_by: the start of an earlier pipeline whose pieces feed this one, piece by
+        piece, through row-wise compute (a reduce-scatter -> residual add -> norm ->
+        all-gather chain); "" when the pipeline starts from a whole tensor.
+    """
+
+    pattern: str
+    starts: tuple[str, ...]
+    group: str
+    chunks: int
+    applied: bool
+    reason: str = ""
+    pieces: tuple[str, ...] = ()
+    fed_by: str = ""
+
+
+def chunk_collectives(gm: fx.GraphModule, chunks: int) -> list[ChunkNote]:
+    """Split qualifying all-gather/matmul, matmul/reduce-scatter and
+    all-to-all/expert/all-to-all patterns of ``gm`` into ``chunks`` pipelined
+    pieces, in place (``gm.graph`` only: the caller recompiles). Returns one
+    note per pattern found, applied or not, and appends them to
+    ``gm.meta["overlapc_chunks"]``. chunks == 1 changes nothing and returns []."""
+    from overlapc.passes.chunk.emit import Emitter
+    from overlapc.passes.chunk.legality import Skip
+    from overlapc.passes.chunk.plan import PATTERNS, Planner
+
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunk_collectives: chunks must be an int >= 1, got {chunks!r}")
+    notes: list[ChunkNote] = []
+    if chunks > 1:
+        planner = Planner(gm)
+        emitter = Emitter(gm, planner)
+        done: set[fx.Node] = set()
+        for start in [n for n in gm.graph.nodes if collective_op(n) in PATTERNS]:
+            if start in done:
+                continue
+            pattern = PATTERNS[collective_op(start)]
+            group = group_of(start)
+            try:
+                plan = planner.plan(start, chunks)
+                pieces = emitter.emit(plan)
+            except Skip as skip:
+                emitter.discard()
+                done.add(start)
+                notes.append(ChunkNote(pattern, (start.name,), group, chunks, False, str(skip)))
+                continue
+            done.update(plan.starts)
+            fed_by = plan.link.joined.start if plan.link is not None else ""
+            notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, chunks, True, "",
+                                   pieces, fed_by))
+        if emitter.changed:
+            emitter.finish()
+            gm.graph.lint()
+    gm.meta.setdefault("overlapc_chunks", []).extend(notes)
+    return notes

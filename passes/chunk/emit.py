@@ -1,0 +1,273 @@
+"""Emitting a Plan's pieces and ordering the graph.
+
+    emitter = Emitter(gm, planner)
+    pieces = emitter.emit(plan)      # new start names; the originals erased
+    emitter.finish()                 # one stable topological order for the graph
+
+Order: in waves. A pipeline's stages are its source start (0), its compute and
+sink start (1) and its sink wait (2), a fed pipeline's counting on from its
+feeder's; wave w holds stage s of piece w - s, stages in order. Nodes that read
+a reassembled value move after it; a node outside the pipelines that one reads
+moves to just before its first reader.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from overlapc.collectives import collective_op
+from overlapc.passes.chunk import legality as L
+from overlapc.passes.chunk.plan import Joined, Plan, Planner
+from overlapc.passes.rewrite import FakeValues, new_node
+from overlapc.passes.structure import apply_order
+
+aten = torch.ops.aten
+F = torch.ops._c10d_functional
+
+
+class Emitter:
+    def __init__(self, gm: fx.GraphModule, planner: Planner):
+        self.gm, self.graph, self.planner = gm, gm.graph, planner
+        self.fake = FakeValues(gm)
+        # finish() orders by key: (original index, 0, ...) for the graph's nodes; a
+        # pipeline's nodes (its anchor's index, -1, wave, stage, seq), where piece i's
+        # nodes of stage s run in wave i + s.
+        self.keys: dict[fx.Node, tuple] = {n: (i, 0, 0, 0, 0) for i, n in enumerate(planner.original)}
+        self.seq = itertools.count()
+        self.created: list[fx.Node] = []   # nodes of the pipeline being built
+        self.changed = False
+        self.k = 1
+        self._prefix, self._base, self._at = (0, -1), 0, (0, 0)
+
+    def discard(self) -> None:
+        """Erase the nodes of a half-built pipeline (emit raised Skip)."""
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created = []
+
+    def _new(self, target, args, kwargs=None, like: fx.Node | None = None, name: str | None = None) -> fx.Node:
+        node = new_node(self.graph, self.fake, target, args, kwargs, like=like, name=name)
+        piece, stage = self._at
+        self.keys[node] = (*self._prefix, piece + self._base + stage, self._base + stage, next(self.seq))
+        self.created.append(node)
+        return node
+
+    def _piece(self, x: fx.Node, i: int, world: int, like) -> fx.Node:
+        """Piece i of ``x`` (rows: ``world`` blocks, piece i of each), contiguous."""
+        v = L.val(x)
+        rows, rest = v.shape[0], list(v.shape[1:])
+        n = rows // world
+        if world == 1:
+            part = self._new(aten.slice.Tensor, (x, 0, i * n // self.k, (i + 1) * n // self.k), like=like)
+            if not v.is_contiguous():
+                part = self._new(aten.clone.default, (part,), {"memory_format": torch.contiguous_format}, like)
+            return part
+        if not v.is_contiguous():
+            x = self._new(aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, like)
+        blocks = self._new(aten.view.default, (x, [world, self.k, n // self.k, *rest]), like=like)
+        part = self._new(aten.select.int, (blocks, 1, i), like=like)
+        part = self._new(aten.clone.default, (part,), {"memory_format": torch.contiguous_format}, like)
+        return self._new(aten.view.default, (part, [world * n // self.k, *rest]), like=like)
+
+    def _join(self, pieces: list[fx.Node], world: int, like: fx.Node) -> fx.Node:
+        """Inverse of _piece: rows of ``world`` blocks, piece i of each from pieces[i]."""
+        v = L.val(pieces[0])
+        rest = list(v.shape[1:])
+        m = v.shape[0] // world
+        if world == 1:
+            return self._new(aten.cat.default, (pieces, 0), like=like)
+        parts = [self._new(aten.view.default, (p, [world, m, *rest]), like=like) for p in pieces]
+        whole = self._new(aten.cat.default, (parts, 1), like=like)
+        return self._new(aten.view.default, (whole, [world * m * self.k, *rest]), like=like)
+
+    def _copy_piece(self, node: fx.Node, env: dict, i: int, world: int, inside: set) -> fx.Node:
+        out = L.val(node)
+        piece_shape = [out.shape[0] // self.k, *out.shape[1:]]
+        slices: dict[fx.Node, fx.Node] = {}
+
+        def arg(a):
+            if not isinstance(a, fx.Node):
+                return a
+            if a in inside:
+                return env[a]
+            va = L.val(a)
+            if va.dim() == out.dim() and va.dim() > 0 and va.shape[0] == out.shape[0] and out.shape[0] > 1 \
+                    and node.target not in L.MATMULS:
+                if a not in slices:
+                    slices[a] = self._piece(a, i, world, node)
+                return slices[a]
+            return a
+
+        args = tree_map(arg, node.args)
+        kwargs = tree_map(arg, dict(node.kwargs))
+        if node.target in L.VIEWS:
+            args = (args[0], piece_shape, *args[2:])
+        return self._new(node.target, args, kwargs, like=node)
+
+    def emit(self, plan: Plan) -> tuple[str, ...]:
+        """Rewrite ``plan`` into its pieces; returns the new collective starts' names."""
+        self.created = []
+        k, world, link = plan.chunks, plan.world, plan.link
+        self.k = k
+        if link is not None:   # counts on in the feeding pipeline's waves
+            self._prefix, self._base = link.joined.prefix, link.joined.stage
+        else:
+            self._prefix, self._base = (self.keys[plan.anchor][0], -1), 0
+        inside = set(plan.region)
+        source_wait = L.one_wait(plan.source) if plan.source is not None else None
+        if source_wait is not None:
+            inside.add(source_wait)
+        envs: list[dict] = [{} for _ in range(k)]
+        new_starts: list[fx.Node] = []
+        source_starts: list[fx.Node] = []
+        sink_starts: list[fx.Node] = []
+        sink_results: list[fx.Node] = []
+        sink_wait = L.one_wait(plan.sink) if plan.sink is not None else None
+        bridge_envs: list[dict] = [{} for _ in range(k)]
+
+        def start_source(i):
+            self._at = (i, 0)
+            src = plan.source
+            op = collective_op(src)
+            if link is not None:   # the feeder's piece i through the row-wise bridge
+                env = bridge_envs[i]
+                env[link.join] = link.joined.pieces[i]
+                for node in link.bridge:
+                    env[node] = self._copy_piece(node, env, i, 1, set(link.bridge) | {link.join})
+                shard = env[plan.source_input]
+            elif op == "all_gather_into_tensor":
+                shard = self._piece(plan.source_input, i, 1, src)
+            else:
+                shard = self._piece(plan.source_input, i, world, src)
+            args = list(src.args)
+            args[0] = shard
+            if op == "all_to_all_single":
+                args[1:3] = [[s[0] // k] * world for s in src.args[1:3]]
+            started = self._new(src.target, args, dict(src.kwargs), like=src, name=f"{src.name}_chunk{i}")
+            new_starts.append(started)
+            source_starts.append(started)
+
+        def compute(i):
+            self._at = (i, 1)
+            env = envs[i]
+            if source_wait is not None:
+                env[source_wait] = self._new(F.wait_tensor.default, (source_starts[i],), like=source_wait)
+            for cut in plan.cut:
+                env[cut] = self._piece(cut, i, world, plan.region[0])
+            for node in plan.region:
+                env[node] = self._copy_piece(node, env, i, world, inside | set(plan.cut))
+
+        def start_sink(i):
+            self._at = (i, 1)
+            sink = plan.sink
+            args = list(sink.args)
+            args[0] = envs[i][sink.args[0]]
+            if collective_op(sink) == "all_to_all_single":
+                args[1:3] = [[s[0] // k] * world for s in sink.args[1:3]]
+            started = self._new(sink.target, args, dict(sink.kwargs), like=sink, name=f"{sink.name}_chunk{i}")
+            new_starts.append(started)
+            sink_starts.append(started)
+
+        def wait_sink(i):
+            self._at = (i, 2)
+            sink_results.append(self._new(F.wait_tensor.default, (sink_starts[i],), like=sink_wait))
+
+        # emission order: the pipeline
+        if plan.source is not None:
+            start_source(0)
+        for i in range(k):
+            if plan.source is not None and i + 1 < k:
+                start_source(i + 1)
+            compute(i)
+            if plan.sink is not None:
+                start_sink(i)
+                if i >= 1:
+                    wait_sink(i - 1)
+        if plan.sink is not None:
+            wait_sink(k - 1)
+
+        # reassemble what the rest of the graph reads
+        replaced: dict[fx.Node, fx.Node] = {}
+        if link is not None:
+            self._at = (k - 1, 0)
+            bridge = set(link.bridge)
+            for node in link.bridge:
+                if any(u not in bridge and u is not plan.source for u in node.users):
+                    replaced[node] = self._join([bridge_envs[i][node] for i in range(k)], 1, node)
+        self._at = (k - 1, 1)
+        for node in [source_wait, *plan.region] if source_wait is not None else plan.region:
+            outside = [u for u in node.users if u not in inside and u is not plan.sink]
+            if outside:
+                replaced[node] = self._join([envs[i][node] for i in range(k)], world, node)
+        if plan.sink is not None:
+            self._at = (k - 1, 2)
+            sink_world = 1 if collective_op(plan.sink) == "reduce_scatter_tensor" else world
+            joined = self._join(sink_results, sink_world, plan.sink)
+            if tuple(L.val(joined).shape) != tuple(L.val(sink_wait).shape):
+                joined = self._new(aten.view.default, (joined, list(L.val(sink_wait).shape)), like=sink_wait)
+            elif sink_world == 1:   # a later all-gather may read these pieces through row-wise compute
+                self.planner.joins.append(
+                    (joined, Joined(sink_results, self._prefix, self._base + 2, plan.sink.name, k)))
+            replaced[sink_wait] = joined
+        keep = set(inside)   # readers that go with the originals
+        if link is not None:
+            keep |= {plan.source, *link.bridge}
+        for old, new in replaced.items():
+            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in keep and u is not plan.sink)
+        # erase the originals (users first)
+        dead = [*plan.region, *(link.bridge if link is not None else ())]
+        if plan.sink is not None:
+            dead += [plan.sink, sink_wait]
+        if plan.source is not None:
+            dead += [plan.source, source_wait]
+        for node in sorted(dead, key=lambda n: self.keys[n], reverse=True):
+            if node.users:
+                raise RuntimeError(f"overlapc chunk: {node.name} ({L.opname(node)}) still has users "
+                                   f"{[u.name for u in node.users]}")
+            self.graph.erase_node(node)
+            self.keys.pop(node, None)
+        if link is not None and not link.join.users:   # every reader now takes the pieces
+            self.graph.erase_node(link.join)
+        self.created = []
+        self.changed = True
+        return tuple(n.name for n in new_starts)
+
+    def finish(self) -> None:
+        """Stable topological order by key: original order, new nodes before their
+        anchor in wave order, and nodes that read a reassembled value after it. A
+        graph node that a pipeline reads (a weight's transpose) takes its reader's
+        key when that is smaller, so that it is placed before the pipeline needs it
+        rather than when the pipeline stalls on it."""
+        nodes = list(self.graph.nodes)
+        key = {n: self.keys.get(n, (len(nodes), 0, 0, 0, 0)) for n in nodes}
+        for node in reversed(_topological(nodes, key)):
+            if key[node][1] == 0:
+                key[node] = min([key[node], *(key[u] for u in node.users)])
+        order = _topological(nodes, key)
+        outputs = [n for n in order if n.op == "output"]
+        order = [n for n in order if n.op == "placeholder"] + \
+            [n for n in order if n.op not in ("placeholder", "output")] + outputs
+        apply_order(self.gm, order)
+
+
+def _topological(nodes: list[fx.Node], key: dict) -> list[fx.Node]:
+    """``nodes`` in a topological order that, among the nodes ready, takes the least key."""
+    indegree = {n: len(set(n._input_nodes)) for n in nodes}
+    index = {n: i for i, n in enumerate(nodes)}
+    ready = [(key[n], i, n) for i, n in enumerate(nodes) if indegree[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in node.users:
+            indegree[user] -= 1
+            if indegree[user] == 0:
+                heapq.heappush(ready, (key[user], index[user], user))
+    if len(order) != len(nodes):
+        raise RuntimeError("overlapc chunk: the rewritten graph has a cycle")
+    return order

@@ -1,0 +1,190 @@
+"""Row-wise legality: whether piece i of a node is the node applied to piece i of its inputs.
+
+Rows are dim 0. A tensor in a pipeline has ``blocks`` blocks along dim 0 (the
+ranks of a collective that moved it, or 1) and piece i of it is rows
+``r*n + i*n/k ... + n/k`` of every block r (n rows a block): see
+``overlapc.passes.chunk``'s docstring. Every check raises ``Skip`` with the
+reason a note reports.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from overlapc.collectives import node_value, role, wait_nodes
+
+aten = torch.ops.aten
+
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+PERMUTES = {aten.permute.default, aten.transpose.int, aten.t.default}
+COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default}
+MATMULS = {aten.mm.default, aten.addmm.default}
+# reductions whose dims are args[1]: row-wise when dim 0 is not among them (norm statistics)
+ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.var_mean.correction, aten.var.correction,
+                  aten.amax.default, aten.amin.default}
+
+
+class Skip(Exception):
+    """A pattern that does not qualify; the message is the note's reason."""
+
+
+def val(node) -> torch.Tensor:
+    """``node``'s (first) output tensor, with int sizes; Skip otherwise."""
+    return outputs(node)[0]
+
+
+def outputs(node) -> list[torch.Tensor]:
+    """The tensors ``node`` returns (one, or each of a tuple such as var_mean's)."""
+    value = node_value(node) if isinstance(node, fx.Node) else None
+    return [_checked(node, v) for v in value] if isinstance(value, (tuple, list)) else [_checked(node, value)]
+
+
+def is_multi(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node_value(node), (tuple, list))
+
+
+def _checked(node, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise Skip(f"unknown shape of {getattr(node, 'name', node)}")
+    if any(not isinstance(d, int) for d in value.shape):
+        raise Skip(f"symbolic shape of {node.name} ({tuple(value.shape)})")
+    return value
+
+
+def opname(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}"
+    return getattr(target, "__name__", str(target))
+
+
+def group_size(start: fx.Node, op: str) -> int:
+    if op == "all_to_all_single":   # split sizes are one per rank
+        splits = start.args[2]
+        if not isinstance(splits, (list, tuple)):
+            raise Skip(f"{start.name}: input split sizes are not a list ({splits!r})")
+        return len(splits)
+    return int(start.args[1] if op == "all_gather_into_tensor" else start.args[2])
+
+
+def one_wait(start: fx.Node) -> fx.Node:
+    waits = wait_nodes(start)
+    if len(waits) != 1 or waits[0].args[0] is not start:
+        raise Skip(f"{start.name} has {len(waits)} waits (need exactly one, directly on the start)")
+    return waits[0]
+
+
+def rows(node: fx.Node, blocks: int, k: int) -> int:
+    """Dim 0 of ``node`` (of each of its outputs): must split into blocks * k equal
+    parts, the same for all outputs."""
+    found = set()
+    for value in outputs(node):
+        if value.dim() == 0 or value.shape[0] % (blocks * k):
+            raise Skip(f"dim 0 of {node.name} ({tuple(value.shape)}) does not divide by "
+                       f"world {blocks} x chunks {k}")
+        found.add(value.shape[0])
+    if len(found) != 1:
+        raise Skip(f"outputs of {node.name} differ in dim 0 ({sorted(found)})")
+    return found.pop()
+
+
+def equal_splits(start: fx.Node, world: int) -> None:
+    out_splits, in_splits = start.args[1], start.args[2]
+    for splits in (out_splits, in_splits):
+        if not isinstance(splits, (list, tuple)) or not all(isinstance(s, int) for s in splits):
+            raise Skip(f"{start.name}: split sizes are not constant ints ({splits!r})")
+        if len(set(splits)) != 1 or len(splits) != world:
+            raise Skip(f"{start.name}: unequal split sizes {list(splits)}")
+    if list(out_splits) != list(in_splits):
+        raise Skip(f"{start.name}: output splits {list(out_splits)} differ from input splits")
+
+
+def keeps_rows(node: fx.Node) -> bool:
+    """A slice along another dim, or along dim 0 over all of it (DTensor emits
+    ``slice(wait, 0, 0, n)`` after an all-gather): piece i in, piece i out."""
+    if node.target is not aten.slice.Tensor:
+        return False
+    value = node_value(node.args[0])
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    if dim % value.dim() != 0:
+        return True
+    return start in (None, 0) and step == 1 and (end is None or end >= value.shape[0])
+
+
+def row_operand(mm: fx.Node):
+    return mm.args[1] if mm.target is aten.addmm.default else mm.args[0]
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.args if isinstance(a, fx.Node)] + \
+        [a for a in node.kwargs.values() if isinstance(a, fx.Node)]
+
+
+def check_rowwise(node: fx.Node, inside: set, blocks: int, k: int) -> None:
+    """Raise Skip unless piece i of ``node`` is ``node`` of piece i of its inputs
+    (``inside``: the nodes already in pieces)."""
+    target = node.target
+    why = f"{node.name} ({opname(node)}) is not row-wise"
+    if node.op != "call_function":
+        raise Skip(why)
+    if role(node)[2] is not None:
+        raise Skip(f"barrier {node.name} ({role(node)[2]})")
+    out = val(node)
+    rows(node, blocks, k)
+    args = tensor_args(node)
+    if target is operator.getitem:
+        if node.args[0] not in inside:
+            raise Skip(why)
+        return
+    if target in ROW_REDUCTIONS:
+        dims = node.args[1] if len(node.args) > 1 else None
+        rank = val(node.args[0]).dim()
+        if node.args[0] not in inside or len(args) != 1 or not dims or any(d % rank == 0 for d in dims):
+            raise Skip(f"{node.name} ({opname(node)}) reduces over the rows")
+        return
+    if target in VIEWS or target in COPIES or keeps_rows(node):
+        if node.args[0] not in inside or len(args) != 1:
+            raise Skip(why)
+        return
+    if target in PERMUTES:
+        dims = [0, 1] if target is aten.t.default else (
+            list(node.args[1:3]) if target is aten.transpose.int else list(node.args[1]))
+        dims = [d % out.dim() for d in dims] if out.dim() else dims
+        if target is aten.permute.default and dims[0] != 0 or \
+                target is not aten.permute.default and 0 in dims and dims[0] != dims[-1]:
+            raise Skip(f"{node.name} ({opname(node)}) moves dim 0")
+        return
+    if target in MATMULS:
+        first = row_operand(node)
+        others = [a for a in args if a is not first]
+        if first not in inside or any(a in inside for a in others):
+            raise Skip(f"{node.name} ({opname(node)}) does not read the rows as its first operand")
+        if target is aten.addmm.default:
+            bias = val(node.args[0])
+            if bias.dim() == 2 and bias.shape[0] != 1:
+                raise Skip(f"{node.name}: bias {node.args[0].name} has rows")
+        return
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        for a in args:
+            v = val(a)
+            if a in inside and (v.dim() != out.dim() or v.shape[0] != out.shape[0]):
+                raise Skip(f"{node.name} ({opname(node)}) broadcasts {a.name} along rows")
+            if a not in inside and v.dim() == out.dim() and v.shape[0] not in (1, out.shape[0]):
+                raise Skip(why)
+        return
+    raise Skip(why)
+
+
+def check_no_feedback(region, wait, depends) -> None:
+    """Skip when a region node reads a node outside the region that itself depends on
+    the pipelined rows (it would need every piece before any piece could go on)."""
+    inside = set(region) | {wait}
+    for node in region:
+        for a in node._input_nodes:
+            if a not in inside and a in depends:
+                raise Skip(f"intermediate has another user: {a.name} ({opname(a)}) reads the "
+                           f"pipelined rows and feeds {node.name} back")

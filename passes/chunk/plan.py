@@ -1,0 +1,277 @@
+"""Finding patterns and chaining them: a Plan per pipeline, nothing rewritten.
+
+    planner = Planner(gm)
+    plan = planner.plan(start, k)    # a Plan, None (not a pattern start) or Skip
+
+A Plan names the source collective (all-gather / dispatch all-to-all) whose
+result the row-wise region reads, the region in graph order, the sink
+collective (reduce-scatter / combine all-to-all) that reads it, the row
+operands to cut (matmul -> reduce-scatter) and, for an all-gather fed by an
+earlier reduce-scatter pipeline through row-wise compute, the Link to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch.fx as fx
+
+from overlapc.collectives import collective_op, group_of, role
+from overlapc.passes.chunk import legality as L
+from overlapc.passes.chunk.legality import Skip
+
+PATTERNS = {"all_gather_into_tensor": "all_gather_matmul", "reduce_scatter_tensor": "matmul_reduce_scatter",
+            "all_to_all_single": "all_to_all_expert"}
+
+
+@dataclasses.dataclass
+class Joined:
+    """A reduce-scatter pipeline's result, reassembled by one cat of its pieces."""
+
+    pieces: list[fx.Node]            # piece i: rows i*n/k ... of the shard
+    prefix: tuple                    # the pipeline's key prefix: (its anchor's index, -1)
+    stage: int                       # the pieces' stage (their waits')
+    start: str                       # the original reduce-scatter's name
+    chunks: int
+
+
+@dataclasses.dataclass
+class Link:
+    """Row-wise compute (shard layout) from a Joined cat to an all-gather's input."""
+
+    join: fx.Node
+    joined: Joined
+    bridge: list[fx.Node]            # graph order, ending at the all-gather's input
+
+
+@dataclasses.dataclass
+class Plan:
+    """One pipeline: an optional source collective, row-wise region, optional sink."""
+
+    pattern: str
+    group: str
+    world: int
+    chunks: int
+    source: fx.Node | None           # start whose result the region reads (all-gather / dispatch)
+    source_input: fx.Node | None     # what to cut for the source (shard / dispatch input)
+    sink: fx.Node | None             # start that reads the region (reduce-scatter / combine)
+    region: list[fx.Node]            # row-wise nodes, graph order
+    cut: list[fx.Node]               # row operands cut into pieces (matmul -> reduce-scatter)
+    anchor: fx.Node                  # new nodes go just before it
+    link: Link | None = None         # an earlier pipeline's pieces feed source_input
+
+    @property
+    def starts(self) -> tuple[fx.Node, ...]:
+        return tuple(n for n in (self.source, self.sink) if n is not None)
+
+
+class Planner:
+    """Plans over ``gm``'s original nodes; ``joins`` lists the reassembled results of
+    the reduce-scatter pipelines emitted so far (the emitter appends to it)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.original = list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.original)}
+        self.joins: list[tuple[fx.Node, Joined]] = []
+
+    def plan(self, start: fx.Node, k: int) -> Plan | None:
+        """The pipeline that ``start`` begins with ``k`` pieces; None when ``start``
+        begins none; Skip with the reason when it does not qualify."""
+        op = collective_op(start)
+        pattern = PATTERNS.get(op)
+        if pattern is None:
+            return None
+        group = group_of(start)
+        if pattern == "matmul_reduce_scatter":
+            plan = self._plan_reduce_scatter(start, group, k)
+        else:
+            plan = self._plan_source(start, op, pattern, group, k)
+        self._check_barriers(plan)
+        return plan
+
+    def _plan_source(self, start, op, pattern, group, k) -> Plan:
+        world = L.group_size(start, op)
+        wait = L.one_wait(start)
+        if op == "all_to_all_single":
+            L.equal_splits(start, world)
+            L.rows(start.args[0], world, k)
+        else:
+            shard = L.val(start.args[0])
+            if shard.dim() == 0 or shard.shape[0] % k:
+                raise Skip(f"dim 0 of the shard {start.args[0].name} ({tuple(shard.shape)}) "
+                           f"does not divide by chunks {k}")
+        L.rows(wait, world, k)
+        sink_op = "reduce_scatter_tensor" if op == "all_gather_into_tensor" else "all_to_all_single"
+        region, sink, why = self._region_to_sink(wait, sink_op, group, world, k)
+        if sink is None and op == "all_to_all_single":
+            raise Skip(why or f"no all_to_all_single of group {group} reads {wait.name}'s rows")
+        if sink is None:
+            region = self._matmul_consumers(wait, world, k)
+        plan = Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink or region[-1])
+        if op == "all_gather_into_tensor":
+            plan.link = self._link(start, k)
+        return plan
+
+    def _link(self, start: fx.Node, k: int) -> Link | None:
+        """The row-wise compute by which an earlier reduce-scatter pipeline's result
+        (a Joined cat) reaches the all-gather ``start``'s input, or None. Every node
+        on the way must be row-wise on the shard's rows, no barrier may lie between
+        that pipeline and ``start``, and both must have the same piece count."""
+        shard = start.args[0]
+        end = self.index[start]
+        for join, joined in self.joins:
+            if join._erased or joined.chunks != k:
+                continue
+            reach = {join}           # original nodes before ``start`` that depend on the join
+            for node in self.original[joined.prefix[0] + 1:end]:
+                if not node._erased and any(i in reach for i in node._input_nodes):
+                    reach.add(node)
+            if shard not in reach:
+                continue
+            needed = {shard}
+            for node in reversed(self.original[:end]):
+                if node in needed:
+                    needed.update(i for i in node._input_nodes if i in reach)
+            bridge = [n for n in self.original[:end] if n in needed and n is not join]
+            for node in list(bridge):   # the other outputs of a var_mean on the way
+                if L.is_multi(node):
+                    bridge += [u for u in node.users if u.target is operator.getitem and u not in needed]
+            bridge.sort(key=self.index.__getitem__)
+            try:
+                inside = set(bridge) | {join}
+                for node in bridge:
+                    L.check_rowwise(node, inside, 1, k)
+                    if L.is_multi(node) and any(u not in inside for u in node.users):
+                        raise Skip(f"{node.name} ({L.opname(node)}) has a reader outside the chain")
+                L.check_no_feedback(bridge, join, reach)
+                for node in self.original[joined.prefix[0] + 1:end]:
+                    if role(node)[2] is not None:
+                        raise Skip(f"barrier {node.name}")
+            except Skip:
+                return None
+            return Link(join, joined, bridge)
+        return None
+
+    def _region_to_sink(self, wait, sink_op, group, world, k):
+        """(row-wise nodes from ``wait`` to the first ``sink_op`` of ``group`` that
+        reads them, the sink start, None) or ([], None, why-not)."""
+        depends = {wait}
+        sink = None
+        for node in _after(wait):
+            if any(i in depends for i in node._input_nodes):
+                depends.add(node)
+                if collective_op(node) == sink_op and group_of(node) == group and node.args[0] in depends:
+                    sink = node
+                    break
+        if sink is None:
+            return [], None, None
+        on_path = {sink.args[0]}   # nodes on a path wait -> sink input
+        for node in reversed(_between(wait, sink)):
+            if node in on_path:
+                on_path.update(i for i in node._input_nodes if i in depends)
+        on_path.discard(wait)
+        region = [n for n in _between(wait, sink) if n in on_path]
+        try:
+            if sink_op == "all_to_all_single":
+                L.equal_splits(sink, world)
+            L.one_wait(sink)
+            for node in region:
+                L.check_rowwise(node, set(region) | {wait}, world, k)
+            L.check_no_feedback(region, wait, depends)
+        except Skip as skip:
+            return [], None, f"compute between {wait.name} and {sink.name} is not pipelined: {skip}"
+        return region, sink, None
+
+    def _matmul_consumers(self, wait: fx.Node, world: int, k: int) -> list[fx.Node]:
+        """The matmuls that read the gathered rows as their first operand (through
+        views that keep the rows), with those views, in graph order."""
+        views = {wait}
+        matmuls: list[fx.Node] = []
+        first_other = None
+        for node in _after(wait):
+            if not any(i in views for i in node._input_nodes):
+                continue
+            try:
+                if node.target in L.VIEWS or L.keeps_rows(node):
+                    L.check_rowwise(node, views, world, k)
+                    views.add(node)
+                    continue
+                if node.target in L.MATMULS:
+                    L.check_rowwise(node, views, world, k)
+                    matmuls.append(node)
+                    continue
+            except Skip:
+                pass
+            first_other = first_other or node
+        if not matmuls:
+            other = f" (first consumer: {first_other.name}, {L.opname(first_other)})" if first_other else ""
+            raise Skip(f"no matmul reads the rows of {wait.name}{other}")
+        needed = set(matmuls)
+        for node in reversed(_between(wait, matmuls[-1])):
+            if node in views and any(u in needed for u in node.users):
+                needed.add(node)
+        return [n for n in _between(wait, matmuls[-1]) if n in needed] + [matmuls[-1]]
+
+    def _plan_reduce_scatter(self, start: fx.Node, group: str, k: int) -> Plan:
+        world = L.group_size(start, "reduce_scatter_tensor")
+        L.one_wait(start)
+        chain = []
+        node = start.args[0]
+        while isinstance(node, fx.Node) and node.target in L.VIEWS:
+            chain.append(node)
+            node = node.args[0]
+        if not isinstance(node, fx.Node) or node.target not in L.MATMULS:
+            what = f"{node.name} ({L.opname(node)})" if isinstance(node, fx.Node) else repr(node)
+            raise Skip(f"the reduce-scatter input is produced by {what}, not a matmul")
+        mm = node
+        region = [mm, *reversed(chain)]
+        for n in region:
+            L.rows(n, world, k)
+        first = L.row_operand(mm)
+        L.rows(first, world, k)
+        inside = set(region)
+        for n in region:
+            for user in n.users:
+                if user not in inside and user is not start and _reaches(user, start):
+                    raise Skip(f"intermediate {n.name} has another user {user.name} ({L.opname(user)}) "
+                               f"that feeds {start.name}")
+        return Plan("matmul_reduce_scatter", group, world, k, None, None, start, region, [first], start)
+
+    @staticmethod
+    def _check_barriers(plan: Plan) -> None:
+        first = plan.source or plan.region[0]
+        last = plan.sink or plan.anchor
+        for node in _between(first, last):
+            reason = role(node)[2]
+            if reason is not None:
+                raise Skip(f"barrier {node.name} ({L.opname(node)}: {reason}) between "
+                           f"{first.name} and {last.name}")
+
+
+def _after(node: fx.Node):
+    node = node.next
+    while node.op != "output":
+        yield node
+        node = node.next
+
+
+def _between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
+    out = []
+    for node in _after(first):
+        if node is last:
+            break
+        out.append(node)
+    return out
+
+
+def _reaches(node: fx.Node, target: fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+    return False

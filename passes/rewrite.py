@@ -1,0 +1,66 @@
+"""What the rewriting passes (chunk, bucket) share: fake values and node creation.
+
+    fake = FakeValues(gm)
+    node = new_node(gm.graph, fake, target, args, kwargs, like=old, name="x")
+
+A created node carries ``meta["val"]`` computed by running the op on fake
+inputs, and the provenance of ``like`` (module stack, stack trace), so the
+memory tracker, the cost model and the report read it like any other node.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from overlapc.collectives import node_value
+
+__all__ = ["FakeValues", "new_node"]
+
+# meta a new node copies from the node it stands for
+_PROVENANCE = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "original_aten",
+               "seq_nr")
+
+
+class FakeValues:
+    """``meta["val"]`` for nodes a pass creates: the op run on fake inputs, in the
+    graph's own fake mode when it has one (a fresh one otherwise)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        vals = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        try:
+            self.mode = detect_fake_mode(vals)
+        except Exception:  # make_fx in real mode: one fake mode per value
+            self.mode = None
+        self.mode = self.mode or FakeTensorMode()
+
+    def of(self, node: fx.Node):
+        from torch._subclasses.fake_tensor import FakeTensor
+        val = node_value(node)
+        if isinstance(val, FakeTensor) and val.fake_mode is self.mode:
+            return val
+        if isinstance(val, torch.Tensor):
+            with self.mode:
+                return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        return val
+
+    def run(self, target, args, kwargs):
+        a, k = tree_map(lambda x: self.of(x) if isinstance(x, fx.Node) else x, (args, kwargs))
+        with self.mode:
+            return target(*a, **k)
+
+
+def new_node(graph: fx.Graph, fake: FakeValues, target, args, kwargs=None, *, like: fx.Node | None = None,
+             name: str | None = None) -> fx.Node:
+    """A call_function node of ``target`` (inserted wherever the graph's insert point
+    is: callers place it by key), with its fake value and ``like``'s provenance."""
+    kwargs = kwargs or {}
+    node = graph.create_node("call_function", target, tuple(args), kwargs, name=name)
+    node.meta["val"] = fake.run(target, args, kwargs)
+    if like is not None:
+        for key in _PROVENANCE:
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+    return node
