@@ -1,0 +1,524 @@
+"""``overlapc analyze TRACE``: measured communication of a torch.profiler trace, per collective.
+
+Input: a Chrome trace written by ``torch.profiler.profile(...).export_chrome_trace``
+(one rank's file). Steps are the profiler's ``ProfilerStep#N`` spans (pass
+``schedule=`` and call ``prof.step()``); a trace without them is one step
+spanning the compute thread's events. Two formats:
+
+* CPU (gloo): collectives run on gloo's worker threads (events "gloo:<op>").
+  The *compute thread* is the thread holding the steps (else the one issuing
+  the most collectives). Per collective: ``issue_ms`` = time the compute thread
+  spent in its start op (``_c10d_functional::all_gather_into_tensor``, ...),
+  ``exposed_ms`` = time it was blocked in its wait(s) (``wait_tensor``),
+  ``duration_ms`` = the worker's span running it (the k-th start in time order
+  runs in the first worker span that begins after it and is not yet taken).
+  A step's measured exposed communication is the union of the compute
+  thread's wait spans in it.
+* CUDA (NCCL; any trace with "kernel" events): kernels whose name starts with
+  "nccl" are communication, every other kernel is compute. A kernel belongs to
+  the op whose launch (``cudaLaunchKernel``, same ``correlation``) it came from
+  and to that launch's step. Exposed = communication kernel time with no
+  compute kernel running (the definition Holistic Trace Analysis uses); where
+  several communication kernels run at once, the time is shared equally, so
+  the collectives add up to the step's exposed time, which is the union of
+  communication kernel time minus compute kernel time.
+
+Matching to overlapc's rows (``dump=``, the backend's ``dump_dir`` or
+``overlapc dump``'s folder): every ``CompiledFunction`` (forward) and
+``CompiledFunctionBackward`` span on the compute thread is matched to the
+first dumped graph of that direction whose sequence of collective starts (by
+kind) and waits, in ``report.json`` issue/wait positions, equals the span's;
+its collectives then get graph, issue order, name, group, bytes, module, the
+scheduler's reasons and the estimates. Anything else (eager collectives, a
+span that matches no graph) is listed with graph "" and its op's kind; its
+waits are given to its open starts oldest first. A graph is found under
+``DIR/rank<R>/<graph>/report.json`` (R = the trace's rank) or
+``DIR/<graph>/report.json``.
+
+JSON schema ("overlapc.analyze/1")::
+
+    {"schema": "overlapc.analyze/1", "trace": path, "format": "cpu" | "cuda",
+     "rank": int | null, "dump": path | null,
+     "steps": [{"step", "step_ms", "exposed_ms", "issue_ms", "collectives",
+                "estimated_step_ms", "estimated_exposed_ms", "graphs"}, ...],
+     "collectives": [{<Measured fields>}, ...]}
+
+Estimated step/exposed of a step: the sum over its matched graphs of their
+``step_ms_after`` / ``exposed_ms_after`` (null when none matched). Times in ms.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import json
+import os
+import re
+
+SCHEMA = "overlapc.analyze/1"
+_STEP = re.compile(r"ProfilerStep#(\d+)$")
+_REGIONS = {"CompiledFunction": "fw", "CompiledFunctionBackward": "bw"}
+_KINDS = (("all_gather", "all_gather"), ("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+          ("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("all_to_all", "all_to_all"),
+          ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("barrier", "barrier"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One collective in one step: what overlapc knows of it and what the trace measured.
+
+    graph/order/name/group/nbytes/module/reason/estimates come from the dump
+    (graph "" and estimates None when unmatched; name is then the trace op)."""
+
+    step: int
+    graph: str
+    order: int | None
+    name: str
+    kind: str
+    group: str
+    nbytes: int | None
+    module: str
+    reason: str
+    issue_ms: float
+    duration_ms: float | None
+    exposed_ms: float
+    estimated_ms: float | None
+    estimated_exposed_ms: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One profiler step: its span, measured exposed communication and issue time, and the
+    estimates of the graphs it ran (None when no graph matched)."""
+
+    step: int
+    step_ms: float
+    exposed_ms: float
+    issue_ms: float
+    collectives: int
+    estimated_step_ms: float | None
+    estimated_exposed_ms: float | None
+    graphs: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    trace: str
+    format: str
+    rank: int | None
+    dump: str | None
+    steps: list[Step]
+    collectives: list[Measured]
+
+
+@dataclasses.dataclass
+class _Op:
+    """A top-level communication op on a CPU thread (a start or a wait)."""
+
+    name: str
+    begin: float
+    end: float
+    kind: str | None          # None for a wait
+    correlations: tuple = ()  # CUDA launches inside it
+
+
+def kind_of(name: str) -> str | None:
+    """Collective kind of a trace op or kernel name ("c10d::_allgather_base_" -> "all_gather")."""
+    low = name.lower()
+    for key, kind in _KINDS:
+        if key in low:
+            return kind
+    return None
+
+
+def _is_comm_op(name: str) -> bool:
+    return name.startswith(("_c10d_functional::", "c10d::", "c10d_functional::"))
+
+
+def _is_wait(name: str) -> bool:
+    return name.endswith("wait_tensor") or name == "c10d::wait"
+
+
+def load_trace(path: str) -> dict:
+    """The trace document; ValueError when it is not a Chrome trace."""
+    try:
+        with open(path, encoding="utf-8") as source:
+            document = json.load(source)
+    except OSError as error:
+        raise ValueError(f"cannot read trace {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"trace {path} is not JSON: {error}") from None
+    if isinstance(document, list):
+        document = {"traceEvents": document}
+    if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
+        raise ValueError(f"trace {path} has no traceEvents list (write it with export_chrome_trace)")
+    return document
+
+
+def _spans(events: list[dict]) -> list[dict]:
+    """Complete ("X") events with numeric ts and dur."""
+    return [e for e in events if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
+            and isinstance(e.get("dur"), (int, float))]
+
+
+def _top_level(ops: list[_Op]) -> list[_Op]:
+    """Ops not nested in an earlier op (sorted by begin)."""
+    kept: list[_Op] = []
+    for op in sorted(ops, key=lambda o: (o.begin, -o.end)):
+        if kept and op.begin < kept[-1].end and op.end <= kept[-1].end:
+            continue
+        kept.append(op)
+    return kept
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for begin, end in sorted(intervals):
+        if merged and begin <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > begin:
+            merged.append([begin, end])
+    return [(b, e) for b, e in merged]
+
+
+def _length(intervals) -> float:
+    return sum(e - b for b, e in _union(intervals))
+
+
+# -- the dump ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Graph:
+    name: str
+    rows: list[dict]            # report.json rows in issue order
+    summary: dict
+    sequence: list[tuple]       # ("start", kind, row index) / ("wait", row index) in program order
+
+
+def load_dump(folder: str, rank: int | None) -> list[_Graph]:
+    """The graphs of a dump folder (see the module docstring); ValueError when there are none."""
+    base = folder
+    ranked = os.path.join(folder, f"rank{rank if rank is not None else 0}")
+    if os.path.isdir(ranked):
+        base = ranked
+    if not os.path.isdir(base):
+        raise ValueError(f"no dump folder {folder}")
+    graphs = []
+    for name in sorted(os.listdir(base), key=lambda g: (g[:2] != "fw", g)):
+        path = os.path.join(base, name, "report.json")
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as source:
+            document = json.load(source)
+        rows = document.get("collectives", [])
+        events = []
+        for index, row in enumerate(rows):
+            events.append((row["issue_after"], 0, ("start", row["kind"], index)))
+            if row.get("wait_after") is not None:
+                events.append((row["wait_after"], 1, ("wait", index)))
+        graphs.append(_Graph(name, rows, document.get("summary", {}), [e for _, _, e in sorted(events)]))
+    if not graphs:
+        raise ValueError(f"{folder}: no <graph>/report.json found (write it with dump_dir= or overlapc dump)")
+    return graphs
+
+
+def _reason(row: dict) -> str:
+    recorded = "; ".join(r for r in (row.get("issue_reason", ""), row.get("wait_reason", "")) if r)
+    return recorded or row.get("reason", "")
+
+
+# -- the analysis --------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Collective:
+    step: int
+    start: _Op | None
+    waits: list[_Op]
+    row: dict | None = None
+    graph: _Graph | None = None
+    order: int | None = None
+
+
+def _match(step: int, ops: list[_Op], regions: list[tuple], graphs: list[_Graph]) -> list[_Collective]:
+    """The collectives of one step's ops: matched per compiled region to a dumped graph,
+    the rest paired start -> wait oldest first."""
+    found: list[_Collective] = []
+    taken: set[int] = set()
+    for begin, end, direction in regions:
+        inside = [i for i, op in enumerate(ops) if begin <= op.begin and op.end <= end and i not in taken]
+        signature = [("wait",) if ops[i].kind is None else ("start", ops[i].kind) for i in inside]
+        for graph in graphs:
+            if graph.name.startswith(direction + "_") and \
+                    [e[:1] if e[0] == "wait" else e[:2] for e in graph.sequence] == signature:
+                break
+        else:
+            continue
+        of_row: dict[int, _Collective] = {}
+        for i, event in zip(inside, graph.sequence):
+            if event[0] == "start":
+                of_row[event[2]] = _Collective(step, ops[i], [], graph.rows[event[2]], graph, event[2])
+                found.append(of_row[event[2]])
+            else:
+                of_row[event[1]].waits.append(ops[i])
+        taken.update(inside)
+    open_: list[_Collective] = []
+    for i, op in enumerate(ops):
+        if i in taken:
+            continue
+        if op.kind is not None:
+            open_.append(_Collective(step, op, []))
+            found.append(open_[-1])
+        elif open_:
+            open_.pop(0).waits.append(op)
+        else:
+            found.append(_Collective(step, None, [op]))
+    return sorted(found, key=lambda c: (c.start or c.waits[0]).begin)
+
+
+def _cpu_durations(spans: list[dict], workers: set, found: list[_Collective]) -> list[float | None]:
+    """The gloo worker span of each collective: the first free one beginning after its start."""
+    free = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans
+                  if (e.get("pid"), e.get("tid")) in workers and str(e.get("name", "")).startswith("gloo:"))
+    result: list[float | None] = [None] * len(found)
+    for index in sorted(range(len(found)), key=lambda i: found[i].start.begin if found[i].start else 0):
+        start = found[index].start
+        if start is None:
+            continue
+        at = bisect.bisect_left(free, (start.begin, float("-inf")))
+        if at < len(free):
+            begin, end = free.pop(at)
+            result[index] = (end - begin) / 1e3
+    return result
+
+
+def _cuda_kernels(spans: list[dict], found: list[_Collective]):
+    """(communication kernels as (begin, end, collective index or None, step or None),
+    compute kernel intervals)."""
+    owner = {c: index for index, coll in enumerate(found) if coll.start for c in coll.start.correlations}
+    comm, compute = [], []
+    for e in spans:
+        if e.get("cat") != "kernel":
+            continue
+        interval = (e["ts"], e["ts"] + e["dur"])
+        if str(e["name"]).lower().startswith("nccl"):
+            index = owner.get((e.get("args") or {}).get("correlation"))
+            comm.append((*interval, index, found[index].step if index is not None else None))
+        else:
+            compute.append(interval)
+    return comm, compute
+
+
+def _shared_exposure(comm: list[tuple], compute: list[tuple]) -> list[float]:
+    """Per communication kernel: its time with no compute kernel running, shared equally
+    among the communication kernels running at that moment (us)."""
+    points = sorted({p for b, e, *_ in comm for p in (b, e)} | {p for iv in _union(compute) for p in iv})
+    busy = _union(compute)
+    result = [0.0] * len(comm)
+    order = sorted(range(len(comm)), key=lambda i: comm[i][0])
+    active: list[int] = []
+    cursor = 0
+    for left, right in zip(points, points[1:]):
+        while cursor < len(order) and comm[order[cursor]][0] <= left:
+            active.append(order[cursor])
+            cursor += 1
+        active = [i for i in active if comm[i][1] > left]
+        if not active:
+            continue
+        at = bisect.bisect_right(busy, (left, float("inf"))) - 1
+        if at >= 0 and busy[at][0] <= left and busy[at][1] >= right:
+            continue   # a compute kernel covers the whole segment
+        for i in active:
+            result[i] += (right - left) / len(active)
+    return result
+
+
+def _minus(intervals: list[tuple], cover: list[tuple]) -> float:
+    """Length of the union of ``intervals`` outside the union of ``cover``."""
+    total = 0.0
+    cover = _union(cover)
+    for begin, end in _union(intervals):
+        total += end - begin
+        for b, e in cover:
+            total -= max(0.0, min(end, e) - max(begin, b))
+    return total
+
+
+def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analysis:
+    """Measure every collective of ``trace`` (a path or a loaded document) per step and join
+    it to ``dump``'s rows (module docstring). ``profile`` (anything ``costmodel.resolve``
+    takes) replaces each matched collective's estimated duration by one from its kind, bytes
+    and group size. ValueError for a trace that is not one or has no communication ops."""
+    path = trace if isinstance(trace, str) else "<trace>"
+    document = load_trace(trace) if isinstance(trace, str) else trace
+    info = document.get("distributedInfo") or {}
+    rank = info.get("rank") if isinstance(info.get("rank"), int) else None
+    spans = _spans(document["traceEvents"])
+    cuda = any(e.get("cat") == "kernel" for e in spans)
+    workers = {(e.get("pid"), e.get("tid")) for e in spans if str(e.get("name", "")).startswith("gloo:")}
+    threads: dict = {}
+    for e in spans:
+        key = (e.get("pid"), e.get("tid"))
+        if key not in workers and (_is_comm_op(e["name"]) or e["name"] in _REGIONS or _STEP.match(e["name"])):
+            threads.setdefault(key, []).append(e)
+    if not any(_is_comm_op(e["name"]) for events in threads.values() for e in events):
+        raise ValueError(f"{path}: no communication ops found (profile with ProfilerActivity.CPU)")
+    thread = max(threads, key=lambda k: (any(_STEP.match(e["name"]) for e in threads[k]),
+                                         sum(_is_comm_op(e["name"]) for e in threads[k])))
+    mine = threads[thread]
+    launches = sorted((e["ts"], e["args"]["correlation"]) for e in spans
+                      if (e.get("pid"), e.get("tid")) == thread and e.get("cat") == "cuda_runtime"
+                      and isinstance(e.get("args"), dict) and "correlation" in e["args"])
+    ops = _top_level([_Op(e["name"], e["ts"], e["ts"] + e["dur"],
+                          None if _is_wait(e["name"]) else kind_of(e["name"]) or "other")
+                      for e in mine if _is_comm_op(e["name"])])
+    for op in ops:
+        at = bisect.bisect_left(launches, (op.begin, float("-inf")))
+        op.correlations = tuple(c for ts, c in launches[at:bisect.bisect_right(launches, (op.end, float("inf")))])
+    steps = sorted((int(_STEP.match(e["name"]).group(1)), e["ts"], e["ts"] + e["dur"])
+                   for e in mine if _STEP.match(e["name"]))
+    if not steps:
+        steps = [(0, min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine))]
+    regions = sorted((e["ts"], e["ts"] + e["dur"], _REGIONS[e["name"]]) for e in mine if e["name"] in _REGIONS)
+    graphs = load_dump(dump, rank) if dump else []
+
+    found: list[_Collective] = []
+    for number, begin, end in steps:
+        found += _match(number, [op for op in ops if begin <= op.begin < end],
+                        [r for r in regions if begin <= r[0] < end], graphs)
+    step_exposed: dict[int, float] = {}
+    if cuda:
+        comm, compute = _cuda_kernels(spans, found)
+        shares = _shared_exposure(comm, compute)
+        exposed = [0.0] * len(found)
+        durations: list[float | None] = [None] * len(found)
+        for (begin, end, index, _), share in zip(comm, shares):
+            if index is not None:
+                exposed[index] += share / 1e3
+                durations[index] = (durations[index] or 0.0) + (end - begin) / 1e3
+        for number, *_ in steps:
+            step_exposed[number] = _minus([(b, e) for b, e, _, s in comm if s == number], compute) / 1e3
+    else:
+        durations = _cpu_durations(spans, workers, found)
+        exposed = [sum(w.end - w.begin for w in c.waits) / 1e3 for c in found]
+        for number, begin, end in steps:
+            step_exposed[number] = _length([(op.begin, op.end) for op in ops
+                                            if op.kind is None and begin <= op.begin < end]) / 1e3
+
+    estimate = _estimator(profile, info)
+    measured = []
+    for c, duration, stalled in zip(found, durations, exposed):
+        row, head = c.row, c.start or c.waits[0]
+        measured.append(Measured(
+            step=c.step, graph=c.graph.name if c.graph else "", order=c.order,
+            name=row["name"] if row else head.name, kind=row["kind"] if row else (head.kind or "other"),
+            group=str(row["group"]) if row else "", nbytes=row.get("nbytes") if row else None,
+            module=row.get("module") or "" if row else "", reason=_reason(row) if row else "",
+            issue_ms=(c.start.end - c.start.begin) / 1e3 if c.start else 0.0, duration_ms=duration,
+            exposed_ms=stalled, estimated_ms=estimate(row) if row else None,
+            estimated_exposed_ms=row.get("exposed_ms") if row else None))
+    result = []
+    for number, begin, end in steps:
+        ran = []
+        for c in found:
+            if c.step == number and c.graph is not None and c.order == 0:
+                ran.append(c.graph)
+        rows = [m for m in measured if m.step == number]
+        result.append(Step(
+            step=number, step_ms=(end - begin) / 1e3, exposed_ms=step_exposed[number],
+            issue_ms=sum(m.issue_ms for m in rows), collectives=len(rows),
+            estimated_step_ms=sum(g.summary.get("step_ms_after", 0.0) for g in ran) if ran else None,
+            estimated_exposed_ms=sum(g.summary.get("exposed_ms_after", 0.0) for g in ran) if ran else None,
+            graphs=[g.name for g in ran]))
+    return Analysis(path, "cuda" if cuda else "cpu", rank, dump, result, measured)
+
+
+def _estimator(profile, info: dict):
+    """row -> estimated duration (ms): the dump's comm_ms, or ``profile``'s for its kind and bytes."""
+    if profile is None:
+        return lambda row: row.get("comm_ms")
+    from overlapc import costmodel
+
+    resolved = costmodel.resolve(profile)
+    sizes = {str(g.get("pg_name")): g.get("pg_size") for g in info.get("pg_config") or [] if isinstance(g, dict)}
+
+    def estimate(row: dict) -> float | None:
+        if row.get("nbytes") is None:
+            return None
+        gbps, latency_us = resolved.link_for(str(row["group"])).for_kind(row["kind"]) \
+            if hasattr(resolved, "link_for") else resolved.link.for_kind(row["kind"])
+        ring = costmodel.ring_factor(row["kind"], sizes.get(str(row.get("group_name", row["group"]))))
+        return latency_us * 1e-3 + row["nbytes"] * ring / (gbps * 1e9) * 1e3
+    return estimate
+
+
+# -- output --------------------------------------------------------------------------------------
+
+def to_json(analysis: Analysis) -> dict:
+    """The analysis as plain JSON types (schema in the module docstring)."""
+    return {"schema": SCHEMA, "trace": analysis.trace, "format": analysis.format, "rank": analysis.rank,
+            "dump": analysis.dump, "steps": [dataclasses.asdict(s) for s in analysis.steps],
+            "collectives": [dataclasses.asdict(m) for m in analysis.collectives]}
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_text(analysis: Analysis) -> str:
+    """Per step: a line of measured vs estimated totals, then one line per collective."""
+    lines = [f"overlapc analyze {analysis.trace}: {analysis.format} trace, rank "
+             f"{'?' if analysis.rank is None else analysis.rank}, {len(analysis.steps)} step(s)"
+             + (f"; estimates from {analysis.dump}" if analysis.dump else "")]
+    header = ("step", "graph", "#", "collective", "kind", "group", "bytes", "module", "issue_ms",
+              "comm_ms", "est_ms", "exposed_ms", "est_exposed", "why")
+    for step in analysis.steps:
+        lines.append("")
+        lines.append(f"step {step.step}: {step.step_ms:.3f} ms measured"
+                     + (f" (graphs {', '.join(step.graphs)}: estimated {step.estimated_step_ms:.3f} ms)"
+                        if step.graphs else "")
+                     + f"; exposed communication {step.exposed_ms:.3f} ms measured"
+                     + (f", {step.estimated_exposed_ms:.3f} ms estimated" if step.graphs else "")
+                     + f"; issuing {step.issue_ms:.3f} ms; {step.collectives} collectives")
+        table = [header]
+        for m in analysis.collectives:
+            if m.step != step.step:
+                continue
+            table.append((str(m.step), m.graph or "-", "-" if m.order is None else str(m.order), m.name, m.kind,
+                          m.group or "-", "?" if m.nbytes is None else str(m.nbytes), m.module or "-",
+                          _num(m.issue_ms), _num(m.duration_ms), _num(m.estimated_ms), _num(m.exposed_ms),
+                          _num(m.estimated_exposed_ms), m.reason or "-"))
+        widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``overlapc analyze`` flags."""
+    parser.add_argument("trace", help="a Chrome trace from torch.profiler's export_chrome_trace (one rank)")
+    parser.add_argument("--dump", metavar="DIR", help="the backend's dump_dir (or `overlapc dump --out`): "
+                        "match collectives to overlapc's rows, reasons and estimates")
+    parser.add_argument("--profile", metavar="NAME|FILE", help="re-estimate each matched collective's time "
+                        "with this profile ('device:link' or a file from `overlapc calibrate`)")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the analysis; 2 with one line on stderr for bad input."""
+    import sys
+
+    try:
+        result = analyze(args.trace, args.dump, args.profile)
+    except ValueError as error:
+        print(f"overlapc analyze: error: {error}", file=sys.stderr)
+        return 2
+    sys.stdout.write(json.dumps(to_json(result), indent=2) + "\n" if args.format == "json"
+                     else format_text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="overlapc analyze", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
