@@ -1,7 +1,19 @@
-"""overlapc: schedule communication in PyTorch training graphs so it overlaps compute."""
+"""overlapc: schedule communication in PyTorch training graphs so it overlaps compute.
+
+``overlapc.fsdp`` is imported on first use (``overlapc.fsdp.shard(model, mesh)``
+works after ``import overlapc``), so a plain import stays cheap.
+"""
+import importlib
+
 from overlapc.collectives import Collective, collectives
 from overlapc.config import OverlapConfig
 from overlapc.passes.pipeline import ScheduleError, schedule, verify
 
-__all__ = ["OverlapConfig", "Collective", "collectives", "schedule", "verify", "ScheduleError"]
+__all__ = ["OverlapConfig", "Collective", "collectives", "schedule", "verify", "ScheduleError", "fsdp"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "fsdp":   # imports torch.distributed.tensor and the checkpoint machinery
+        return importlib.import_module("overlapc.fsdp")
+    raise AttributeError(f"module 'overlapc' has no attribute {name!r}")

@@ -31,7 +31,7 @@ import itertools
 import logging
 import os
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -256,14 +256,19 @@ def _inductor_mode(cfg: OverlapConfig, mode: str | None) -> str | None:
     return mode
 
 
-def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | None = None) -> list[GraphRecord]:
+def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | None = None,
+            note: Callable[[str], None] | None = None) -> list[GraphRecord]:
     """Compile ``model`` the way the backend does (Dynamo, AOTAutograd with
     Inductor's decompositions, overlapc.schedule), run one forward and backward
     on ``example_inputs`` (meta or fake-process-group tensors work), and return
     the scheduled graphs. Inductor's own post-grad rewrites and code generation
-    are skipped, so nothing is compiled to machine code."""
+    are skipped, so nothing is compiled to machine code.
+
+    The backward starts from ``backward_root(output)``; ``note`` (if given) is
+    told where it started ("backward from output['loss']") or why there is
+    none ("no backward: ..."): a backward that fails is said, not raised."""
     from torch._inductor.decomposition import select_decomp_table
-    cfg = dataclasses.replace(OverlapConfig.from_options(options), dump_dir=None)
+    cfg = dataclasses.replace(OverlapConfig.from_options(options), dump_dir=None, check_ranks=False)
     records: list[GraphRecord] = []
     graphs = itertools.count()
 
@@ -274,9 +279,50 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
     torch._dynamo.reset()
     inputs = example_inputs if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
     out = torch.compile(model, backend=backend)(*inputs)
-    tensors = [t for t in (out if isinstance(out, (list, tuple)) else [out])
-               if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tensors:
-        sum(t.float().sum() for t in tensors).backward()
+    root, said = backward_root(out)
+    if root is not None:
+        try:
+            root.backward()
+        except Exception as error:   # noqa: BLE001 - reported to the caller with its reason
+            said = f"no backward: {said.removeprefix('backward from ')}'s backward raised " \
+                   f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    if note is not None:
+        note(said)
     torch._dynamo.reset()
     return records
+
+
+def backward_root(out) -> tuple[torch.Tensor | None, str]:
+    """The scalar a captured backward starts from, and where it came from: a
+    ``loss`` entry or attribute (dict, dataclass, HF ``ModelOutput``) that
+    requires grad, else the sum of every floating tensor in ``out`` (tensors,
+    lists, tuples, dicts, dataclasses, nested) that requires grad; None and
+    the reason when there is none."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((path, value))
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, f"{path}[{key!r}]")
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                walk(getattr(value, field.name), f"{path}.{field.name}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+
+    walk(out, "output")
+    usable = [(p, t) for p, t in found if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+    loss = [(p, t) for p, t in usable if p.endswith(("['loss']", ".loss"))]
+    if loss:
+        path, tensor = loss[0]
+        return (tensor if tensor.numel() == 1 else tensor.float().sum()), f"backward from {path}"
+    if usable:
+        return (sum(t.float().sum() for _, t in usable),
+                f"backward from the sum of {', '.join(p for p, _ in usable)}")
+    if not found:
+        return None, f"no backward: the output ({type(out).__name__}) holds no tensor"
+    return None, (f"no backward: no floating tensor of the output requires grad "
+                  f"({', '.join(f'{p}: {t.dtype}' for p, t in found[:4])}{', ...' if len(found) > 4 else ''})")

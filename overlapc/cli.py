@@ -86,6 +86,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 
 REPORT_SCHEMA = "overlapc.cli.report/1"
 TIMELINE_SCHEMA = "overlapc.cli.timeline/1"
@@ -100,17 +101,52 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def _limit(text: str) -> int | str | None:
-    """'none' -> None; 'auto' and 'module' pass through; '8', '64MiB', '1GiB' -> int >= 1."""
-    if text.strip().lower() == "none":
+_SIZE = re.compile(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*")
+_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _word(text: str, words: tuple[str, ...], forms: str) -> str | None:
+    """``text`` lower-cased when it is one of ``words``; else None, or an error with
+    "did you mean" when it is close to one of them (a misspelt word, not a number)."""
+    word = text.strip().lower()
+    if word in words:
+        return word
+    close = difflib.get_close_matches(word, words, n=1, cutoff=0.5)
+    if close:
+        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}; did you mean {close[0]!r}?")
+    return None
+
+
+def _count(text: str) -> int | None:
+    """--max-in-flight: 'none' -> None; '8' -> 8 (a count: no size suffix)."""
+    forms = "an int >= 1 (a count, no KiB/MiB/GiB suffix) or 'none'"
+    if _word(text, ("none",), forms) == "none":
         return None
-    if text.strip().lower() in ("auto", "module"):
-        return text.strip().lower()
-    match = re.fullmatch(r"\s*(\d+)\s*(|KiB|MiB|GiB)\s*", text)
-    if not match or int(match.group(1)) < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 (may end in KiB, MiB, GiB) or 'none', "
-                                         f"got {text!r}")
-    return int(match.group(1)) * {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[match.group(2)]
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
+    return int(text)
+
+
+def _byte_limit(words: tuple[str, ...]):
+    """A flag type: one of ``words``, or bytes >= 1 ('65536', '64KiB', '1GiB')."""
+    forms = ", ".join(repr(w) for w in words) + " or a byte size >= 1 (e.g. 65536, 64KiB, 16MiB, 1GiB)"
+
+    def parse(text: str) -> int | str | None:
+        word = _word(text, words, forms)
+        if word is not None:
+            return None if word == "none" else word
+        match = _SIZE.fullmatch(text)
+        if not match or int(match.group(1)) < 1:
+            raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
+        return int(match.group(1)) * _UNITS[match.group(2)]
+    return parse
+
+
+def _chunks(text: str) -> int:
+    """--chunks: an int >= 1 (1 = off)."""
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 (1 = off), got {text!r}")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,14 +158,16 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the fake process group")
     common.add_argument("--rank", type=int, default=0, metavar="R", help="this process's rank (default 0)")
     common.add_argument("--graph", choices=("fw", "bw", "all"), default="all", help="graphs to show (default all)")
-    common.add_argument("--max-in-flight", type=_limit, default=argparse.SUPPRESS, metavar="K|none",
+    common.add_argument("--max-in-flight", type=_count, default=argparse.SUPPRESS, metavar="K|none",
                         help="collectives of one group and kind in flight, at most (default: OverlapConfig's)")
-    common.add_argument("--max-in-flight-bytes", type=_limit, default=argparse.SUPPRESS, metavar="B|auto|none",
+    common.add_argument("--max-in-flight-bytes", type=_byte_limit(("auto", "none")), default=argparse.SUPPRESS,
+                        metavar="B|auto|none",
                         help="bytes held in flight per group, at most (e.g. 64MiB; default auto)")
-    common.add_argument("--bucket", type=_limit, default=argparse.SUPPRESS, metavar="auto|module|B|none",
+    common.add_argument("--bucket", type=_byte_limit(("auto", "module", "none")), default=argparse.SUPPRESS,
+                        metavar="auto|module|B|none",
                         help="merge collectives: up to the largest one (auto, the default), "
                         "one bucket per block, a byte target, or none")
-    common.add_argument("--chunks", type=int, default=argparse.SUPPRESS, metavar="N",
+    common.add_argument("--chunks", type=_chunks, default=argparse.SUPPRESS, metavar="N",
                         help="split critical-path collectives into N pipelined pieces (default 1: off)")
     common.add_argument("--profile", metavar="NAME|FILE", help="estimates from a built-in 'device:link' "
                         "profile or a file written by `overlapc calibrate` (beats --device/--link)")
@@ -296,12 +334,16 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.target} must return (model, example_inputs), got {_describe(built)}")
         say(f"capturing forward/backward of {args.target} at world size {args.world_size} "
             f"(rank {args.rank}) ...")
-        records = backend.capture(built[0], built[1], options)
+        notes: list[str] = []
+        records = backend.capture(built[0], built[1], options, note=notes.append)
+        say(notes[0])
         for record in records:
             say(f"scheduled {record.name}: {len(collectives(record.gm))} collectives")
         records = [r for r in records if args.graph == "all" or r.name.startswith(args.graph + "_")]
         if not records:
-            raise UsageError(f"{args.target} produced no {'' if args.graph == 'all' else args.graph + ' '}graph")
+            why = f" ({notes[0]})" if args.graph == "bw" and notes[0].startswith("no backward") else ""
+            raise UsageError(f"{args.target} produced no {'' if args.graph == 'all' else args.graph + ' '}"
+                             f"graph{why}")
         header = {"target": args.target, "world_size": args.world_size, "rank": args.rank,
                   "config": {k: getattr(cfg, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket",
                                                           "chunks", "enabled")},
@@ -337,15 +379,17 @@ def _load(target: str):
         spec = importlib.util.spec_from_file_location(module_name, where)
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module   # dataclasses and pickling look modules up here
-        spec.loader.exec_module(module)
+        with _import_errors(where):
+            spec.loader.exec_module(module)
     else:
         if os.getcwd() not in sys.path:   # as `python -m` does; the console script does not
             sys.path.insert(0, os.getcwd())
         try:
-            module = importlib.import_module(where)
+            with _import_errors(where):
+                module = importlib.import_module(where)
         except ModuleNotFoundError as error:
             if error.name is None or not (where == error.name or where.startswith(error.name + ".")):
-                raise   # the target's own imports failed: show the traceback
+                raise
             raise UsageError(f"no module named {error.name}") from None
     function = getattr(module, name, None)
     if not callable(function):
@@ -353,6 +397,24 @@ def _load(target: str):
         close = difflib.get_close_matches(name, found, n=1)
         raise UsageError(f"{where} has no function {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
     return function
+
+
+@contextlib.contextmanager
+def _import_errors(where: str):
+    """A SyntaxError or ImportError while importing the target becomes one UsageError
+    line with the file:line it happened at (a missing target module itself passes)."""
+    try:
+        yield
+    except SyntaxError as error:
+        raise UsageError(f"{where} does not import: {error.filename}:{error.lineno}: "
+                         f"SyntaxError: {error.msg}") from None
+    except ImportError as error:
+        if isinstance(error, ModuleNotFoundError) and error.name is not None and \
+                (where == error.name or where.startswith(error.name + ".")):
+            raise   # the target module itself is missing: _load says so
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")]
+        at = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+        raise UsageError(f"{where} does not import: {at}{type(error).__name__}: {error}") from None
 
 
 def _describe(value) -> str:

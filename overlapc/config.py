@@ -41,6 +41,11 @@ class OverlapConfig:
     inner: compiler the backend hands scheduled graphs to.
     dump_dir: where the backend writes per-rank, per-graph artifacts
         (env OVERLAPC_DUMP_DIR), or None.
+    check_ranks: before a compiled graph runs, check through the c10d Store
+        that every rank compiled the same collectives (``overlapc.rankcheck``):
+        True, False, or None = on when the default process group has more
+        than one rank.
+    check_ranks_timeout: seconds a rank waits there for the others (> 0).
     """
 
     max_in_flight: int | None = 3
@@ -53,13 +58,19 @@ class OverlapConfig:
     enabled: bool = True
     inner: str = "inductor"
     dump_dir: str | None = None
+    check_ranks: bool | None = None
+    check_ranks_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         _positive_or_none("max_in_flight", self.max_in_flight)
         if self.max_in_flight_bytes != "auto":
             _positive_or_none("max_in_flight_bytes", self.max_in_flight_bytes, extra=', "auto"')
+        if isinstance(self.bucket, str) and self.bucket not in ("auto", "module"):
+            close = difflib.get_close_matches(self.bucket.lower(), ["auto", "module"], n=1, cutoff=0.5)
+            raise ValueError(f"OverlapConfig.bucket must be \"auto\", \"module\", an int >= 1 (bytes) or None, "
+                             f"got {self.bucket!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
         if self.bucket not in (None, "auto", "module"):
-            _positive_or_none("bucket", self.bucket, extra=', "auto", "module"')
+            _positive_or_none("bucket", self.bucket, extra=' (bytes), "auto", "module"')
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"OverlapConfig.chunks must be an int >= 1 (1 = off), got {self.chunks!r}")
         for name in ("profile", "inductor_mode"):
@@ -72,6 +83,13 @@ class OverlapConfig:
             raise ValueError(f"OverlapConfig.inner must be one of {_INNER}, got {self.inner!r}")
         if not isinstance(self.enabled, bool):
             raise ValueError(f"OverlapConfig.enabled must be a bool, got {self.enabled!r}")
+        if self.check_ranks is not None and not isinstance(self.check_ranks, bool):
+            raise ValueError(f"OverlapConfig.check_ranks must be True, False or None (on when the world "
+                             f"size is > 1), got {self.check_ranks!r}")
+        if isinstance(self.check_ranks_timeout, bool) or not isinstance(self.check_ranks_timeout, (int, float)) \
+                or not self.check_ranks_timeout > 0:
+            raise ValueError(f"OverlapConfig.check_ranks_timeout must be a number of seconds > 0, "
+                             f"got {self.check_ranks_timeout!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"OverlapConfig.dump_dir must be a path or None, got {self.dump_dir!r}")
 

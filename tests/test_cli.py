@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+import overlapc
 import overlapc.cli as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,3 +226,114 @@ def test_python_dash_m_in_a_fresh_process():
     doc = json.loads(done.stdout)
     assert (doc["world_size"], doc["rank"]) == (2, 1)
     assert doc["graphs"][0]["rows"][0]["nbytes"] == 128 * 128 * 4
+
+
+_OUTPUTS = '''import collections, dataclasses, sys
+import torch
+sys.path.insert(0, {examples!r})
+import allgather
+
+
+class ModelOutput(collections.OrderedDict):
+    """Stand-in for transformers' ModelOutput: a dataclass that is also an ordered dict of its set fields."""
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) is not None:
+                self[field.name] = getattr(self, field.name)
+
+
+@dataclasses.dataclass
+class CausalLMOutput(ModelOutput):
+    loss: torch.Tensor = None
+    logits: torch.Tensor = None
+
+
+@dataclasses.dataclass
+class Plain:
+    hidden: torch.Tensor
+    steps: int
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.inner, self.kind = allgather.build(dim=32, depth=2, tokens=16)[0], kind
+
+    def forward(self, x):
+        logits = self.inner(x)
+        if self.kind == "model_output":
+            return CausalLMOutput(loss=logits.pow(2).mean(), logits=logits)
+        if self.kind == "dataclass":
+            return Plain(hidden=logits, steps=3)
+        if self.kind == "dict":
+            return {{"logits": logits, "count": torch.ones(2, dtype=torch.long)}}
+        return logits.argmax(-1)          # integers: nothing to differentiate
+
+
+def build(kind):
+    return Wrapped(kind), (torch.randn(16, 32),)
+'''
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("model_output", "backward from output['loss']"),
+    ("dataclass", "backward from the sum of output.hidden"),
+    ("dict", "backward from the sum of output['logits']"),
+])
+def test_structured_outputs_get_a_backward_and_say_from_what(tmp_path, capsys, kind, said):
+    path = tmp_path / "outputs.py"
+    path.write_text(_OUTPUTS.format(examples=os.path.join(REPO, "examples"))
+                    + f"\ndef build_{kind}():\n    return build({kind!r})\n")
+    code, out, err = run(capsys, "report", f"{path}:build_{kind}", *WORLD)
+    assert code == 0, err
+    assert said in err.splitlines()
+    assert "fw_0: 2 collectives" in out and "bw_0: 2 collectives" in out
+
+
+def test_no_backward_is_said_with_its_reason(tmp_path, capsys):
+    path = tmp_path / "outputs.py"
+    path.write_text(_OUTPUTS.format(examples=os.path.join(REPO, "examples"))
+                    + "\ndef build_ints():\n    return build('ints')\n")
+    code, out, err = run(capsys, "report", f"{path}:build_ints", *WORLD, "--graph", "bw")
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].endswith("produced no bw graph (no backward: no floating tensor of the output "
+                                         "requires grad (output: torch.int64))"), err
+    code, out, err = run(capsys, "report", f"{path}:build_ints", *WORLD, "--graph", "fw", "--quiet")
+    assert code == 0 and "fw_0: 2 collectives" in out
+
+
+def _target_file(tmp_path, text):
+    path = tmp_path / "target.py"
+    path.write_text(text)
+    return f"{path}:build"
+
+
+@pytest.mark.parametrize("case, make_argv, expected", [
+    ("syntax error", lambda t: ["report", _target_file(t, "import torch\ndef build(:\n    pass\n"), *WORLD],
+     "target.py:2: SyntaxError: invalid syntax"),
+    ("import error", lambda t: ["report", _target_file(t, "import os\nimport no_such_module_xyz\n"), *WORLD],
+     "target.py:2: ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    ("name not importable", lambda t: ["report", _target_file(t, "from os import no_such_name\n"), *WORLD],
+     "target.py:1: ImportError: cannot import name 'no_such_name'"),
+    ("count with a size suffix", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight", "2KiB"],
+     "--max-in-flight: expected an int >= 1 (a count, no KiB/MiB/GiB suffix) or 'none', got '2KiB'"),
+    ("negative count", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight", "-1"],
+     "expected an int >= 1 (a count, no KiB/MiB/GiB suffix) or 'none', got '-1'"),
+    ("misspelt bucket", lambda t: ["report", ALLGATHER, *WORLD, "--bucket", "modul"],
+     "--bucket: expected 'auto', 'module', 'none' or a byte size >= 1 (e.g. 65536, 64KiB, 16MiB, 1GiB), "
+     "got 'modul'; did you mean 'module'?"),
+    ("bad byte budget", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "12 MB"],
+     "--max-in-flight-bytes: expected 'auto', 'none' or a byte size >= 1"),
+    ("bad chunks", lambda t: ["report", ALLGATHER, *WORLD, "--chunks", "0"],
+     "--chunks: expected an int >= 1 (1 = off), got '0'"),
+])
+def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, make_argv, expected):
+    code, out, err = run(capsys, *make_argv(tmp_path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("overlapc report: error: ") and expected in err, err
+
+
+def test_bucket_option_typo_gets_did_you_mean():
+    with pytest.raises(ValueError, match=r"got 'modul'; did you mean 'module'\?"):
+        overlapc.OverlapConfig.from_options({"bucket": "modul"})
