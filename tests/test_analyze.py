@@ -1,0 +1,178 @@
+"""overlapc analyze: a profiled compiled step on 2 real gloo ranks, and a synthetic CUDA-format trace.
+
+The CUDA trace is built here from the Chrome trace format torch.profiler (Kineto)
+writes: CPU ops ("cpu_op"), their cudaLaunchKernel calls ("cuda_runtime", with
+args.correlation) and the kernels those launch ("kernel", same correlation, a
+stream each). There is no GPU on these machines: it is synthetic, with timings
+chosen so the exposed time is known.
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiproc import init_gloo, run_ranks
+from overlapc import analyze
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _profiled_rank(rank, world_size, port, folder):
+    """Train a sharded model under backend="overlapc" (dump_dir set); profile steps 2 and 3."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    import overlapc.fsdp
+
+    init_gloo(rank, world_size, port)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = overlapc.fsdp.shard(Model(), mesh)
+    compiled = torch.compile(model, backend="overlapc",
+                             options={"inner": "aot_eager", "dump_dir": os.path.join(folder, "dump")})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 6, 32), torch.randn(4, 6, 8)
+    path = os.path.join(folder, f"trace{rank}.json")
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
+                 on_trace_ready=lambda prof: prof.export_chrome_trace(path)) as prof:
+        for _ in range(3):
+            torch.nn.functional.mse_loss(compiled(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    return path
+
+
+def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
+    paths = run_ranks(_profiled_rank, 2, args=(str(tmp_path),), timeout=240)
+    dump = str(tmp_path / "dump")
+    sequences = []
+    for rank, path in enumerate(paths):
+        result = analyze.analyze(path, dump)
+        assert (result.format, result.rank, [s.step for s in result.steps]) == ("cpu", rank, [1, 2])
+        expected = {}
+        for graph in ("fw_0", "bw_0"):
+            with open(os.path.join(dump, f"rank{rank}", graph, "report.json")) as source:
+                expected[graph] = json.load(source)["collectives"]
+        for step in result.steps:
+            rows = [m for m in result.collectives if m.step == step.step]
+            # every dumped collective measured once per step, in issue order, with module and reason
+            assert [(m.graph, m.name, m.kind) for m in rows] == [
+                (g, r["name"], r["kind"]) for g in ("fw_0", "bw_0") for r in expected[g]]
+            assert step.graphs == ["fw_0", "bw_0"] and step.estimated_step_ms > 0
+            assert all(m.module and m.reason and m.duration_ms > 0 and m.issue_ms > 0 for m in rows)
+            assert 0 < step.exposed_ms < step.step_ms
+            assert sum(m.exposed_ms for m in rows) == pytest.approx(step.exposed_ms, rel=0.10)
+        sequences.append([(m.name, m.kind) for m in result.collectives])
+    assert sequences[0] == sequences[1]
+
+    assert analyze.run(_args(paths[0], dump, "json")) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["schema"] == analyze.SCHEMA and len(document["steps"]) == 2
+    assert analyze.run(_args(paths[0], dump, "text")) == 0
+    text = capsys.readouterr().out
+    assert "step 1:" in text and "exposed communication" in text and "fw_0" in text
+
+
+def _args(trace, dump=None, fmt="text", profile=None):
+    import argparse
+    parser = argparse.ArgumentParser()
+    analyze.add_arguments(parser)
+    return parser.parse_args([trace, *(["--dump", dump] if dump else []), "--format", fmt,
+                              *(["--profile", profile] if profile else [])])
+
+
+# -- a synthetic CUDA-format trace -----------------------------------------------------------------
+
+def _cuda_trace() -> dict:
+    """One step: an all-gather overlapping one matmul partly, then a reduce-scatter and an
+    all-reduce (another group) running at once, the all-reduce's tail under a matmul.
+    Exposed (us): all-gather 100; reduce-scatter 40 + 60/2 = 70; all-reduce 60/2 + 20 = 50."""
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}}]
+    cpu, correlation = [], [0]
+
+    def op(name, ts, dur, kernel=None):
+        cpu.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur})
+        if kernel is not None:
+            correlation[0] += 1
+            kname, begin, length, stream = kernel
+            cpu.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                        "ts": ts + 1, "dur": dur - 2, "args": {"correlation": correlation[0]}})
+            events.append({"ph": "X", "cat": "kernel", "name": kname, "pid": 0, "tid": stream, "ts": begin,
+                           "dur": length, "args": {"correlation": correlation[0], "stream": stream, "device": 0}})
+
+    cpu.append({"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "pid": 1, "tid": 1,
+                "ts": 0, "dur": 1000})
+    cpu.append({"ph": "X", "cat": "cpu_op", "name": "CompiledFunction", "pid": 1, "tid": 1, "ts": 10, "dur": 900})
+    op("_c10d_functional::all_gather_into_tensor", 20, 10, ("ncclDevKernel_AllGather_RING_LL", 40, 200, 20))
+    op("aten::mm", 30, 5, ("sm90_xmma_gemm_f32f32", 50, 100, 7))
+    op("_c10d_functional::wait_tensor", 45, 2)
+    op("aten::mm", 50, 5, ("sm90_xmma_gemm_f32f32", 250, 100, 7))
+    op("_c10d_functional::reduce_scatter_tensor", 60, 10, ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
+                                                            360, 100, 20))
+    op("_c10d_functional::all_reduce", 70, 10, ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 400, 100, 24))
+    op("aten::mm", 80, 5, ("sm90_xmma_gemm_f32f32", 480, 120, 7))
+    op("_c10d_functional::wait_tensor", 90, 2)
+    op("_c10d_functional::wait_tensor", 95, 2)
+    return {"traceEvents": events + cpu, "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 8}}
+
+
+def _cuda_dump(folder):
+    rows = [("all_gather_into_tensor", "all_gather", 1, 3), ("reduce_scatter_tensor", "reduce_scatter", 5, 9),
+            ("all_reduce", "all_reduce", 6, 8)]
+    graph = folder / "fw_0"
+    graph.mkdir(parents=True)
+    (graph / "report.json").write_text(json.dumps({
+        "schema": "overlapc.report/1", "summary": {"step_ms_after": 0.5, "exposed_ms_after": 0.2},
+        "collectives": [{"name": n, "kind": k, "group": "0" if k != "all_reduce" else "1", "nbytes": 1 << 20,
+                         "module": "layers.0", "issue_after": i, "wait_after": w, "comm_ms": 0.1, "exposed_ms": 0.05,
+                         "reason": "", "issue_reason": "inputs ready", "wait_reason": "before consumer"}
+                        for n, k, i, w in rows]}))
+
+
+def test_cuda_format_trace(tmp_path):
+    _cuda_dump(tmp_path / "dump")
+    result = analyze.analyze(_cuda_trace(), str(tmp_path / "dump"))
+    (step,) = result.steps
+    assert result.format == "cuda" and step.graphs == ["fw_0"]
+    got = {m.kind: (m.graph, m.order, m.duration_ms, m.exposed_ms, m.reason) for m in result.collectives}
+    assert got == {"all_gather": ("fw_0", 0, pytest.approx(0.2), pytest.approx(0.1),
+                                  "inputs ready; before consumer"),
+                   "reduce_scatter": ("fw_0", 1, pytest.approx(0.1), pytest.approx(0.07),
+                                      "inputs ready; before consumer"),
+                   "all_reduce": ("fw_0", 2, pytest.approx(0.1), pytest.approx(0.05),
+                                  "inputs ready; before consumer")}
+    assert step.exposed_ms == pytest.approx(0.22)
+    assert sum(m.exposed_ms for m in result.collectives) == pytest.approx(step.exposed_ms, rel=0.10)
+    assert (step.estimated_step_ms, step.estimated_exposed_ms) == (0.5, 0.2)
+
+
+def test_cuda_trace_without_dump_lists_ops_by_kind():
+    result = analyze.analyze(_cuda_trace())
+    assert [(m.graph, m.name, m.kind) for m in result.collectives] == [
+        ("", "_c10d_functional::all_gather_into_tensor", "all_gather"),
+        ("", "_c10d_functional::reduce_scatter_tensor", "reduce_scatter"),
+        ("", "_c10d_functional::all_reduce", "all_reduce")]
+    assert result.steps[0].estimated_step_ms is None
+
+
+def test_bad_input(tmp_path, capsys):
+    (tmp_path / "x.json").write_text("{")
+    (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": []}))
+    for name, message in (("x.json", "is not JSON"), ("empty.json", "no communication ops"),
+                          ("missing.json", "cannot read trace")):
+        assert analyze.run(_args(str(tmp_path / name))) == 2
+        assert message in capsys.readouterr().err
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_cuda_trace()))
+    assert analyze.run(_args(str(path), str(tmp_path / "nodump"))) == 2
+    assert "no dump folder" in capsys.readouterr().err
