@@ -11,7 +11,9 @@ The scheduler works in place, so callers record the order first::
 ``write_artifacts(record, folder)`` writes the four files per graph that
 ``overlapc dump`` and the backend's ``dump_dir`` produce.
 
-Both orders are simulated (``overlapc.simulate``). A *compute node* is a node
+Both orders are simulated (``overlapc.simulate``), once per graph: ``study``
+returns rows and summary together, and ``rows``/``summary`` reuse its latest
+result. A *compute node* is a node
 with estimated cost > 0 that is not a collective start, a wait, or a member of
 their bundles (a start's cheap input chain, a wait's views; see
 ``passes/structure.py``). Positions are indices into the node order; a row's
@@ -61,6 +63,14 @@ through its input chain; -1 when it reads nothing):
    (``compute_ms``) is shorter than the time from issue until it ends (its own
    ``comm_ms`` plus any time queued behind earlier collectives of its group).
 
+Recorded reasons. The scheduler records why it placed each start and wait in
+``node.meta["overlapc_reason"]`` (starts: "inputs ready", "count bound", "byte
+budget", "consumer order", "forced by consumer", "not moved"; waits: "before
+consumer", "before output", "before barrier", "early for room"). A row's
+``issue_reason`` and ``wait_reason`` (its first wait) carry them, "" for a node
+without one (a graph scheduled before reasons were recorded); the table's "why"
+column prints them, else the inferred reason of an exposed row (``Row.why``).
+
 ``to_json`` schema ("overlapc.report/1")::
 
     {"schema": "overlapc.report/1",
@@ -72,7 +82,8 @@ or null), module (qualified path or ""), issue_before, wait_before,
 issue_after, wait_after (positions; a wait position is the collective's first
 wait, null when it has none), moved (bool, see "Moved"), compute_nodes and
 compute_ms (between issue and first wait, after), comm_ms, exposed_ms_before,
-exposed_ms (after), verdict ("hidden" | "exposed"), reason ("" when hidden).
+exposed_ms (after), verdict ("hidden" | "exposed"), reason (inferred, "" when
+hidden), issue_reason and wait_reason (recorded, "" when none).
 
 Summary keys: collectives, moved, hidden_before, hidden_after,
 exposed_ms_before, exposed_ms_after, peak_in_flight_bytes_before,
@@ -90,9 +101,11 @@ profile_source (where its numbers came from).
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import json
 import os
+import weakref
 from typing import Callable
 
 import torch.fx as fx
@@ -106,6 +119,7 @@ from overlapc.simulate import HIDDEN_FRACTION, HIDDEN_MS, Timeline, checked_orde
 SCHEMA = "overlapc.report/1"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 REASONS = ("graph input/output", "data dependency", "in-flight limit", "no compute left")
+REASON_KEY = "overlapc_reason"   # node.meta key where the scheduler records why it placed a start or wait
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +144,39 @@ class Row:
     exposed_ms: float
     verdict: str
     reason: str
+    issue_reason: str
+    wait_reason: str
+
+    @property
+    def why(self) -> str:
+        """The scheduler's recorded reasons ("inputs ready; before consumer"), else the
+        inferred reason of an exposed row, else ""."""
+        recorded = "; ".join(r for r in (self.issue_reason, self.wait_reason) if r)
+        return recorded or self.reason
 
 
-def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms):
-    """Simulate both orders and build every row and the summary."""
+_last: list = []   # [(key, rows, summary)] of the latest study: rows() then summary() simulate once
+
+
+def study(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | str | None = None, *,
+          compute_ms: Callable[[fx.Node], float] | None = None,
+          comm_ms: Callable[[Collective], float] | None = None) -> tuple[list[Row], dict]:
+    """``(rows, summary)`` of one graph: each order (before, after) simulated once. The
+    latest result is kept, so ``rows`` and ``summary`` called one after the other on the
+    same graph, orders, profile and costs share it. Arguments as in ``rows``."""
     profile = costmodel.resolve(profile)
+    key = (id(gm_after), tuple(before_order), tuple(n.name for n in gm_after.graph.nodes), profile,
+           compute_ms, comm_ms)
+    if _last and _last[0][0] == key and _last[0][1]() is gm_after:
+        _, _, rows_, summary_ = _last[0]
+    else:
+        rows_, summary_ = _study(gm_after, before_order, profile, compute_ms, comm_ms)
+        _last[:] = [(key, weakref.ref(gm_after), rows_, summary_)]
+    return list(rows_), copy.deepcopy(summary_)
+
+
+def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, compute_ms, comm_ms):
+    """Simulate both orders and build every row and the summary."""
     if compute_ms is None:   # estimate each node once for both orders
         memo: dict[fx.Node, float] = {}
 
@@ -189,6 +231,8 @@ def _study(gm_after: fx.GraphModule, before_order, profile, compute_ms, comm_ms)
             exposed_ms_before=exposed_before[c.start.name],
             exposed_ms=exposed_after[c.start.name],
             verdict=verdict, reason=reason,
+            issue_reason=str(c.start.meta.get(REASON_KEY, "")),
+            wait_reason=str(c.waits[0].meta.get(REASON_KEY, "")) if c.waits else "",
         ))
     summary = _summary(rows, timeline_before, timeline_after, profile)
     summary["peak_bytes_before"] = timeline_before.peak_bytes
@@ -304,7 +348,7 @@ def rows(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.P
     (node names in the order before scheduling). ``profile``: a Profile, or anything
     ``costmodel.resolve`` takes (None = h100:nvlink, a "device:link" name, a profile file).
     Cost overrides as in ``simulate``."""
-    return _study(gm_after, before_order, profile, compute_ms, comm_ms)[0]
+    return study(gm_after, before_order, profile, compute_ms=compute_ms, comm_ms=comm_ms)[0]
 
 
 def summary(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | str | None = None,
@@ -312,7 +356,7 @@ def summary(gm_after: fx.GraphModule, before_order: list[str], profile: costmode
             comm_ms: Callable[[Collective], float] | None = None) -> dict:
     """Per-graph numbers before -> after (keys in the module docstring); plain JSON types.
     ``profile`` as in ``rows``."""
-    return _study(gm_after, before_order, profile, compute_ms, comm_ms)[1]
+    return study(gm_after, before_order, profile, compute_ms=compute_ms, comm_ms=comm_ms)[1]
 
 
 def summary_line(summary: dict) -> str:
@@ -409,7 +453,7 @@ def format_text(rows: list[Row], summary: dict) -> str:
 def format_table(rows: list[Row]) -> str:
     """One fixed-width line per collective under a header line. Deterministic."""
     header = ("collective", "kind", "group", "bytes", "dtype", "issue", "wait", "compute",
-              "comm_ms", "exposed_ms", "verdict", "module")
+              "comm_ms", "exposed_ms", "verdict", "why", "module")
     table = [header]
     for r in rows:
         table.append((
@@ -417,7 +461,7 @@ def format_table(rows: list[Row]) -> str:
             f"{r.issue_before}->{r.issue_after}", f"{_pos(r.wait_before)}->{_pos(r.wait_after)}",
             f"{r.compute_nodes}/{r.compute_ms:.3f}ms", f"{r.comm_ms:.3f}",
             f"{r.exposed_ms_before:.3f}->{r.exposed_ms:.3f}",
-            r.verdict + (f" ({r.reason})" if r.reason else ""), r.module or "-",
+            r.verdict, r.why or "-", r.module or "-",
         ))
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     return "".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n"
@@ -446,7 +490,7 @@ def write_artifacts(record, folder: str, profile: costmodel.Profile | str | None
     before.txt and after.txt (its readable code before and after scheduling), report.txt
     (``format_graph`` and a last line naming the profile's source) and report.json
     (``to_json``). ``profile`` as in ``rows``. Same record and profile -> same bytes."""
-    rows_, summary_ = _study(record.gm, record.before_order, profile, None, None)
+    rows_, summary_ = study(record.gm, record.before_order, profile)
     os.makedirs(folder, exist_ok=True)
     files = {
         "before.txt": record.before_code,

@@ -203,7 +203,7 @@ def test_text_and_json(fake_pg):
     assert lines[2] == report.memory_text(s)
     assert lines[3] == "peak in flight per group: all_gather 1 -> 1 (288B -> 288B)"
     assert lines[4].split()[:3] == ["collective", "kind", "group"]
-    assert "exposed (in-flight limit)" in lines[6] and "layers.1" in lines[6]
+    assert "exposed  in-flight limit" in lines[6] and "layers.1" in lines[6]
     doc = report.to_json(rows, s)
     assert json.loads(json.dumps(doc)) == doc
     assert doc["schema"] == report.SCHEMA and doc["summary"] == s
@@ -268,3 +268,33 @@ def test_module_paths_on_a_simplefsdp_capture(fake_pg):
         assert {r.kind for r in rows} == {kind}
         by_issue = sorted(rows, key=lambda r: r.issue_before)
         assert [r.module for r in by_issue] == expected, record.name
+
+
+def test_recorded_reasons_replace_the_inferred_ones(fake_pg):
+    gm, before = scheduled(three_layers, (8, 8), (1, 8), (1, 8), (1, 8), max_in_flight=1)
+    for node in gm.graph.nodes:   # what the scheduler records (passes/scheduler.py)
+        node.meta.pop(report.REASON_KEY, None)
+    start = next(n for n in gm.graph.nodes if n.name == "all_gather_into_tensor_1")
+    start.meta[report.REASON_KEY] = "count bound"
+    next(iter(start.users)).meta[report.REASON_KEY] = "before consumer"
+    rows = report.rows(gm, before, **LAYER_COSTS)
+    assert [(r.issue_reason, r.wait_reason, r.why) for r in rows] == [
+        ("", "", ""), ("count bound", "before consumer", "count bound; before consumer"),
+        ("", "", "in-flight limit")]   # no record: the inferred reason of an exposed row
+    table = report.format_table(rows).splitlines()
+    assert table[0].split()[10:12] == ["verdict", "why"]
+    assert "exposed  count bound; before consumer" in table[2] and "exposed  in-flight limit" in table[3]
+
+
+def test_rows_and_summary_simulate_each_order_once(fake_pg, monkeypatch):
+    gm, before = scheduled(three_layers, (8, 8), (1, 8), (1, 8), (1, 8), max_in_flight=1)
+    calls = []
+    real = report.simulate
+    monkeypatch.setattr(report, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rows = report.rows(gm, before, **LAYER_COSTS)
+    s = report.summary(gm, before, **LAYER_COSTS)
+    assert len(calls) == 2 and (rows, s) == report.study(gm, before, **LAYER_COSTS) and len(calls) == 2
+    s["collectives"] = -1   # callers get their own copy
+    assert report.summary(gm, before, **LAYER_COSTS)["collectives"] == 3
+    report.rows(gm, before, **costs({"mm": 1}))
+    assert len(calls) == 4   # other costs: simulated again
