@@ -23,8 +23,10 @@ Profile says where its numbers came from (``Profile.source``).
 Profile file ("overlapc.profile/1")::
 
     {"schema": "overlapc.profile/1",
-     "device": {"name": str, "tflops": float > 0, "mem_gbps": float > 0},
-     "link": {"name": str, "gbps": float > 0, "latency_us": float >= 0},
+     "device": {"name": str, "tflops": float > 0, "mem_gbps": float > 0,
+                "kernel_us": float >= 0},              # optional (0): fixed cost per op
+     "link": {"name": str, "gbps": float > 0, "latency_us": float >= 0,
+              "issue_us": float >= 0},                 # optional (0): compute-stream time per collective
      "collectives": {<kind>: {"gbps": float > 0, "latency_us": float >= 0,
                               "samples": [{"bytes": int, "ms": float, "fit_ms": float}, ...]}, ...},
      "measured": {...}}   # how it was measured (free form; see overlapc.calibrate)
@@ -69,11 +71,15 @@ from overlapc.collectives import Collective, collective_op, is_alias, is_wait
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
-    """An accelerator: achieved dense FLOP rate (TFLOP/s) and memory bandwidth (GB/s)."""
+    """An accelerator: achieved dense FLOP rate (TFLOP/s), memory bandwidth (GB/s), and
+    ``kernel_us``, the fixed cost of running one op (dispatch, launch), added to every
+    compute node that moves bytes or does FLOPs (0 for the built-in GPUs: their launches
+    overlap the running kernels)."""
 
     name: str
     tflops: float
     mem_gbps: float
+    kernel_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +87,15 @@ class LinkProfile:
     """A collective link: achieved bus bandwidth per GPU (GB/s) and per-collective latency (us).
 
     ``per_kind``: ((kind, gbps, latency_us), ...) measured per collective kind
-    (sorted by kind); kinds not listed use ``gbps`` and ``latency_us``."""
+    (sorted by kind); kinds not listed use ``gbps`` and ``latency_us``. ``issue_us``: the
+    time the compute stream spends issuing one collective (on a CPU the caller's thread
+    enqueues the work; 0 for the built-in GPU links, where a launch costs the GPU nothing)."""
 
     name: str
     gbps: float
     latency_us: float
     per_kind: tuple[tuple[str, float, float], ...] = ()
+    issue_us: float = 0.0
 
     def for_kind(self, kind: str) -> tuple[float, float]:
         """(gbps, latency_us) for collectives of ``kind``."""
@@ -101,12 +110,25 @@ class Profile:
     """What the simulator needs: one device and the link its collectives use.
 
     ``name``: "h100:nvlink" for built-ins, the file's path for a calibrated
-    profile; ``source``: where the numbers came from, for people (report headers)."""
+    profile; ``source``: where the numbers came from, for people (report headers).
+    ``links``: ((key, LinkProfile), ...), the link of the process groups a key names (a
+    mesh dim name, e.g. "dp_shard", or a group name); other groups use ``link``."""
 
     device: DeviceProfile
     link: LinkProfile
     name: str = ""
     source: str = ""
+    links: tuple[tuple[str, LinkProfile], ...] = ()
+
+    def link_for(self, group: str) -> LinkProfile:
+        """The link of process group ``group`` (its name): by group name, then by its mesh
+        dim name (``group_label``), else the default ``link``."""
+        if self.links:
+            keys = dict(self.links)
+            for key in (str(group), group_label(group)):
+                if key in keys:
+                    return keys[key]
+        return self.link
 
 
 DEVICES = {
@@ -132,8 +154,10 @@ def profile(device: str = "h100", link: str | None = None, tflops: float | None 
     path given as ``device``, with any number given explicitly replacing the
     profile's own (``link_gbps``/``latency_us`` then apply to every kind).
 
-    ``link`` defaults to "nvlink" for a built-in device. Unknown names raise
-    ValueError listing the valid ones; overrides must be positive (latency may be 0).
+    ``link`` defaults to "nvlink" for a built-in device; it may name a link per mesh dim
+    or process group, "shard=nvlink,replicate=ib" (a bare name among them sets the
+    default link, else nvlink). Unknown names raise ValueError listing the valid ones;
+    overrides must be positive (latency may be 0) and apply to every link.
     """
     for name, value in (("tflops", tflops), ("mem_gbps", mem_gbps), ("link_gbps", link_gbps)):
         if value is not None and not value > 0:
@@ -149,9 +173,9 @@ def profile(device: str = "h100", link: str | None = None, tflops: float | None 
             raise ValueError(f"unknown device {device!r}; valid: {', '.join(DEVICES)} "
                              f"(or a 'device:link' name, or a profile file written by overlapc calibrate)")
         link = "nvlink" if link is None else link
-        if link not in LINKS:
-            raise ValueError(f"unknown link {link!r}; valid: {', '.join(LINKS)}")
-        base = Profile(DEVICES[device], LINKS[link], f"{device}:{link}", f"built-in {device}:{link}")
+        default, links = _link_spec(link)
+        base = Profile(DEVICES[device], LINKS[default], f"{device}:{link}", f"built-in {device}:{link}",
+                       links)
     overrides = [f"{k}={v:g}" for k, v in (("tflops", tflops), ("mem_gbps", mem_gbps),
                                              ("link_gbps", link_gbps), ("latency_us", latency_us))
                  if v is not None]
@@ -159,13 +183,41 @@ def profile(device: str = "h100", link: str | None = None, tflops: float | None 
         return base
     dev = dataclasses.replace(base.device, **{k: v for k, v in (("tflops", tflops), ("mem_gbps", mem_gbps))
                                               if v is not None})
-    lnk = dataclasses.replace(base.link, **{k: v for k, v in (("gbps", link_gbps), ("latency_us", latency_us))
-                                            if v is not None})
-    if link_gbps is not None or latency_us is not None:
-        lnk = dataclasses.replace(lnk, per_kind=tuple(
+
+    def override(lnk: LinkProfile) -> LinkProfile:
+        lnk = dataclasses.replace(lnk, **{k: v for k, v in (("gbps", link_gbps), ("latency_us", latency_us))
+                                          if v is not None})
+        return dataclasses.replace(lnk, per_kind=tuple(
             (kind, gbps if link_gbps is None else link_gbps, lat if latency_us is None else latency_us)
             for kind, gbps, lat in lnk.per_kind))
-    return Profile(dev, lnk, base.name, f"{base.source}, with {', '.join(overrides)}")
+    return Profile(dev, override(base.link), base.name, f"{base.source}, with {', '.join(overrides)}",
+                   tuple((key, override(lnk)) for key, lnk in base.links))
+
+
+def _link_spec(spec: str) -> tuple[str, tuple[tuple[str, LinkProfile], ...]]:
+    """"ib" -> ("ib", ()); "shard=nvlink,replicate=ib" -> ("nvlink", (("replicate", ib), ("shard", nvlink)))."""
+    default, links = None, {}
+    for entry in str(spec).split(","):
+        key, sep, name = (part.strip() for part in entry.partition("="))
+        name = name if sep else key
+        if name not in LINKS or (sep and not key):
+            raise ValueError(f"unknown link {entry.strip()!r} in {spec!r}; valid: {', '.join(LINKS)}, "
+                             f"or per mesh dim / group: 'shard=nvlink,replicate=ib'")
+        if sep:
+            links[key] = LINKS[name]
+        elif default is not None:
+            raise ValueError(f"{spec!r} names two default links ({default}, {name})")
+        else:
+            default = name
+    return default or "nvlink", tuple(sorted(links.items()))
+
+
+def _is_link_spec(spec: str) -> bool:
+    try:
+        _link_spec(spec)
+        return True
+    except ValueError:
+        return False
 
 
 def _looks_like_file(spec) -> bool:
@@ -186,7 +238,7 @@ def resolve(spec: "str | os.PathLike | Profile | None" = None) -> Profile:
     if not isinstance(text, str):
         raise ValueError(f"a profile is a 'device:link' name or a file path, got {spec!r}")
     device, sep, link = text.partition(":")
-    if sep and device in DEVICES and link in LINKS and not os.path.exists(text):
+    if sep and device in DEVICES and _is_link_spec(link) and not os.path.exists(text):
         return profile(device, link)
     if os.path.isfile(text):
         return load_profile(text)
@@ -216,13 +268,15 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
     try:
         dev, lnk = document["device"], document["link"]
         device = DeviceProfile(str(dev["name"]), _number(f"{where}: device.tflops", dev["tflops"], 0, True),
-                               _number(f"{where}: device.mem_gbps", dev["mem_gbps"], 0, True))
+                               _number(f"{where}: device.mem_gbps", dev["mem_gbps"], 0, True),
+                               _number(f"{where}: device.kernel_us", dev.get("kernel_us", 0.0), 0, False))
         per_kind = []
         for kind, numbers in sorted((document.get("collectives") or {}).items()):
             per_kind.append((str(kind), _number(f"{where}: collectives.{kind}.gbps", numbers["gbps"], 0, True),
                              _number(f"{where}: collectives.{kind}.latency_us", numbers["latency_us"], 0, False)))
         link = LinkProfile(str(lnk["name"]), _number(f"{where}: link.gbps", lnk["gbps"], 0, True),
-                           _number(f"{where}: link.latency_us", lnk["latency_us"], 0, False), tuple(per_kind))
+                           _number(f"{where}: link.latency_us", lnk["latency_us"], 0, False), tuple(per_kind),
+                           _number(f"{where}: link.issue_us", lnk.get("issue_us", 0.0), 0, False))
     except (KeyError, TypeError) as error:
         raise ValueError(f"{where}: missing or malformed field {error} (schema {PROFILE_SCHEMA})") from None
     return Profile(device, link, name, source)
@@ -415,12 +469,28 @@ def node_cost(node: fx.Node) -> tuple[int, int]:
 
 
 def compute_ms(node: fx.Node, device: DeviceProfile) -> float:
-    """Roofline estimate of one node on ``device``, in ms: max(FLOPs/rate, bytes/bandwidth)."""
+    """Estimate of one node on ``device``, in ms: the roofline max(FLOPs/rate, bytes/bandwidth)
+    plus the device's fixed cost per op (``kernel_us``) when the node does any work."""
     flops, moved = node_cost(node)
-    return max(flops / (device.tflops * 1e12), moved / (device.mem_gbps * 1e9)) * 1e3
+    if not (flops or moved):
+        return 0.0
+    return max(flops / (device.tflops * 1e12), moved / (device.mem_gbps * 1e9)) * 1e3 + device.kernel_us * 1e-3
 
 
 # -- communication -------------------------------------------------------------------------------
+
+def group_label(group: str) -> str:
+    """The mesh dim name of process group ``group`` ("dp_shard") where a DeviceMesh created
+    it with named dims (c10d's group description "mesh_<name>"), else ``group`` itself."""
+    group = str(group)
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        desc = str(getattr(_resolve_process_group(group), "group_desc", "") or "")
+    except Exception:   # no process group of that name (a dump read elsewhere, a test graph)
+        return group
+    if desc.startswith("mesh_") and desc != "mesh_default" and not desc.startswith("mesh_dim_"):
+        return desc[len("mesh_"):]
+    return group
 
 # Ring algorithm: each rank sends (n-1)/n of the full buffer once per phase.
 _RING_PHASES = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}

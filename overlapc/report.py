@@ -77,7 +77,8 @@ column prints them, else the inferred reason of an exposed row (``Row.why``).
      "summary": {<the keys of summary(), below>},
      "collectives": [{<the fields of Row, below>}, ...]}   # in issue order after
 
-Row fields: name (start node), kind, group, nbytes (int or null), dtype (str
+Row fields: name (start node), kind, group (the mesh dim name where a DeviceMesh
+names the process group, ``costmodel.group_label``, else its name), nbytes (int or null), dtype (str
 or null), module (qualified path or ""), issue_before, wait_before,
 issue_after, wait_after (positions; a wait position is the collective's first
 wait, null when it has none), moved (bool, see "Moved"), compute_nodes and
@@ -219,7 +220,7 @@ def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, c
         if not _hidden(exposed_after[c.start.name], timed_after.duration_ms):
             verdict, reason = "exposed", _reason(c, info, count_after, gather_waits)
         rows.append(Row(
-            name=c.start.name, kind=c.kind, group=c.group, nbytes=c.nbytes,
+            name=c.start.name, kind=c.kind, group=costmodel.group_label(c.group), nbytes=c.nbytes,
             dtype=None if c.dtype is None else str(c.dtype).replace("torch.", ""),
             module=module_path(c.start),
             issue_before=issue_b, wait_before=waits_before[0] if waits_before else None,

@@ -6,9 +6,11 @@ Nodes are walked in program order:
 * a compute node runs on the compute stream from the stream's current time for
   its estimated cost (the stream executes in order, so its inputs are ready:
   any collective result it reads was waited before it);
-* a collective start is issued at the compute stream's current time (issuing
-  costs nothing) and runs on its group's stream once the previous collective
-  of that group has finished (issue order within a group);
+* a collective start is issued at the compute stream's current time; issuing
+  keeps the compute stream busy for the link's ``issue_us`` (0 on the built-in
+  links; a calibrated CPU profile measures it: gloo enqueues on the caller's
+  thread), and the collective runs on its group's stream from then, once the
+  previous collective of that group has finished (issue order within a group);
 * a wait blocks the compute stream until its collective ends; the time the
   stream stalls is that collective's *exposed* time.
 
@@ -19,7 +21,8 @@ not yet fully waited hold (an all-gather's output and input, another
 collective's input). Peak memory is the memory tracker's
 (``overlapc.passes.memory``) liveness peak along the order.
 
-Costs come from ``overlapc.costmodel`` for the given Profile, or from the
+Costs come from ``overlapc.costmodel`` for the given Profile (each group's link
+is ``Profile.link_for(group)``), or from the
 ``compute_ms(node)`` / ``comm_ms(collective)`` callables when given (tests and
 what-if studies set exact costs this way). Deterministic; O(nodes + edges)
 once costs are known.
@@ -127,7 +130,7 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
     if compute_ms is None:
         compute_ms = lambda node: costmodel.compute_ms(node, profile.device)  # noqa: E731
     if comm_ms is None:
-        comm_ms = lambda c: costmodel.collective_ms(c, profile.link)  # noqa: E731
+        comm_ms = lambda c: costmodel.collective_ms(c, profile.link_for(c.group))  # noqa: E731
     order = checked_order(gm, order)
     found = collectives(gm)
     of_start = {c.start: c for c in found}
@@ -142,10 +145,12 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
     for node in order:
         c = of_start.get(node)
         if c is not None:
+            issue = now
+            now += profile.link_for(c.group).issue_us * 1e-3
             begin = max(now, group_free.get(c.group, 0.0))
             end = begin + comm_ms(c)
             group_free[c.group] = end
-            issued[node] = [now, begin, end, 0.0]
+            issued[node] = [issue, begin, end, 0.0]
             if c.waits:
                 flight.open(c)
             continue

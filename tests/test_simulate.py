@@ -1,4 +1,6 @@
 """Cost model and simulator, against timelines worked out by hand."""
+import dataclasses
+import json
 import operator
 
 import pytest
@@ -200,3 +202,67 @@ def test_profile_names_and_overrides():
         costmodel.profile(link="pcie")
     with pytest.raises(ValueError):
         costmodel.profile(tflops=0)
+
+
+def test_link_per_mesh_dim_and_group_labels(fake_pg):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    shard, replicate = mesh.get_group("shard").group_name, mesh.get_group("replicate").group_name
+    assert (costmodel.group_label(shard), costmodel.group_label(replicate)) == ("shard", "replicate")
+    assert costmodel.group_label(dist.group.WORLD.group_name) == dist.group.WORLD.group_name   # no mesh name
+    assert costmodel.group_label("no such group") == "no such group"
+    p = costmodel.profile("h100", "shard=nvlink,replicate=ib")
+    assert (p.link_for(shard), p.link_for(replicate), p.link_for("0")) == (
+        costmodel.LINKS["nvlink"], costmodel.LINKS["ib"], costmodel.LINKS["nvlink"])
+    assert costmodel.resolve("h100:ethernet,replicate=ib").link_for(shard) == costmodel.LINKS["ethernet"]
+    assert costmodel.profile("h100", "replicate=ib", link_gbps=5).link_for(replicate).gbps == 5
+
+    def two_dims(a, w):
+        g = F.all_gather_into_tensor(w, 4, shard)
+        r = F.all_reduce(torch.mm(a, a), "sum", replicate)
+        return torch.mm(F.wait_tensor(r), F.wait_tensor(g))
+
+    gm = trace(two_dims, (8, 8), (2, 8))
+    times = simulate(gm, p).collectives
+    found = {t.collective.kind: t.collective for t in times.values()}
+    assert times["all_gather_into_tensor"].duration_ms == pytest.approx(
+        costmodel.collective_ms(found["all_gather"], costmodel.LINKS["nvlink"]))
+    assert times["all_reduce"].duration_ms == pytest.approx(
+        costmodel.collective_ms(found["all_reduce"], costmodel.LINKS["ib"]))
+    from overlapc import report
+    names = [n.name for n in gm.graph.nodes]
+    assert sorted(r.group for r in report.rows(gm, names, p)) == ["replicate", "shard"]
+    with pytest.raises(ValueError, match="per mesh dim"):
+        costmodel.profile("h100", "shard=pcie")
+
+
+def test_fixed_costs_per_op_and_per_issue(fake_pg):
+    gm = trace(gather_between_compute, (8, 8), (1, 8))
+    device = costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0, kernel_us=50.0)
+    link = costmodel.LinkProfile("l", gbps=1.0, latency_us=0.0, issue_us=300.0)
+    mm = next(n for n in gm.graph.nodes if n.name == "mm")
+    view = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    flops, moved = costmodel.node_cost(mm)
+    assert costmodel.compute_ms(mm, device) == pytest.approx(max(flops / 1e12, moved / 1e9) * 1e3 + 0.05)
+    assert costmodel.compute_ms(view, device) == 0.0   # no work, no fixed cost
+    base = simulate(gm, costmodel.Profile(device, dataclasses.replace(link, issue_us=0.0)))
+    issued = simulate(gm, costmodel.Profile(device, link))
+    assert issued.step_ms == pytest.approx(base.step_ms + 0.3)   # the issue holds the compute stream
+    t = issued.collectives["all_gather_into_tensor"]
+    assert t.start_ms == pytest.approx(t.issue_ms + 0.3)
+
+
+def test_old_profile_files_load_without_fixed_costs(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": costmodel.PROFILE_SCHEMA,
+                                "device": {"name": "cpu", "tflops": 0.1, "mem_gbps": 10.0},
+                                "link": {"name": "gloo", "gbps": 1.0, "latency_us": 100.0}, "collectives": {}}))
+    p = costmodel.load_profile(path)
+    assert (p.device.kernel_us, p.link.issue_us) == (0.0, 0.0)
+    doc = json.loads(path.read_text())
+    doc["device"]["kernel_us"] = -1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="device.kernel_us"):
+        costmodel.load_profile(path)
