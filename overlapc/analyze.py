@@ -26,10 +26,12 @@ spanning the compute thread's events. Two formats:
 Matching to overlapc's rows (``dump=``, the backend's ``dump_dir`` or
 ``overlapc dump``'s folder): every ``CompiledFunction`` (forward) and
 ``CompiledFunctionBackward`` span on the compute thread is matched to the
-first dumped graph of that direction whose sequence of collective starts (by
-kind) and waits, in ``report.json`` issue/wait positions, equals the span's;
-its collectives then get graph, issue order, name, group, bytes, module, the
-scheduler's reasons and the estimates. Anything else (eager collectives, a
+first dumped graph of that direction whose collective starts (kinds, in
+``report.json`` issue order) equal the span's and which has as many waits;
+the k-th start is the k-th row, the k-th wait the row whose (first) wait comes
+k-th (Inductor keeps collectives and waits in order, though it may move a
+wait across a start); its collectives then get graph, issue order, name,
+group, bytes, module, the scheduler's reasons and the estimates. Anything else (eager collectives, a
 span that matches no graph) is listed with graph "" and its op's kind; its
 waits are given to its open starts oldest first. A graph is found under
 ``DIR/rank<R>/<graph>/report.json`` (R = the trace's rank) or
@@ -87,9 +89,22 @@ class Measured:
 
 
 @dataclasses.dataclass(frozen=True)
+class GraphRun:
+    """One run of a dumped graph in a step: its measured span (the ``CompiledFunction`` or
+    ``CompiledFunctionBackward`` event) and exposed communication (its collectives'), beside
+    the dump's estimates (``step_ms_after``, ``exposed_ms_after``)."""
+
+    graph: str
+    measured_ms: float
+    exposed_ms: float
+    estimated_ms: float
+    estimated_exposed_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Step:
     """One profiler step: its span, measured exposed communication and issue time, and the
-    estimates of the graphs it ran (None when no graph matched)."""
+    graphs it ran; the estimates are their sums (None when no graph matched)."""
 
     step: int
     step_ms: float
@@ -98,7 +113,7 @@ class Step:
     collectives: int
     estimated_step_ms: float | None
     estimated_exposed_ms: float | None
-    graphs: list[str]
+    graphs: list[GraphRun]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +207,8 @@ class _Graph:
     name: str
     rows: list[dict]            # report.json rows in issue order
     summary: dict
-    sequence: list[tuple]       # ("start", kind, row index) / ("wait", row index) in program order
+    kinds: list[str]            # the rows' kinds (starts in issue order)
+    waits: list[int]            # row index of each wait, in wait order
 
 
 def load_dump(folder: str, rank: int | None) -> list[_Graph]:
@@ -210,13 +226,10 @@ def load_dump(folder: str, rank: int | None) -> list[_Graph]:
             continue
         with open(path, encoding="utf-8") as source:
             document = json.load(source)
-        rows = document.get("collectives", [])
-        events = []
-        for index, row in enumerate(rows):
-            events.append((row["issue_after"], 0, ("start", row["kind"], index)))
-            if row.get("wait_after") is not None:
-                events.append((row["wait_after"], 1, ("wait", index)))
-        graphs.append(_Graph(name, rows, document.get("summary", {}), [e for _, _, e in sorted(events)]))
+        rows = sorted(document.get("collectives", []), key=lambda r: r["issue_after"])
+        waits = sorted((r["wait_after"], index) for index, r in enumerate(rows) if r.get("wait_after") is not None)
+        graphs.append(_Graph(name, rows, document.get("summary", {}), [r["kind"] for r in rows],
+                             [index for _, index in waits]))
     if not graphs:
         raise ValueError(f"{folder}: no <graph>/report.json found (write it with dump_dir= or overlapc dump)")
     return graphs
@@ -237,29 +250,32 @@ class _Collective:
     row: dict | None = None
     graph: _Graph | None = None
     order: int | None = None
+    run: int | None = None      # index of the graph run (matched region) it belongs to
 
 
-def _match(step: int, ops: list[_Op], regions: list[tuple], graphs: list[_Graph]) -> list[_Collective]:
-    """The collectives of one step's ops: matched per compiled region to a dumped graph,
-    the rest paired start -> wait oldest first."""
+def _match(step: int, ops: list[_Op], regions: list[tuple], graphs: list[_Graph], runs: list[tuple]
+           ) -> list[_Collective]:
+    """The collectives of one step's ops: matched per compiled region to a dumped graph
+    (each match appended to ``runs`` as (graph, begin, end)), the rest paired start -> wait
+    oldest first."""
     found: list[_Collective] = []
     taken: set[int] = set()
     for begin, end, direction in regions:
         inside = [i for i, op in enumerate(ops) if begin <= op.begin and op.end <= end and i not in taken]
-        signature = [("wait",) if ops[i].kind is None else ("start", ops[i].kind) for i in inside]
+        starts = [i for i in inside if ops[i].kind is not None]
+        waits = [i for i in inside if ops[i].kind is None]
         for graph in graphs:
-            if graph.name.startswith(direction + "_") and \
-                    [e[:1] if e[0] == "wait" else e[:2] for e in graph.sequence] == signature:
+            if graph.name.startswith(direction + "_") and graph.kinds == [ops[i].kind for i in starts] \
+                    and len(graph.waits) == len(waits):
                 break
         else:
             continue
-        of_row: dict[int, _Collective] = {}
-        for i, event in zip(inside, graph.sequence):
-            if event[0] == "start":
-                of_row[event[2]] = _Collective(step, ops[i], [], graph.rows[event[2]], graph, event[2])
-                found.append(of_row[event[2]])
-            else:
-                of_row[event[1]].waits.append(ops[i])
+        runs.append((graph, begin, end))
+        mine = [_Collective(step, ops[i], [], graph.rows[row], graph, row, len(runs) - 1)
+                for row, i in enumerate(starts)]
+        for row, i in zip(graph.waits, waits):
+            mine[row].waits.append(ops[i])
+        found += mine
         taken.update(inside)
     open_: list[_Collective] = []
     for i, op in enumerate(ops):
@@ -382,9 +398,10 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
     graphs = load_dump(dump, rank) if dump else []
 
     found: list[_Collective] = []
+    runs: list[tuple] = []
     for number, begin, end in steps:
         found += _match(number, [op for op in ops if begin <= op.begin < end],
-                        [r for r in regions if begin <= r[0] < end], graphs)
+                        [r for r in regions if begin <= r[0] < end], graphs, runs)
     step_exposed: dict[int, float] = {}
     if cuda:
         comm, compute = _cuda_kernels(spans, found)
@@ -416,19 +433,22 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             issue_ms=(c.start.end - c.start.begin) / 1e3 if c.start else 0.0, duration_ms=duration,
             exposed_ms=stalled, estimated_ms=estimate(row) if row else None,
             estimated_exposed_ms=row.get("exposed_ms") if row else None))
+    run_exposed = [0.0] * len(runs)
+    for c, stalled in zip(found, exposed):
+        if c.run is not None:
+            run_exposed[c.run] += stalled
     result = []
     for number, begin, end in steps:
-        ran = []
-        for c in found:
-            if c.step == number and c.graph is not None and c.order == 0:
-                ran.append(c.graph)
+        ran = [GraphRun(graph.name, (stop - start) / 1e3, run_exposed[index],
+                        graph.summary.get("step_ms_after", 0.0), graph.summary.get("exposed_ms_after", 0.0))
+               for index, (graph, start, stop) in enumerate(runs) if begin <= start < end]
         rows = [m for m in measured if m.step == number]
         result.append(Step(
             step=number, step_ms=(end - begin) / 1e3, exposed_ms=step_exposed[number],
             issue_ms=sum(m.issue_ms for m in rows), collectives=len(rows),
-            estimated_step_ms=sum(g.summary.get("step_ms_after", 0.0) for g in ran) if ran else None,
-            estimated_exposed_ms=sum(g.summary.get("exposed_ms_after", 0.0) for g in ran) if ran else None,
-            graphs=[g.name for g in ran]))
+            estimated_step_ms=sum(r.estimated_ms for r in ran) if ran else None,
+            estimated_exposed_ms=sum(r.estimated_exposed_ms for r in ran) if ran else None,
+            graphs=ran))
     return Analysis(path, "cuda" if cuda else "cpu", rank, dump, result, measured)
 
 
@@ -473,12 +493,11 @@ def format_text(analysis: Analysis) -> str:
               "comm_ms", "est_ms", "exposed_ms", "est_exposed", "why")
     for step in analysis.steps:
         lines.append("")
-        lines.append(f"step {step.step}: {step.step_ms:.3f} ms measured"
-                     + (f" (graphs {', '.join(step.graphs)}: estimated {step.estimated_step_ms:.3f} ms)"
-                        if step.graphs else "")
-                     + f"; exposed communication {step.exposed_ms:.3f} ms measured"
-                     + (f", {step.estimated_exposed_ms:.3f} ms estimated" if step.graphs else "")
-                     + f"; issuing {step.issue_ms:.3f} ms; {step.collectives} collectives")
+        lines.append(f"step {step.step}: {step.step_ms:.3f} ms; exposed communication {step.exposed_ms:.3f} ms; "
+                     f"issuing collectives {step.issue_ms:.3f} ms; {step.collectives} collectives (measured)")
+        for run in step.graphs:
+            lines.append(f"  {run.graph}: {run.measured_ms:.3f} ms measured, {run.estimated_ms:.3f} ms estimated; "
+                         f"exposed {run.exposed_ms:.3f} ms measured, {run.estimated_exposed_ms:.3f} ms estimated")
         table = [header]
         for m in analysis.collectives:
             if m.step != step.step:

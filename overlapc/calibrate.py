@@ -14,7 +14,10 @@ rank 0 writes the file):
   link (for other kinds) is one fit over every kind's samples.
 * compute (rank 0): the median time of a square fp32 matmul (FLOP/s) and of a
   large copy (bytes read + written per second), in the costmodel's roofline
-  convention.
+  convention, and of a small op (the fixed cost per op, ``device.kernel_us``).
+* issue: the time the calling thread spends in one collective's start call
+  (``measure_issue``); the median over kinds is ``link.issue_us``, which the
+  simulator charges to the compute stream per collective.
 
 With one process (``world_size == 1``) only compute is measured; the link is
 the built-in one named by ``link``, recorded as such.
@@ -83,8 +86,10 @@ def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) 
 
 
 def measure_compute(device: torch.device, quick: bool = False) -> dict:
-    """{"tflops", "mem_gbps", "matmul": {...}, "copy": {...}}: achieved rates of one square
-    fp32 matmul (2 n^3 FLOPs) and of copying a large buffer (2 x its bytes), medians."""
+    """{"tflops", "mem_gbps", "kernel_us", "matmul": {...}, "copy": {...}, "small_op": {...}}:
+    achieved rates of one square fp32 matmul (2 n^3 FLOPs) and of copying a large buffer
+    (2 x its bytes), and the fixed cost of one op: a chain of adds on a one-element tensor
+    timed per op. Medians."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     repeats = 3 if quick else 7
@@ -98,27 +103,67 @@ def measure_compute(device: torch.device, quick: bool = False) -> dict:
     dst.copy_(src)
     copy_ms = _median_ms(lambda: dst.copy_(src), repeats, sync)
     moved = 2 * src.numel() * src.element_size()
+    tiny, chain = torch.ones(1, device=device), 200
+
+    def adds():
+        x = tiny
+        for _ in range(chain):
+            x = torch.add(x, 1.0)
+
+    adds()
+    op_us = _median_ms(adds, repeats, sync) * 1e3 / chain
     return {"tflops": 2 * n ** 3 / (mm_ms * 1e-3) / 1e12, "mem_gbps": moved / (copy_ms * 1e-3) / 1e9,
-            "matmul": {"n": n, "dtype": "float32", "ms": mm_ms},
-            "copy": {"bytes": moved, "ms": copy_ms}}
+            "kernel_us": op_us, "matmul": {"n": n, "dtype": "float32", "ms": mm_ms},
+            "copy": {"bytes": moved, "ms": copy_ms}, "small_op": {"op": "add, 1 element", "us": op_us}}
 
 
-def _collective(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
-    """A callable running one ``kind`` collective whose full buffer is ``nbytes``, waited."""
+def _start(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
+    """A callable issuing one ``kind`` collective whose full buffer is ``nbytes``; it returns
+    the result to wait on."""
     ops = torch.ops._c10d_functional
     numel = max(world_size, nbytes // 4 // world_size * world_size)
     if kind == "all_gather":
         shard = torch.ones(numel // world_size, device=device)
-        return lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, world_size, group_name))
+        return lambda: ops.all_gather_into_tensor(shard, world_size, group_name)
     full = torch.ones(numel, device=device)
     if kind == "reduce_scatter":
-        return lambda: ops.wait_tensor(ops.reduce_scatter_tensor(full, "sum", world_size, group_name))
+        return lambda: ops.reduce_scatter_tensor(full, "sum", world_size, group_name)
     if kind == "all_reduce":
-        return lambda: ops.wait_tensor(ops.all_reduce(full, "sum", group_name))
+        return lambda: ops.all_reduce(full, "sum", group_name)
     if kind == "all_to_all":
         splits = [numel // world_size] * world_size
-        return lambda: ops.wait_tensor(ops.all_to_all_single(full, splits, splits, group_name))
+        return lambda: ops.all_to_all_single(full, splits, splits, group_name)
     raise ValueError(f"unknown collective kind {kind!r}; valid: {', '.join(KINDS)}")
+
+
+def _collective(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
+    """A callable running one ``kind`` collective whose full buffer is ``nbytes``, waited."""
+    start = _start(kind, nbytes, world_size, group_name, device)
+    return lambda: torch.ops._c10d_functional.wait_tensor(start())
+
+
+def measure_issue(device: torch.device, repeats: int = 20) -> dict:
+    """{kind: us}: median time the calling thread spends issuing one small collective
+    (the start call alone; each is waited after the clock stops). Every rank calls this;
+    each time is the slowest rank's median."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    result = {}
+    for kind in KINDS:
+        start = _start(kind, QUICK_SWEEP[0], world_size, group_name, device)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            begin = time.perf_counter()
+            work = start()
+            times.append((time.perf_counter() - begin) * 1e6)
+            torch.ops._c10d_functional.wait_tensor(work)
+        us = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(us, op=dist.ReduceOp.MAX)
+        result[kind] = float(us.item())
+    return result
 
 
 def measure_collectives(device: torch.device, quick: bool = False, say=lambda message: None) -> dict:
@@ -148,15 +193,18 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
 
 
 def document(compute: dict, collectives: dict | None, world_size: int, backend: str,
-             device: torch.device, fallback_link: str = "ethernet", quick: bool = False) -> dict:
-    """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements."""
+             device: torch.device, fallback_link: str = "ethernet", quick: bool = False,
+             issue: dict | None = None) -> dict:
+    """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements;
+    ``issue`` ({kind: us}, ``measure_issue``) gives the link's ``issue_us`` (their median)."""
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
-                "quick": quick, "compute": {k: compute[k] for k in ("matmul", "copy")}}
+                "quick": quick, "compute": {k: compute[k] for k in ("matmul", "copy", "small_op") if k in compute}}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     doc = {"schema": costmodel.PROFILE_SCHEMA,
-           "device": {"name": device_name, "tflops": compute["tflops"], "mem_gbps": compute["mem_gbps"]}}
+           "device": {"name": device_name, "tflops": compute["tflops"], "mem_gbps": compute["mem_gbps"],
+                      "kernel_us": compute.get("kernel_us", 0.0)}}
     if not collectives:
         link = costmodel.LINKS[fallback_link]
         doc["link"] = {"name": link.name, "gbps": link.gbps, "latency_us": link.latency_us}
@@ -174,7 +222,10 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
                             for b, ms in samples]}
             pooled += [(b * ring, ms) for b, ms in samples]   # already in ring units: fit with ring 1
         gbps, latency_us = fit(pooled, "broadcast", world_size)
-        doc["link"] = {"name": backend, "gbps": gbps, "latency_us": latency_us}
+        doc["link"] = {"name": backend, "gbps": gbps, "latency_us": latency_us,
+                       "issue_us": statistics.median(issue.values()) if issue else 0.0}
+        if issue:
+            measured["issue_us"] = issue
     doc["measured"] = measured
     return doc
 
@@ -193,6 +244,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     collectives = measure_collectives(device, quick, say if rank == 0 else (lambda m: None)) \
         if world_size > 1 else None
+    issue = measure_issue(device) if world_size > 1 else None
     compute = measure_compute(device, quick) if rank == 0 else None
     if grouped and world_size > 1:
         shared = [compute]
@@ -200,8 +252,9 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
         compute = shared[0]
     if rank == 0:
         say(f"compute: {compute['tflops']:.3g} TFLOP/s (matmul {compute['matmul']['n']}^2), "
-            f"{compute['mem_gbps']:.3g} GB/s (copy)")
-    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick)
+            f"{compute['mem_gbps']:.3g} GB/s (copy), {compute['kernel_us']:.3g} us per small op"
+            + (f"; issuing a collective {statistics.median(issue.values()):.3g} us" if issue else ""))
+    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue)
     if rank == 0 and out:
         write(doc, out)
     return doc

@@ -68,7 +68,9 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
             # every dumped collective measured once per step, in issue order, with module and reason
             assert [(m.graph, m.name, m.kind) for m in rows] == [
                 (g, r["name"], r["kind"]) for g in ("fw_0", "bw_0") for r in expected[g]]
-            assert step.graphs == ["fw_0", "bw_0"] and step.estimated_step_ms > 0
+            assert [r.graph for r in step.graphs] == ["fw_0", "bw_0"] and step.estimated_step_ms > 0
+            assert all(0 < r.exposed_ms < r.measured_ms < step.step_ms for r in step.graphs)
+            assert sum(r.exposed_ms for r in step.graphs) == pytest.approx(sum(m.exposed_ms for m in rows))
             assert all(m.module and m.reason and m.duration_ms > 0 and m.issue_ms > 0 for m in rows)
             assert 0 < step.exposed_ms < step.step_ms
             assert sum(m.exposed_ms for m in rows) == pytest.approx(step.exposed_ms, rel=0.10)
@@ -143,7 +145,7 @@ def test_cuda_format_trace(tmp_path):
     _cuda_dump(tmp_path / "dump")
     result = analyze.analyze(_cuda_trace(), str(tmp_path / "dump"))
     (step,) = result.steps
-    assert result.format == "cuda" and step.graphs == ["fw_0"]
+    assert result.format == "cuda" and [(r.graph, r.measured_ms) for r in step.graphs] == [("fw_0", 0.9)]
     got = {m.kind: (m.graph, m.order, m.duration_ms, m.exposed_ms, m.reason) for m in result.collectives}
     assert got == {"all_gather": ("fw_0", 0, pytest.approx(0.2), pytest.approx(0.1),
                                   "inputs ready; before consumer"),
