@@ -15,6 +15,12 @@ DTensor on the 2-D mesh, sharded on dim 0 over dp and placed as before over
 tp; a read gathers over dp only and returns the tp DTensor the parallelized
 module code expects.
 
+HSDP: on a mesh with a ``dp_replicate`` dim and a shard dim (``dp_shard``),
+as FSDP2 and torchtitan name them, parameters are sharded over the shard dim
+and replicated over the replicate dim; a read gathers over the shard dim, and
+the gradient is reduce-scattered over the shard dim, then all-reduced over
+the replicate dim. Shard size 1 is plain replication (DDP in the graph).
+
 Design after SimpleFSDP (Zhang et al., arXiv:2411.00284).
 """
 from __future__ import annotations
@@ -51,17 +57,30 @@ def shard(
 
     Contract:
     - ``mesh``: the data-parallel (dp) ranks: a 1-D DeviceMesh, a
-      ProcessGroup (wrapped in a 1-D mesh), or a 2-D DeviceMesh with named
-      dims, dp x tp. On a 2-D mesh the dp dim is the one named ``dp_dim``
-      (default ``"dp"``); the other dim is tp. Every rank calls ``shard`` on
-      the same model; plain parameter values are taken from the first rank of
-      each dp group (``distribute_tensor``'s default).
+      ProcessGroup (wrapped in a 1-D mesh), or a DeviceMesh with named dims
+      whose roles the names give: ``"dp_replicate"`` (optional) is the
+      replicate dim (HSDP); the shard dim is the one named ``dp_dim`` (default
+      ``"dp_shard"``, else ``"dp"``, else the only dim left); one more dim is
+      tp. So ``("dp", "tp")`` is FSDP x TP, ``("dp_replicate", "dp_shard")``
+      HSDP, ``("dp_replicate", "dp_shard", "tp")`` HSDP x TP, and
+      ``("dp_replicate", "dp_shard")`` with dp_shard of size 1 is DDP. Every
+      rank calls ``shard`` on the same model; plain parameter values are
+      taken from the first rank of each dp group (``distribute_tensor``'s
+      default).
+    - HSDP: each parameter is sharded over the shard dim and replicated over
+      the replicate dim (placements ``Replicate()`` there). Reading it
+      all-gathers over the shard dim only; its gradient is reduce-scattered
+      over the shard dim, then the shard is all-reduced over the replicate
+      dim in ``reduce_dtype``, both averaged: the mean over all dp ranks, as
+      FSDP2's HSDP. With shard size 1 nothing is gathered and each gradient
+      is all-reduced (averaged) over the replicate dim.
     - Tensor parallel: parameters that are already DTensors must live on the
-      tp dim of that 2-D mesh (a 1-D tp sub-mesh, e.g. after
+      tp dim of that mesh (a 1-D tp sub-mesh, e.g. after
       ``parallelize_module(model, mesh["tp"], plan)``), with placement
       ``Shard(d)`` or ``Replicate()``. Passing the dp sub-mesh
-      (``mesh["dp"]``) works too: the 2-D mesh is the root of the two named
-      sub-meshes. Such a parameter becomes a DTensor on the 2-D mesh with
+      (``mesh["dp"]``, ``mesh["dp_replicate", "dp_shard"]``) works too: it
+      is widened to the dims of the root mesh it and tp span. Such a
+      parameter becomes a DTensor on that mesh with
       placements (dim 0 sharded over dp, its tp placement over tp); where tp
       shards dim 0 too, dp splits each tp shard (``_StridedShard``, as FSDP2
       does), so ``full_tensor()`` is the unsharded value. Reading it
@@ -138,44 +157,69 @@ def shard(
 # ---------------------------------------------------------------- meshes and placements
 
 
+REPLICATE_DIM = "dp_replicate"  # the replicate dim of an HSDP mesh, named as FSDP2's tests and torchtitan do
+SHARD_DIMS = ("dp_shard", "dp")  # the shard dim when dp_dim is not given, first found
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Where parameters live: ``dp`` always; ``full`` (2-D) and ``tp`` only when sharding composes with tp."""
+    """Where parameters live.
+
+    ``dp``: the data-parallel mesh, 1-D (shard) or 2-D (replicate and shard, in
+    the mesh's order); ``shard`` and ``replicate``: its dims as 1-D meshes
+    (``replicate`` None without HSDP). ``full`` (``dp``'s dims and tp) and ``tp``
+    only when sharding composes with tensor parallel; ``tp_index``: tp's position
+    in ``full``.
+    """
 
     dp: DeviceMesh
+    shard: DeviceMesh
+    replicate: DeviceMesh | None = None
     full: DeviceMesh | None = None
     tp: DeviceMesh | None = None
-    dp_index: int = 0  # position of the dp dim in ``full``
+    tp_index: int = 0
+
+    def dp_placements(self, shard_placement=Shard(0)) -> tuple:
+        """Placements on ``dp``: ``shard_placement`` on the shard dim, ``Replicate()`` on the replicate dim."""
+        if self.replicate is None:
+            return (shard_placement,)
+        names = self.dp.mesh_dim_names
+        return tuple(shard_placement if n == self.shard.mesh_dim_names[0] else Replicate() for n in names)
 
     def placements(self, tp_placement) -> tuple:
-        """2-D placements: dim 0 over dp (after tp's own dim-0 split, if any), ``tp_placement`` over tp."""
+        """Placements on ``full``: dim 0 over the shard dim (after tp's own dim-0 split, if any),
+        replicated over the replicate dim, ``tp_placement`` over tp."""
         if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
-            dp_placement = _StridedShard(0, split_factor=self.tp.size())
+            shard_placement = _StridedShard(0, split_factor=self.tp.size())
         else:
-            dp_placement = Shard(0)
-        return (dp_placement, tp_placement) if self.dp_index == 0 else (tp_placement, dp_placement)
+            shard_placement = Shard(0)
+        placements = list(self.dp_placements(shard_placement))
+        placements.insert(self.tp_index, tp_placement)
+        return tuple(placements)
 
 
 def _as_mesh(mesh: DeviceMesh | ProcessGroup) -> DeviceMesh:
     if isinstance(mesh, ProcessGroup):
         device_type = "cuda" if "nccl" in str(dist.get_backend(mesh)) else "cpu"
         mesh = DeviceMesh.from_group(mesh, device_type)
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2, 3):
         raise ValueError(
-            f"shard() needs a 1-D DeviceMesh (dp), a ProcessGroup, or a 2-D DeviceMesh (dp x tp), got {mesh!r}"
+            f"shard() needs a 1-D DeviceMesh (dp), a ProcessGroup, or a named 2-D / 3-D DeviceMesh "
+            f"(dp x tp, dp_replicate x dp_shard, dp_replicate x dp_shard x tp), got {mesh!r}"
         )
     return mesh
 
 
 def _layout(model: nn.Module, mesh: DeviceMesh, dp_dim: str | None) -> _Layout:
-    """Find the dp mesh and, for a 2-D mesh or tensor-parallel parameters, the dp x tp mesh."""
+    """Name the roles of ``mesh``'s dims (replicate, shard, tp); with tensor-parallel
+    parameters on a sibling tp sub-mesh, widen ``mesh`` to the root's dims it and tp span."""
     tp_params = {name: p for name, p in model.named_parameters() if isinstance(p, DTensor)}
     names = mesh.mesh_dim_names
-    if mesh.ndim == 1:
+    if mesh.ndim == 1 and not tp_params and (names is None or names[0] != REPLICATE_DIM):
         if dp_dim is not None and names is not None and dp_dim != names[0]:
             raise ValueError(f"shard(): dp_dim={dp_dim!r} but the 1-D mesh's dim is named {names[0]!r}")
-        if not tp_params:
-            return _Layout(dp=mesh)
+        return _Layout(dp=mesh, shard=mesh)
+    if tp_params and (names is None or not set(_tp_names(tp_params)) <= set(names)):
         qualname, param = next(iter(tp_params.items()))
         root = _root_mesh(mesh)
         tp_names = param.device_mesh.mesh_dim_names
@@ -185,22 +229,49 @@ def _layout(model: nn.Module, mesh: DeviceMesh, dp_dim: str | None) -> _Layout:
                 f"of the same named mesh as the dp mesh {mesh!r}; build both with "
                 f"init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh['dp'] or the 2-D mesh"
             )
-        ordered = tuple(n for n in root.mesh_dim_names if n in (names[0], tp_names[0]))
-        mesh, dp_dim = (root if root.ndim == 2 else root[ordered]), names[0]
+        wanted = set(names) | set(tp_names)
+        ordered = tuple(n for n in root.mesh_dim_names if n in wanted)
+        mesh = root if ordered == root.mesh_dim_names else root[ordered]
         names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError("shard(): a 2-D mesh needs named dims, e.g. init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
-    dp_dim = "dp" if dp_dim is None else dp_dim
-    if dp_dim not in names:
         raise ValueError(
-            f"shard(): the 2-D mesh has dims {names}; pass dp_dim= the name of the data-parallel one (default 'dp')"
+            "shard(): a mesh with more than one dim needs named dims, e.g. init_device_mesh(..., "
+            "mesh_dim_names=('dp', 'tp')), or ('dp_replicate', 'dp_shard') for HSDP"
         )
-    dp_index = names.index(dp_dim)
-    tp_mesh = mesh[names[1 - dp_index]]
-    layout = _Layout(dp=mesh[dp_dim], full=mesh, tp=tp_mesh, dp_index=dp_index)
+    if names == (REPLICATE_DIM,):
+        raise ValueError(
+            f"shard(): the mesh has only the replicate dim {REPLICATE_DIM!r}; for replication without "
+            f"sharding (DDP) pass a 2-D mesh ({REPLICATE_DIM!r}, 'dp_shard') with dp_shard of size 1"
+        )
+    replicate = REPLICATE_DIM if REPLICATE_DIM in names else None
+    rest = [n for n in names if n != replicate]
+    if dp_dim is None:
+        dp_dim = next((n for n in SHARD_DIMS if n in rest), rest[0] if len(rest) == 1 else None)
+    if dp_dim not in rest:
+        raise ValueError(
+            f"shard(): the mesh has dims {names}; pass dp_dim= the name of the dim to shard over "
+            f"(default {' or '.join(map(repr, SHARD_DIMS))}; {REPLICATE_DIM!r} is the replicate dim of HSDP)"
+        )
+    tp_names = [n for n in rest if n != dp_dim]
+    if len(tp_names) > 1:
+        raise ValueError(
+            f"shard(): the mesh has dims {names}; it understands {REPLICATE_DIM!r}, the shard dim "
+            f"(dp_dim={dp_dim!r}) and at most one tp dim: flatten or slice the others away"
+        )
+    dp_names = tuple(n for n in names if n in (replicate, dp_dim))
+    dp = mesh if len(dp_names) == len(names) else mesh[dp_names]
+    layout = _Layout(dp=dp, shard=mesh[dp_dim], replicate=mesh[replicate] if replicate else None)
+    if not tp_names:
+        return layout
+    layout = dataclasses.replace(layout, full=mesh, tp=mesh[tp_names[0]], tp_index=names.index(tp_names[0]))
     for qualname, param in tp_params.items():
         _check_tp_param(param, layout, qualname)
     return layout
+
+
+def _tp_names(tp_params: dict[str, DTensor]) -> tuple[str, ...]:
+    """The dim names of the first tensor-parallel parameter's mesh (empty when unnamed)."""
+    return next(iter(tp_params.values())).device_mesh.mesh_dim_names or ()
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -243,11 +314,13 @@ def _distribute(value: torch.Tensor, layout: _Layout, src_data_rank: int | None)
     if value.is_meta:  # shapes only (projections, captures): nothing to copy or send
         src_data_rank = None
     if layout.full is None:
-        return distribute_tensor(_on_device(value, layout.dp), layout.dp, [Shard(0)], src_data_rank=src_data_rank)
+        return distribute_tensor(_on_device(value, layout.dp), layout.dp, layout.dp_placements(),
+                                 src_data_rank=src_data_rank)
     if not isinstance(value, DTensor):  # plain: replicated over tp, sharded over dp
         value = distribute_tensor(_on_device(value, layout.tp), layout.tp, [Replicate()], src_data_rank=None)
     tp_local = value.to_local()
-    chunk = distribute_tensor(_on_device(tp_local, layout.dp), layout.dp, [Shard(0)], src_data_rank=src_data_rank)
+    chunk = distribute_tensor(_on_device(tp_local, layout.dp), layout.dp, layout.dp_placements(),
+                              src_data_rank=src_data_rank)
     return DTensor.from_local(
         chunk.to_local(), layout.full, layout.placements(value.placements[0]),
         run_check=False, shape=value.shape, stride=value.stride(),
@@ -264,7 +337,7 @@ def _shard_loaded(module, state_dict, prefix, *args, names, layout):
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             if layout.full is not None and isinstance(module._parameters[name], DTensor):
-                tp_placement = module._parameters[name].placements[1 - layout.dp_index]
+                tp_placement = module._parameters[name].placements[layout.tp_index]
                 value = distribute_tensor(value, layout.tp, [tp_placement], src_data_rank=None)
             state_dict[prefix + name] = _distribute(value, layout, src_data_rank=None)
 
@@ -310,23 +383,47 @@ class _Gather:
             _mark_gathered(full, self, param)
         if not as_dtensor:
             return full
-        tp_placement = param.placements[1 - self.layout.dp_index]
+        tp_placement = param.placements[self.layout.tp_index]
         return DTensor.from_local(full, self.layout.tp, [tp_placement], run_check=False,
                                   shape=param.shape, stride=param.stride())
 
     def local(self, param: DTensor) -> torch.Tensor:
-        """The all-gather over dp: this rank's full tp-local tensor (the full tensor without tp)."""
+        """The all-gather over the shard dim: this rank's full tp-local tensor (the full tensor without tp).
+
+        Backward: the gradient is reduce-scattered over the shard dim, then (HSDP)
+        all-reduced over the replicate dim in ``reduce_dtype``, each averaged, so the
+        shard's gradient is the mean over all data-parallel ranks, as FSDP2's HSDP.
+        A dim of size 1 moves nothing (shard size 1: no all-gather, the in-graph DDP).
+        """
         dtypes = dict(forward_dtype=self.param_dtype,
                       backward_dtype=self.reduce_dtype or self.param_dtype or param.dtype)
-        if self.layout.full is None:
-            return param.redistribute(self.layout.dp, [Replicate()], **dtypes).to_local(grad_placements=[Partial("avg")])
-        # 2-D: gather the dp chunks of this rank's tp shard on the dp mesh alone, so that nothing
-        # moves over tp (the gradient comes back through to_local with the parameter's placements).
-        tp_placement = param.placements[1 - self.layout.dp_index]
-        tp_shape = _tp_local_shape(param.shape, tp_placement, self.layout.tp)
-        chunks = DTensor.from_local(param.to_local(), self.layout.dp, [Shard(0)], run_check=False,
-                                    shape=tp_shape, stride=_contiguous_stride(tp_shape))
-        return chunks.redistribute(self.layout.dp, [Replicate()], **dtypes).to_local(grad_placements=[Partial("avg")])
+        layout = self.layout
+        local = param.to_local()
+        if layout.replicate is not None and layout.replicate.size() > 1:
+            local = _AllReduceGrad.apply(local, layout.replicate.get_group().group_name, dtypes["backward_dtype"])
+        # Gather the shard dim's chunks of this rank's tp-local tensor on the shard mesh alone, so
+        # that nothing moves over tp or replicate (the gradient comes back through to_local with
+        # the parameter's placements).
+        shape = param.shape if layout.tp is None else _tp_local_shape(param.shape, param.placements[layout.tp_index], layout.tp)
+        chunks = DTensor.from_local(local, layout.shard, [Shard(0)], run_check=False,
+                                    shape=shape, stride=_contiguous_stride(shape))
+        return chunks.redistribute(layout.shard, [Replicate()], **dtypes).to_local(grad_placements=[Partial("avg")])
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces (average) the gradient over ``group`` in ``dtype``
+    and casts it back: the replicate dim of HSDP, after the shard dim's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str, dtype: torch.dtype) -> torch.Tensor:
+        ctx.group, ctx.dtype = group, dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        c10d = torch.ops._c10d_functional
+        reduced = c10d.wait_tensor(c10d.all_reduce(grad.to(ctx.dtype), "avg", ctx.group))
+        return reduced.to(grad.dtype), None, None
 
 
 def _tp_local_shape(shape: torch.Size, placement, tp_mesh: DeviceMesh) -> torch.Size:
