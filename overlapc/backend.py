@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
+from overlapc import rankcheck
 from overlapc.config import OverlapConfig
 from overlapc.passes.pipeline import schedule, unscheduled_order
 
@@ -111,15 +112,7 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
 
     def uuid(self) -> str:
         """Changes with the config and with overlapc's own source."""
-        digest = hashlib.sha256(repr(dataclasses.astuple(self.cfg)).encode())
-        here = os.path.dirname(__file__)
-        import overlapc.passes
-        for folder in (here, os.path.dirname(overlapc.passes.__file__)):
-            for name in sorted(os.listdir(folder)):
-                if name.endswith(".py"):
-                    with open(os.path.join(folder, name), "rb") as source:
-                        digest.update(source.read())
-        return digest.hexdigest()
+        return hashlib.sha256(f"{dataclasses.astuple(self.cfg)!r} {rankcheck.source_hash()}".encode()).hexdigest()
 
 
 _gloo_fix: list = []  # the torch.library.Library holding the kernel, once installed
@@ -159,17 +152,35 @@ def _uses_gloo() -> bool:
     return dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
 
 
-def _named(kind: str, compile_fn: Callable, index: int) -> Callable:
-    """Wrap an AOT/Inductor compiler so the schedule pass knows which graph it sees."""
+def _named(kind: str, compile_fn: Callable, index: int, cfg: OverlapConfig | None = None,
+           input_names: list[str] | None = None) -> Callable:
+    """Wrap an AOT/Inductor compiler so the schedule pass knows which graph it
+    sees; with ``cfg`` asking for it, check the ranks first (``overlapc.rankcheck``).
+    The check sits here, not in the post-grad pass, so an Inductor FX graph cache
+    hit (which skips the pass) cannot skip it."""
     def compile_named(gm, example_inputs, *args, **kwargs):
         is_backward = kwargs.get("is_backward", kind == "bw")
         name = f"{'bw' if is_backward else 'fw'}_{index}"
         token = _graph_name.set(name)
         try:
+            if cfg is not None and rankcheck.enabled(cfg):
+                seconds = rankcheck.check(gm, name, cfg, input_names or [])
+                if seconds is not None:
+                    log.debug("overlapc: every rank compiled the same collectives (checked in %.1f ms)",
+                              seconds * 1e3)
             return compile_fn(gm, example_inputs, *args, **kwargs)
         finally:
             _graph_name.reset(token)
     return compile_named
+
+
+def _input_names(gm: fx.GraphModule) -> list[str]:
+    """Each Dynamo graph input as its source names it ("L['self'].layers[0].w"), else the placeholder's name."""
+    names = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        names.append(source.name if source is not None else node.name)
+    return names
 
 
 def drop_dead_compute(gm: fx.GraphModule) -> int:
@@ -189,7 +200,8 @@ def drop_dead_compute(gm: fx.GraphModule) -> int:
     return before - len(gm.graph.nodes)
 
 
-def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None) -> Callable:
+def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None,
+               input_names: list[str] | None = None) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -199,8 +211,8 @@ def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None) -
         _schedule_and_record(gm, cfg, sink)
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=_named("fw", compile_graph, index),
-                        bw_compiler=_named("bw", compile_graph, index),
+    return aot_autograd(fw_compiler=_named("fw", compile_graph, index, cfg, input_names),
+                        bw_compiler=_named("bw", compile_graph, index, cfg, input_names),
                         decompositions=decompositions)
 
 
@@ -222,11 +234,12 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     log.info("overlapc: compiling with %s", cfg)
     if cfg.enabled and _uses_gloo():
         route_gloo_all_gathers()
+    names = _input_names(gm)
     if cfg.inner == "aot_eager":
         if not cfg.enabled:
             from torch._dynamo.backends.debugging import aot_eager
             return aot_eager(gm, example_inputs)
-        return _aot_eager(cfg, index)(gm, example_inputs)
+        return _aot_eager(cfg, index, input_names=names)(gm, example_inputs)
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     patches = dict(list_mode_options(mode)) if mode else {}
@@ -234,8 +247,12 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
         patches.update(INDUCTOR_PATCHES, post_grad_custom_post_pass=SchedulePass(cfg))
         if cfg.dump_dir:
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
-    return compile_fx(gm, example_inputs, inner_compile=_named("fw", compile_fx_inner, index),
-                      config_patches=patches)
+    inner = _named("fw", compile_fx_inner, index, cfg, names)
+    if not rankcheck.enabled(cfg):
+        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+    # An AOTAutograd cache hit would skip the per-graph wrapper and with it the check.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
 
 def _inductor_mode(cfg: OverlapConfig, mode: str | None) -> str | None:
