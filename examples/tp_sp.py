@@ -2,11 +2,17 @@
 
     overlapc report examples/tp_sp.py:build --world-size 2
 
-Activations are sequence-first ``[seq, batch, dim]`` (Megatron's layout) and
-sharded along the sequence between the parallel regions (``SequenceParallel``
-on the norms, ``sequence_dim=0``). Entering attention or the MLP all-gathers
-the sequence (``ColwiseParallel(input_layouts=Shard(0))``); leaving them
-reduce-scatters it (``RowwiseParallel(output_layouts=Shard(0))``). The
+    overlapc report examples/tp_sp.py:build_batch_first --world-size 2
+
+Activations are sequence-first ``[seq, batch, dim]`` (Megatron's layout;
+``build``) or batch-first ``[batch, seq, dim]`` (torchtitan's and most
+``parallelize_module`` code; ``build_batch_first``), sharded along the sequence
+between the parallel regions (``SequenceParallel`` on the norms). Entering
+attention or the MLP all-gathers the sequence
+(``ColwiseParallel(input_layouts=Shard(seq_dim))``); leaving them
+reduce-scatters it (``RowwiseParallel(output_layouts=Shard(seq_dim))``).
+DTensor gathers the batch-first layout's dim 1 as an all-gather on dim 0
+followed by split + cat (and reduce-scatters it after a split + cat). The
 all-gather feeds a matmul right away and the reduce-scatter reads a matmul's
 output right away: these are the patterns ``overlapc.passes.chunk`` pipelines.
 """
@@ -26,17 +32,24 @@ class Attention(nn.Module):
     are laid out head by head ([heads, 3, head_dim]), so that a column split
     gives each rank whole heads with their own q, k and v (Megatron's layout)."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, batch_first: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.batch_first = heads, batch_first
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.o = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
-        s, b, _ = x.shape
-        qkv = self.qkv(x).view(s, b, self.heads, 3, -1)      # heads: this rank's heads under TP
-        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(3))
+        if self.batch_first:
+            b, s, _ = x.shape
+            qkv = self.qkv(x).view(b, s, self.heads, 3, -1)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
+        else:
+            s, b, _ = x.shape
+            qkv = self.qkv(x).view(s, b, self.heads, 3, -1)      # heads: this rank's heads under TP
+            q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(3))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # [b, heads, s, head_dim]
+        if self.batch_first:
+            return self.o(y.transpose(1, 2).reshape(b, s, -1))
         return self.o(y.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
@@ -51,10 +64,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int):
+    def __init__(self, dim: int, heads: int, hidden: int, batch_first: bool = False):
         super().__init__()
         self.attention_norm = nn.LayerNorm(dim)
-        self.attention = Attention(dim, heads)
+        self.attention = Attention(dim, heads, batch_first)
         self.mlp_norm = nn.LayerNorm(dim)
         self.mlp = MLP(dim, hidden)
 
@@ -64,9 +77,11 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, depth: int, attention: bool = True):
+    def __init__(self, dim: int, heads: int, hidden: int, depth: int, attention: bool = True,
+                 batch_first: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, heads, hidden) for _ in range(depth))
+        self.batch_first = batch_first
+        self.blocks = nn.ModuleList(Block(dim, heads, hidden, batch_first) for _ in range(depth))
         if not attention:
             for block in self.blocks:
                 block.attention = None
@@ -82,11 +97,12 @@ class Stack(nn.Module):
 
 def parallelize(model: Stack, mesh) -> Stack:
     """Tensor + sequence parallel plan: norms on sequence shards, Colwise in, Rowwise out."""
-    seq = Shard(0)
+    dim = 1 if model.batch_first else 0
+    seq = Shard(dim)
     for block in model.blocks:
         plan = {
-            "attention_norm": SequenceParallel(sequence_dim=0),
-            "mlp_norm": SequenceParallel(sequence_dim=0),
+            "attention_norm": SequenceParallel(sequence_dim=dim),
+            "mlp_norm": SequenceParallel(sequence_dim=dim),
             "mlp.up": ColwiseParallel(input_layouts=seq),
             "mlp.down": RowwiseParallel(output_layouts=seq),
         }
@@ -99,10 +115,18 @@ def parallelize(model: Stack, mesh) -> Stack:
 
 
 def build(dim: int = 64, heads: int = 4, hidden: int = 256, depth: int = 2, seq: int = 64,
-          batch: int = 2, attention: bool = True):
-    """(TP+SP model over the default process group, (local sequence shard [seq/world, batch, dim],))."""
+          batch: int = 2, attention: bool = True, batch_first: bool = False):
+    """(TP+SP model over the default process group, (local sequence shard: [seq/world, batch, dim],
+    or [batch, seq/world, dim] when ``batch_first``))."""
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = parallelize(Stack(dim, heads, hidden, depth, attention), mesh)
-    x = torch.randn(seq // mesh.size(), batch, dim, requires_grad=True)
-    return model, (x,)
+    model = parallelize(Stack(dim, heads, hidden, depth, attention, batch_first), mesh)
+    x = torch.randn(seq // mesh.size(), batch, dim)
+    if batch_first:
+        x = x.transpose(0, 1).contiguous()
+    return model, (x.requires_grad_(True),)
+
+
+def build_batch_first(**kwargs):
+    """``build`` with batch-first activations ([batch, seq/world, dim] per rank)."""
+    return build(batch_first=True, **kwargs)

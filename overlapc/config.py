@@ -30,7 +30,8 @@ class OverlapConfig:
         per block where the graph records modules, 64 MiB otherwise), an int
         byte target, or None (off). See ``overlapc.passes.bucket``.
     chunks: split collectives on the critical path into this many pipelined
-        pieces (int >= 1; 1 = off).
+        pieces (int >= 1; 1 = off), or "auto": per pattern, the count that the
+        estimator (``profile``) puts fastest. See ``overlapc.passes.chunk``.
     profile: estimates for reports and logs: a built-in "device:link" name
         (e.g. "h100:nvlink", "cpu:ethernet") or the path of a profile file
         written by ``overlapc calibrate``; None = "h100:nvlink".
@@ -51,7 +52,7 @@ class OverlapConfig:
     max_in_flight: int | None = 3
     max_in_flight_bytes: int | str | None = "auto"
     bucket: str | int | None = "auto"
-    chunks: int = 1
+    chunks: int | str = 1
     profile: str | None = None
     inductor_mode: str | None = None
     on_error: str = "fallback"
@@ -71,8 +72,9 @@ class OverlapConfig:
                              f"got {self.bucket!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
         if self.bucket not in (None, "auto", "module"):
             _positive_or_none("bucket", self.bucket, extra=' (bytes), "auto", "module"')
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"OverlapConfig.chunks must be an int >= 1 (1 = off), got {self.chunks!r}")
+        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
+                                      or self.chunks < 1):
+            raise ValueError(f'OverlapConfig.chunks must be an int >= 1 (1 = off) or "auto", got {self.chunks!r}')
         for name in ("profile", "inductor_mode"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):

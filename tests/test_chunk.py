@@ -77,6 +77,11 @@ def tp_graphs(fake_pg):
 
 
 @pytest.fixture(scope="module")
+def tp_batch_graphs(fake_pg):
+    return _capture("tp_sp", heads=8, depth=1, batch=4, batch_first=True)
+
+
+@pytest.fixture(scope="module")
 def moe_graphs(fake_pg):
     return _capture("moe", depth=1)
 
@@ -118,6 +123,35 @@ def test_tp_sp_every_pattern_is_pipelined_with_the_same_values(tp_graphs, chunks
         first_compute = min(pos[u.name] for u in next(iter(gathers[0].users)).users)
         assert pos[gathers[0].name] < first_compute
         assert chunks == 2 or first_compute < last_feeder_wait
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_batch_first_sp_pipelines_the_whole_block_along_the_batch(tp_batch_graphs, chunks):
+    """DTensor gathers dim 1 as all-gather(dim 0) + split + cat(dim 1), and scatters it
+    after split(dim 1) + cat(dim 0): read through, the pieces are batch rows and flow
+    through attention, so each block (attention; MLP) is one pipeline, chained."""
+    for name in ("fw_0", "bw_0"):
+        gm = copy.deepcopy(tp_batch_graphs[name])
+        notes = chunk_collectives(gm, chunks)
+        gm.graph.lint()
+        assert [(n.pattern, len(n.starts), n.applied) for n in notes] == [("all_gather_matmul", 2, True)] * 2, notes
+        assert notes[1].fed_by == notes[0].starts[1]
+        assert count(gm, F.all_gather_into_tensor.default) == count(gm, F.reduce_scatter_tensor.default) == 2 * chunks
+        attention = [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+        assert len(attention) == chunks   # one per batch piece
+        # every piece's all-gather input is a contiguous batch slice, no copy
+        for n in gm.graph.nodes:
+            if n.target == F.all_gather_into_tensor.default and n.args[0].target is torch.ops.aten.slice.Tensor:
+                assert n.args[0].args[1] == 0
+        assert_same_values(tp_batch_graphs[name], gm)
+
+
+def test_split_of_the_rows_across_rank_blocks_is_left_alone(fake_pg):
+    def fn(x, w):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        return torch.mm(torch.ops.aten.split.Tensor(g, 5)[0], w)   # 5 of 32 rows: not whole rank blocks
+    note, = _not_applied(trace(fn, (4, 16), (16, 4)))
+    assert "no matmul reads" in note.reason and "split" in note.reason
 
 
 @pytest.mark.parametrize("chunks", [2, 4])
@@ -333,3 +367,55 @@ def test_compute_that_mixes_rows_between_is_not_chained(fake_pg):
     rs, ag = chunk_collectives(gm, 2)
     assert rs.applied and ag.applied and ag.fed_by == ""   # both pipelined, each on its own
     assert_same_values(original, gm)
+
+
+# ------------------------------------------------------------------ chunks="auto"
+
+
+def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
+    """Pieces pay a latency and a fixed cost per op each: a slow link with compute of
+    the same order pipelines, a fast link with a large latency does not."""
+    from overlapc import costmodel
+    from overlapc.passes.chunk.estimate import CANDIDATES, pipeline_ms
+    balanced = costmodel.profile("cpu", "ethernet", tflops=1e-5, link_gbps=0.002, latency_us=1.0)
+    latency_bound = costmodel.profile("cpu", "ethernet", link_gbps=1000.0, latency_us=5000.0)
+    for prof, pipelined in ((balanced, True), (latency_bound, False)):
+        gm = copy.deepcopy(tp_batch_graphs["fw_0"])
+        notes = chunk_collectives(gm, "auto", prof)
+        gm.graph.lint()
+        assert [n.pattern for n in notes] == ["all_gather_matmul"] * 2, notes
+        for note in notes:
+            ks = [k for k, _ in note.estimates]
+            assert ks == [k for k in CANDIDATES if k <= 4], note   # batch 4: at most 4 pieces
+            best = min(note.estimates, key=lambda e: (e[1], e[0]))
+            assert note.chunks == best[0] and note.applied == (best[0] > 1), note
+            assert (note.chunks > 1) == pipelined, note
+        if pipelined:
+            assert_same_values(tp_batch_graphs["fw_0"], gm)
+        else:
+            assert all("estimated fastest" in n.reason for n in notes)
+            assert count(gm, F.all_gather_into_tensor.default) == 2
+
+
+def test_pipeline_estimate_overlaps_pieces(fake_pg):
+    """One piece: all-gather, then the matmul, then the reduce-scatter, serially.
+    Four pieces, compute-bound, no latency: only the first gather piece and the last
+    scatter piece are exposed."""
+    from overlapc import costmodel
+    from overlapc.passes.chunk.plan import Planner
+    from overlapc.passes.chunk.estimate import pipeline_ms
+
+    def fn(x, w):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, WORLD, "0"))
+        return F.wait_tensor(F.reduce_scatter_tensor(torch.mm(g, w), "sum", WORLD, "0"))
+    gm = trace(fn, (64, 256), (256, 256))
+    prof = costmodel.profile("cpu", "ethernet", latency_us=0.0)
+    plan = Planner(gm).plan(next(n for n in gm.graph.nodes if n.target == F.all_gather_into_tensor.default), 4)
+    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    link = 64 * WORLD * 256 * 4 * (WORLD - 1) / WORLD / (prof.link.gbps * 1e9) * 1e3   # each collective, ms
+    compute = costmodel.compute_ms(mm, prof.device)
+    assert compute > 8 * link
+    assert pipeline_ms(plan, 1, prof) == pytest.approx(2 * link + compute)
+    assert pipeline_ms(plan, 4, prof) == pytest.approx(compute + 2 * link / 4)
+    with pytest.raises(ValueError, match="auto"):
+        chunk_collectives(gm, "best")

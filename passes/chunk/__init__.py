@@ -80,12 +80,15 @@ class ChunkNote:
     pattern: "all_gather_matmul", "matmul_reduce_scatter" or "all_to_all_expert".
     starts: names of the original collective start node(s) (a pipeline that
         ends in a reduce-scatter or combine all-to-all names both).
-    group: process group name. chunks: pieces asked for.
+    group: process group name. chunks: pieces asked for (with chunks="auto": the
+        count chosen, 1 when leaving the pattern alone was estimated fastest).
     applied: True when the graph was rewritten; reason: why not ("" when applied).
     pieces: names of the new collective start nodes (empty when not applied).
     fed_by: the start of an earlier pipeline whose pieces feed this one, piece by
         piece, through row-wise compute (a reduce-scatter -> residual add -> norm ->
         all-gather chain); "" when the pipeline starts from a whole tensor.
+    estimates: with chunks="auto", ((pieces, estimated ms of the pipeline), ...)
+        for every count that could be cut, 1 included (``chunk.estimate``); () otherwise.
     """
 
     pattern: str
@@ -96,44 +99,79 @@ class ChunkNote:
     reason: str = ""
     pieces: tuple[str, ...] = ()
     fed_by: str = ""
+    estimates: tuple[tuple[int, float], ...] = ()
 
 
-def chunk_collectives(gm: fx.GraphModule, chunks: int) -> list[ChunkNote]:
+def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> list[ChunkNote]:
     """Split qualifying all-gather/matmul, matmul/reduce-scatter and
     all-to-all/expert/all-to-all patterns of ``gm`` into ``chunks`` pipelined
-    pieces, in place (``gm.graph`` only: the caller recompiles). Returns one
-    note per pattern found, applied or not, and appends them to
-    ``gm.meta["overlapc_chunks"]``. chunks == 1 changes nothing and returns []."""
+    pieces, in place (``gm.graph`` only: the caller recompiles). ``chunks="auto"``:
+    per pattern, the count in ``estimate.CANDIDATES`` that ``profile`` (anything
+    ``overlapc.costmodel.resolve`` takes) estimates fastest. Returns one note per
+    pattern found, applied or not, and appends them to ``gm.meta["overlapc_chunks"]``.
+    chunks == 1 changes nothing and returns []."""
     from overlapc.passes.chunk.emit import Emitter
     from overlapc.passes.chunk.legality import Skip
     from overlapc.passes.chunk.plan import PATTERNS, Planner
 
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunk_collectives: chunks must be an int >= 1, got {chunks!r}")
+    auto = chunks == "auto"
+    if not auto and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f'chunk_collectives: chunks must be an int >= 1 or "auto", got {chunks!r}')
     notes: list[ChunkNote] = []
-    if chunks > 1:
+    if auto or chunks > 1:
         planner = Planner(gm)
         emitter = Emitter(gm, planner)
+        prof = None
+        if auto:
+            from overlapc import costmodel
+            prof = costmodel.resolve(profile)
         done: set[fx.Node] = set()
         for start in [n for n in gm.graph.nodes if collective_op(n) in PATTERNS]:
             if start in done:
                 continue
-            pattern = PATTERNS[collective_op(start)]
-            group = group_of(start)
+            pattern, group = PATTERNS[collective_op(start)], group_of(start)
+            k, estimates = chunks, ()
             try:
-                plan = planner.plan(start, chunks)
+                if auto:
+                    k, estimates, plan = _choose(planner, start, prof)
+                    if k == 1:
+                        done.update(plan.starts)
+                        notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, 1, False,
+                                               "chunks auto: one piece is estimated fastest",
+                                               estimates=estimates))
+                        continue
+                else:
+                    plan = planner.plan(start, k)
                 pieces = emitter.emit(plan)
             except Skip as skip:
                 emitter.discard()
                 done.add(start)
-                notes.append(ChunkNote(pattern, (start.name,), group, chunks, False, str(skip)))
+                notes.append(ChunkNote(pattern, (start.name,), group, k if not auto else 1, False, str(skip),
+                                       estimates=estimates))
                 continue
             done.update(plan.starts)
             fed_by = plan.link.joined.start if plan.link is not None else ""
-            notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, chunks, True, "",
-                                   pieces, fed_by))
+            notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, k, True, "",
+                                   pieces, fed_by, estimates))
         if emitter.changed:
             emitter.finish()
             gm.graph.lint()
     gm.meta.setdefault("overlapc_chunks", []).extend(notes)
     return notes
+
+
+def _choose(planner, start: fx.Node, prof):
+    """(k, estimates, the Plan for k) for chunks="auto"; Skip (the first count's
+    reason) when no count can be cut."""
+    from overlapc.passes.chunk.estimate import CANDIDATES, choose
+    from overlapc.passes.chunk.legality import Skip
+    plans, first = {}, None
+    for k in CANDIDATES[1:]:
+        try:
+            plans[k] = planner.plan(start, k)
+        except Skip as skip:
+            first = first or skip
+    if not plans:
+        raise first
+    k, estimates = choose(plans, prof)
+    return k, estimates, plans[k if k > 1 else min(plans)]

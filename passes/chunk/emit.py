@@ -84,9 +84,9 @@ class Emitter:
         whole = self._new(aten.cat.default, (parts, 1), like=like)
         return self._new(aten.view.default, (whole, [world * m * self.k, *rest]), like=like)
 
-    def _copy_piece(self, node: fx.Node, env: dict, i: int, world: int, inside: set) -> fx.Node:
+    def _copy_piece(self, node: fx.Node, env: dict, i: int, blocks: int, inside: set) -> fx.Node:
+        """``node`` on piece i of its inputs (``blocks``: its rank blocks)."""
         out = L.val(node)
-        piece_shape = [out.shape[0] // self.k, *out.shape[1:]]
         slices: dict[fx.Node, fx.Node] = {}
 
         def arg(a):
@@ -94,18 +94,18 @@ class Emitter:
                 return a
             if a in inside:
                 return env[a]
-            va = L.val(a)
-            if va.dim() == out.dim() and va.dim() > 0 and va.shape[0] == out.shape[0] and out.shape[0] > 1 \
-                    and node.target not in L.MATMULS:
+            if L.cuts_operand(node, a):
                 if a not in slices:
-                    slices[a] = self._piece(a, i, world, node)
+                    slices[a] = self._piece(a, i, blocks, node)
                 return slices[a]
             return a
 
         args = tree_map(arg, node.args)
         kwargs = tree_map(arg, dict(node.kwargs))
         if node.target in L.VIEWS:
-            args = (args[0], piece_shape, *args[2:])
+            args = (args[0], [out.shape[0] // self.k, *out.shape[1:]], *args[2:])
+        if node.target is aten.split.Tensor and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % out.dim() == 0:
+            args = (args[0], args[1] // self.k, *args[2:])   # a rank block's piece
         return self._new(node.target, args, kwargs, like=node)
 
     def emit(self, plan: Plan) -> tuple[str, ...]:
@@ -137,7 +137,7 @@ class Emitter:
                 env = bridge_envs[i]
                 env[link.join] = link.joined.pieces[i]
                 for node in link.bridge:
-                    env[node] = self._copy_piece(node, env, i, 1, set(link.bridge) | {link.join})
+                    env[node] = self._copy_piece(node, env, i, link.blocks[node], set(link.bridge) | {link.join})
                 shard = env[plan.source_input]
             elif op == "all_gather_into_tensor":
                 shard = self._piece(plan.source_input, i, 1, src)
@@ -157,9 +157,9 @@ class Emitter:
             if source_wait is not None:
                 env[source_wait] = self._new(F.wait_tensor.default, (source_starts[i],), like=source_wait)
             for cut in plan.cut:
-                env[cut] = self._piece(cut, i, world, plan.region[0])
+                env[cut] = self._piece(cut, i, plan.blocks[cut], plan.region[0])
             for node in plan.region:
-                env[node] = self._copy_piece(node, env, i, world, inside | set(plan.cut))
+                env[node] = self._copy_piece(node, env, i, plan.blocks[node], inside | set(plan.cut))
 
         def start_sink(i):
             self._at = (i, 1)
@@ -197,12 +197,12 @@ class Emitter:
             bridge = set(link.bridge)
             for node in link.bridge:
                 if any(u not in bridge and u is not plan.source for u in node.users):
-                    replaced[node] = self._join([bridge_envs[i][node] for i in range(k)], 1, node)
+                    replaced[node] = self._join([bridge_envs[i][node] for i in range(k)], link.blocks[node], node)
         self._at = (k - 1, 1)
         for node in [source_wait, *plan.region] if source_wait is not None else plan.region:
             outside = [u for u in node.users if u not in inside and u is not plan.sink]
             if outside:
-                replaced[node] = self._join([envs[i][node] for i in range(k)], world, node)
+                replaced[node] = self._join([envs[i][node] for i in range(k)], plan.blocks[node], node)
         if plan.sink is not None:
             self._at = (k - 1, 2)
             sink_world = 1 if collective_op(plan.sink) == "reduce_scatter_tensor" else world

@@ -24,6 +24,11 @@ MATMULS = {aten.mm.default, aten.addmm.default}
 # reductions whose dims are args[1]: row-wise when dim 0 is not among them (norm statistics)
 ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.var_mean.correction, aten.var.correction,
                   aten.amax.default, aten.amin.default}
+# ops independent along dim 0 (the batch) whose every tensor operand has it: attention
+BATCHWISE = {aten.bmm.default, aten._softmax.default, aten._log_softmax.default,
+             aten._softmax_backward_data.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 
 
 class Skip(Exception):
@@ -115,68 +120,113 @@ def keeps_rows(node: fx.Node) -> bool:
     return start in (None, 0) and step == 1 and (end is None or end >= value.shape[0])
 
 
+def is_layout(node: fx.Node) -> bool:
+    """A node that only moves rows around: views, slices that keep them, DTensor's
+    split + getitem + cat between a dim-0 collective and another sharded dim."""
+    return node.target in VIEWS or keeps_rows(node) or node.target in (
+        operator.getitem, aten.split.Tensor, aten.cat.default)
+
+
 def row_operand(mm: fx.Node):
     return mm.args[1] if mm.target is aten.addmm.default else mm.args[0]
 
 
-def tensor_args(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.args if isinstance(a, fx.Node)] + \
-        [a for a in node.kwargs.values() if isinstance(a, fx.Node)]
+def _dim(node: fx.Node, index: int, rank: int) -> int:
+    """The dim argument at ``index`` (default 0), in [0, rank)."""
+    value = node.args[index] if len(node.args) > index else node.kwargs.get("dim", 0)
+    return value % rank if rank else value
 
 
-def check_rowwise(node: fx.Node, inside: set, blocks: int, k: int) -> None:
-    """Raise Skip unless piece i of ``node`` is ``node`` of piece i of its inputs
-    (``inside``: the nodes already in pieces)."""
+def target_is_split(node: fx.Node) -> bool:
+    return node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+
+
+def cuts_operand(node: fx.Node, a: fx.Node) -> bool:
+    """Whether ``node``, run on a piece, takes the matching piece of ``a``, an operand
+    from outside the pipeline with full rows (a saved activation in a backward)."""
+    if node.target in MATMULS:
+        return False
+    out, va = val(node), val(a)
+    if va.dim() == 0 or va.shape[0] != out.shape[0] or out.shape[0] <= 1:
+        return False
+    return node.target in BATCHWISE or va.dim() == out.dim()
+
+
+def check_rowwise(node: fx.Node, blocks: dict, k: int) -> int:
+    """Raise Skip unless piece i of ``node`` is ``node`` of piece i of its inputs;
+    ``blocks`` maps the nodes already in pieces to their block counts. Returns
+    ``node``'s block count (each output's, for a node with several)."""
     target = node.target
     why = f"{node.name} ({opname(node)}) is not row-wise"
     if node.op != "call_function":
         raise Skip(why)
     if role(node)[2] is not None:
         raise Skip(f"barrier {node.name} ({role(node)[2]})")
+    args = list(node._input_nodes)
+    ins = [a for a in args if a in blocks]
+    if not ins:
+        raise Skip(why)
+    if len({blocks[a] for a in ins}) != 1:
+        raise Skip(f"{node.name} ({opname(node)}) mixes inputs of different rank layouts")
+    b = blocks[ins[0]]
     out = val(node)
-    rows(node, blocks, k)
-    args = tensor_args(node)
-    if target is operator.getitem:
-        if node.args[0] not in inside:
+    if target is operator.getitem or target in VIEWS or target in COPIES or keeps_rows(node):
+        if node.args[0] not in blocks or len(args) != 1:
             raise Skip(why)
-        return
-    if target in ROW_REDUCTIONS:
+    elif target in ROW_REDUCTIONS:
         dims = node.args[1] if len(node.args) > 1 else None
         rank = val(node.args[0]).dim()
-        if node.args[0] not in inside or len(args) != 1 or not dims or any(d % rank == 0 for d in dims):
+        if len(args) != 1 or not dims or any(d % rank == 0 for d in dims):
             raise Skip(f"{node.name} ({opname(node)}) reduces over the rows")
-        return
-    if target in VIEWS or target in COPIES or keeps_rows(node):
-        if node.args[0] not in inside or len(args) != 1:
-            raise Skip(why)
-        return
-    if target in PERMUTES:
+    elif target in PERMUTES:
         dims = [0, 1] if target is aten.t.default else (
             list(node.args[1:3]) if target is aten.transpose.int else list(node.args[1]))
         dims = [d % out.dim() for d in dims] if out.dim() else dims
         if target is aten.permute.default and dims[0] != 0 or \
                 target is not aten.permute.default and 0 in dims and dims[0] != dims[-1]:
             raise Skip(f"{node.name} ({opname(node)}) moves dim 0")
-        return
-    if target in MATMULS:
+    elif target_is_split(node):
+        parts = len(outputs(node))
+        if len(args) != 1:
+            raise Skip(why)
+        if _dim(node, 1 if target is aten.unbind.int else 2, val(node.args[0]).dim()) == 0:
+            if target is not aten.split.Tensor or b % parts or val(node.args[0]).shape[0] % parts:
+                raise Skip(f"{node.name} ({opname(node)}) splits the rows unevenly across rank blocks")
+            b //= parts   # DTensor's regather: rank blocks become separate tensors
+    elif target is aten.cat.default:
+        if any(a not in blocks for a in args):
+            raise Skip(f"{node.name} ({opname(node)}) joins pipelined rows with others")
+        if _dim(node, 1, out.dim()) == 0:
+            if len({tuple(val(a).shape) for a in args}) != 1:
+                raise Skip(f"{node.name} ({opname(node)}) joins unequal parts along the rows")
+            b *= len(args)   # separate rank blocks become one tensor (before a reduce-scatter)
+        elif len({val(a).shape[0] for a in args}) != 1:
+            raise Skip(why)
+    elif target in MATMULS:
         first = row_operand(node)
-        others = [a for a in args if a is not first]
-        if first not in inside or any(a in inside for a in others):
+        if first not in blocks or len(ins) != 1:
             raise Skip(f"{node.name} ({opname(node)}) does not read the rows as its first operand")
         if target is aten.addmm.default:
             bias = val(node.args[0])
             if bias.dim() == 2 and bias.shape[0] != 1:
                 raise Skip(f"{node.name}: bias {node.args[0].name} has rows")
-        return
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+    elif target in BATCHWISE:
+        if target in (aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default) \
+                and _dim(node, 2 if target is aten._softmax_backward_data.default else 1, out.dim()) == 0:
+            raise Skip(f"{node.name} ({opname(node)}) normalises over the rows")
+        if any(val(a).shape[0] != out.shape[0] for a in ins):
+            raise Skip(why)
+    elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         for a in args:
             v = val(a)
-            if a in inside and (v.dim() != out.dim() or v.shape[0] != out.shape[0]):
+            if a in blocks and (v.dim() != out.dim() or v.shape[0] != out.shape[0]):
                 raise Skip(f"{node.name} ({opname(node)}) broadcasts {a.name} along rows")
-            if a not in inside and v.dim() == out.dim() and v.shape[0] not in (1, out.shape[0]):
+            if a not in blocks and v.dim() == out.dim() and v.shape[0] not in (1, out.shape[0]):
                 raise Skip(why)
-        return
-    raise Skip(why)
+    else:
+        raise Skip(why)
+    rows(node, b, k)
+    return b
 
 
 def check_no_feedback(region, wait, depends) -> None:

@@ -14,11 +14,14 @@ from __future__ import annotations
 import dataclasses
 import operator
 
+import torch
 import torch.fx as fx
 
 from overlapc.collectives import collective_op, group_of, role
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.legality import Skip
+
+aten = torch.ops.aten
 
 PATTERNS = {"all_gather_into_tensor": "all_gather_matmul", "reduce_scatter_tensor": "matmul_reduce_scatter",
             "all_to_all_single": "all_to_all_expert"}
@@ -42,6 +45,7 @@ class Link:
     join: fx.Node
     joined: Joined
     bridge: list[fx.Node]            # graph order, ending at the all-gather's input
+    blocks: dict[fx.Node, int]       # rank blocks of the join and each bridge node
 
 
 @dataclasses.dataclass
@@ -58,6 +62,7 @@ class Plan:
     region: list[fx.Node]            # row-wise nodes, graph order
     cut: list[fx.Node]               # row operands cut into pieces (matmul -> reduce-scatter)
     anchor: fx.Node                  # new nodes go just before it
+    blocks: dict[fx.Node, int]       # rank blocks along dim 0 of the source wait, cut and region nodes
     link: Link | None = None         # an earlier pipeline's pieces feed source_input
 
     @property
@@ -102,12 +107,12 @@ class Planner:
                            f"does not divide by chunks {k}")
         L.rows(wait, world, k)
         sink_op = "reduce_scatter_tensor" if op == "all_gather_into_tensor" else "all_to_all_single"
-        region, sink, why = self._region_to_sink(wait, sink_op, group, world, k)
+        region, sink, blocks, why = self._region_to_sink(wait, sink_op, group, world, k)
         if sink is None and op == "all_to_all_single":
             raise Skip(why or f"no all_to_all_single of group {group} reads {wait.name}'s rows")
         if sink is None:
-            region = self._matmul_consumers(wait, world, k)
-        plan = Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink or region[-1])
+            region, blocks = self._matmul_consumers(wait, world, k)
+        plan = Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink or region[-1], blocks)
         if op == "all_gather_into_tensor":
             plan.link = self._link(start, k)
         return plan
@@ -139,22 +144,26 @@ class Planner:
             bridge.sort(key=self.index.__getitem__)
             try:
                 inside = set(bridge) | {join}
+                blocks = {join: 1}
                 for node in bridge:
-                    L.check_rowwise(node, inside, 1, k)
+                    blocks[node] = L.check_rowwise(node, blocks, k)
                     if L.is_multi(node) and any(u not in inside for u in node.users):
                         raise Skip(f"{node.name} ({L.opname(node)}) has a reader outside the chain")
+                if blocks[shard] != 1:
+                    raise Skip(f"{shard.name} is not in one block")
                 L.check_no_feedback(bridge, join, reach)
                 for node in self.original[joined.prefix[0] + 1:end]:
                     if role(node)[2] is not None:
                         raise Skip(f"barrier {node.name}")
             except Skip:
                 return None
-            return Link(join, joined, bridge)
+            return Link(join, joined, bridge, blocks)
         return None
 
     def _region_to_sink(self, wait, sink_op, group, world, k):
         """(row-wise nodes from ``wait`` to the first ``sink_op`` of ``group`` that
-        reads them, the sink start, None) or ([], None, why-not)."""
+        reads them (and the other outputs of a node with several), the sink start,
+        their rank blocks, None) or ([], None, {}, why-not)."""
         depends = {wait}
         sink = None
         for node in _after(wait):
@@ -164,40 +173,46 @@ class Planner:
                     sink = node
                     break
         if sink is None:
-            return [], None, None
+            return [], None, {}, None
         on_path = {sink.args[0]}   # nodes on a path wait -> sink input
         for node in reversed(_between(wait, sink)):
             if node in on_path:
                 on_path.update(i for i in node._input_nodes if i in depends)
+                if L.is_multi(node):   # attention's log-sum-exp: computed with the output, saved
+                    on_path.update(u for u in node.users if u.target is operator.getitem)
         on_path.discard(wait)
         region = [n for n in _between(wait, sink) if n in on_path]
+        blocks = {wait: world}
         try:
             if sink_op == "all_to_all_single":
                 L.equal_splits(sink, world)
             L.one_wait(sink)
             for node in region:
-                L.check_rowwise(node, set(region) | {wait}, world, k)
+                blocks[node] = L.check_rowwise(node, blocks, k)
+            if blocks[sink.args[0]] != world:
+                raise Skip(f"{sink.args[0].name} holds {blocks[sink.args[0]]} rank blocks, "
+                           f"{sink.name} scatters {world}")
             L.check_no_feedback(region, wait, depends)
         except Skip as skip:
-            return [], None, f"compute between {wait.name} and {sink.name} is not pipelined: {skip}"
-        return region, sink, None
+            return [], None, {}, f"compute between {wait.name} and {sink.name} is not pipelined: {skip}"
+        return region, sink, blocks, None
 
-    def _matmul_consumers(self, wait: fx.Node, world: int, k: int) -> list[fx.Node]:
+    def _matmul_consumers(self, wait: fx.Node, world: int, k: int) -> tuple[list[fx.Node], dict]:
         """The matmuls that read the gathered rows as their first operand (through
-        views that keep the rows), with those views, in graph order."""
-        views = {wait}
+        views that keep the rows and DTensor's regather), with those views, in graph
+        order; and their rank blocks."""
+        views = {wait: world}
         matmuls: list[fx.Node] = []
         first_other = None
         for node in _after(wait):
             if not any(i in views for i in node._input_nodes):
                 continue
             try:
-                if node.target in L.VIEWS or L.keeps_rows(node):
-                    L.check_rowwise(node, views, world, k)
-                    views.add(node)
+                if L.is_layout(node):
+                    views[node] = L.check_rowwise(node, views, k)
                     continue
                 if node.target in L.MATMULS:
-                    L.check_rowwise(node, views, world, k)
+                    views[node] = L.check_rowwise(node, views, k)
                     matmuls.append(node)
                     continue
             except Skip:
@@ -210,32 +225,54 @@ class Planner:
         for node in reversed(_between(wait, matmuls[-1])):
             if node in views and any(u in needed for u in node.users):
                 needed.add(node)
-        return [n for n in _between(wait, matmuls[-1]) if n in needed] + [matmuls[-1]]
+        region = [n for n in _between(wait, matmuls[-1]) if n in needed] + [matmuls[-1]]
+        return region, {n: views[n] for n in [wait, *region]}
 
     def _plan_reduce_scatter(self, start: fx.Node, group: str, k: int) -> Plan:
+        """matmul -> views (and DTensor's split + cat) -> reduce-scatter."""
         world = L.group_size(start, "reduce_scatter_tensor")
         L.one_wait(start)
-        chain = []
+        tail = {}
         node = start.args[0]
-        while isinstance(node, fx.Node) and node.target in L.VIEWS:
-            chain.append(node)
-            node = node.args[0]
+        while isinstance(node, fx.Node) and L.is_layout(node):
+            tail[node] = None
+            inputs = list(node._input_nodes)
+            if node.target is aten.cat.default:   # getitems of one split
+                if len({i.args[0] for i in inputs if i.target is operator.getitem}) != 1 or \
+                        any(i.target is not operator.getitem for i in inputs):
+                    break
+                tail.update(dict.fromkeys(inputs))
+                inputs = [inputs[0].args[0]]
+            if len(inputs) != 1:
+                break
+            node = inputs[0]
         if not isinstance(node, fx.Node) or node.target not in L.MATMULS:
             what = f"{node.name} ({L.opname(node)})" if isinstance(node, fx.Node) else repr(node)
             raise Skip(f"the reduce-scatter input is produced by {what}, not a matmul")
         mm = node
-        region = [mm, *reversed(chain)]
-        for n in region:
-            L.rows(n, world, k)
+        region = [mm, *sorted(tail, key=self.index.__getitem__)]
         first = L.row_operand(mm)
-        L.rows(first, world, k)
+        why = None
+        for b in (world, 1):   # the matmul's rows: rank blocks as they are scattered, or one block
+            try:
+                blocks = {first: b}
+                L.rows(first, b, k)
+                for n in region:
+                    blocks[n] = L.check_rowwise(n, blocks, k)
+                if blocks[start.args[0]] == world:
+                    break
+                why = f"{start.args[0].name} holds {blocks[start.args[0]]} rank blocks, {start.name} scatters {world}"
+            except Skip as skip:
+                why = str(skip)
+        else:
+            raise Skip(why)
         inside = set(region)
         for n in region:
             for user in n.users:
                 if user not in inside and user is not start and _reaches(user, start):
                     raise Skip(f"intermediate {n.name} has another user {user.name} ({L.opname(user)}) "
                                f"that feeds {start.name}")
-        return Plan("matmul_reduce_scatter", group, world, k, None, None, start, region, [first], start)
+        return Plan("matmul_reduce_scatter", group, world, k, None, None, start, region, [first], start, blocks)
 
     @staticmethod
     def _check_barriers(plan: Plan) -> None:

@@ -1,0 +1,79 @@
+"""How long a pipeline takes with k pieces, by the estimator, and which k to take.
+
+    ms = pipeline_ms(plan, k, profile)      # plan: a Plan of any piece count
+    best, estimates = choose(plans, profile)
+
+The model replays the emitted order on two streams: the compute stream runs the
+region's nodes piece by piece (``compute_ms`` of each node on the full rows,
+its roofline part divided by k, its fixed per-op cost ``kernel_us`` paid once a
+piece) and issues the collectives (``issue_us`` each); the link runs them one
+at a time in issue order (latency + bytes/k x ring factor / bandwidth). Order,
+as emitted: source 0; then for each piece i: source i+1, wait and compute i,
+sink i, wait for sink i-1; wait for the last sink.
+"""
+from __future__ import annotations
+
+from overlapc import costmodel
+from overlapc.collectives import collective_op
+from overlapc.passes.chunk import legality as L
+from overlapc.passes.chunk.plan import Plan
+
+CANDIDATES = (1, 2, 4, 8)
+_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+          "all_to_all_single": "all_to_all"}
+
+
+def _comm_ms(start, k: int, link: costmodel.LinkProfile, world: int) -> float:
+    """One of ``k`` pieces of collective ``start``: latency + its share of the full bytes."""
+    kind = _KINDS[collective_op(start)]
+    full = L.val(start if kind == "all_gather" else start.args[0])
+    gbps, latency_us = link.for_kind(kind)
+    nbytes = full.numel() * full.element_size() / k
+    return latency_us * 1e-3 + nbytes * costmodel.ring_factor(kind, world) / (gbps * 1e9) * 1e3
+
+
+def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
+    """Estimated time from the pipeline's first start to its last wait with ``k`` pieces."""
+    device, link = profile.device, profile.link_for(plan.group)
+    fixed = device.kernel_us * 1e-3
+    nodes = [*plan.region, *(plan.link.bridge if plan.link is not None else ())]
+    piece = 0.0
+    for node in nodes:
+        ms = costmodel.compute_ms(node, device)
+        if ms > 0:
+            piece += (ms - fixed) / k + fixed
+    issue = link.issue_us * 1e-3
+    source = _comm_ms(plan.source, k, link, plan.world) if plan.source is not None else None
+    sink = _comm_ms(plan.sink, k, link, plan.world) if plan.sink is not None else None
+    t = busy = 0.0            # compute stream clock; the link is busy until ``busy``
+    source_done, sink_done = [], []
+
+    def issue_on_link(duration: float) -> float:
+        nonlocal t, busy
+        busy = max(t, busy) + duration
+        t += issue
+        return busy
+
+    if source is not None:
+        source_done.append(issue_on_link(source))
+    for i in range(k):
+        if source is not None and i + 1 < k:
+            source_done.append(issue_on_link(source))
+        t = max(t, source_done[i] if source is not None else 0.0) + piece
+        if sink is not None:
+            sink_done.append(issue_on_link(sink))
+            if i >= 1:
+                t = max(t, sink_done[i - 1])
+    if sink is not None:
+        t = max(t, sink_done[-1])
+    return t
+
+
+def choose(plans: dict[int, Plan], profile: costmodel.Profile) -> tuple[int, tuple[tuple[int, float], ...]]:
+    """The piece count with the least estimate among ``plans`` (k -> the Plan for k
+    pieces) and 1 (the pattern left as it is, estimated on the smallest plan), ties
+    to the fewer pieces; and every candidate's estimate in ms, by k."""
+    base = plans[min(plans)]
+    estimates = [(1, pipeline_ms(base, 1, profile))] + [(k, pipeline_ms(p, k, profile)) for k, p in sorted(plans.items())]
+    best = min(estimates, key=lambda e: (e[1], e[0]))[0]
+    return best, tuple(estimates)
