@@ -172,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--profile", metavar="NAME|FILE", help="estimates from a built-in 'device:link' "
                         "profile or a file written by `overlapc calibrate` (beats --device/--link)")
     common.add_argument("--device", choices=sorted(costmodel.DEVICES), help="(default h100)")
-    common.add_argument("--link", choices=sorted(costmodel.LINKS), help="(default nvlink)")
+    common.add_argument("--link", metavar="LINK", help=f"{'|'.join(costmodel.LINKS)}, or one per mesh dim "
+                        "or group: shard=nvlink,replicate=ib (default nvlink)")
     common.add_argument("--tflops", type=float, help="device FLOP rate, TFLOP/s")
     common.add_argument("--mem-gbps", type=float, help="device memory bandwidth, GB/s")
     common.add_argument("--link-gbps", type=float, help="link bus bandwidth, GB/s")
@@ -202,6 +203,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="give up (and kill the spawned ranks) after S seconds (default 600)")
     calibrate.add_argument("--quiet", action="store_true", help="no progress on stderr")
     commands.add_parser("demo", help="run overlapc.demo (arguments pass through)", add_help=False)
+    from overlapc import analyze
+    analyze.add_arguments(commands.add_parser("analyze", help="measured exposed communication per collective "
+                                              "in a torch.profiler trace, beside overlapc's estimates"))
     return parser
 
 
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         return _run(args)
     except UsageError as error:
-        command = next((a for a in argv if a in ("dump", "report", "timeline", "calibrate")), "")
+        command = next((a for a in argv if a in ("dump", "report", "timeline", "calibrate", "analyze")), "")
         message = " ".join(str(error).split())
         print(f"overlapc{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2
@@ -300,6 +304,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "analyze":
+        from overlapc import analyze
+        return analyze.run(args)
     if args.world_size < 1:
         raise UsageError(f"world size must be >= 1, got {args.world_size}")
     if not 0 <= args.rank < args.world_size:

@@ -68,8 +68,9 @@ Recorded reasons. The scheduler records why it placed each start and wait in
 budget", "consumer order", "forced by consumer", "not moved"; waits: "before
 consumer", "before output", "before barrier", "early for room"). A row's
 ``issue_reason`` and ``wait_reason`` (its first wait) carry them, "" for a node
-without one (a graph scheduled before reasons were recorded); the table's "why"
-column prints them, else the inferred reason of an exposed row (``Row.why``).
+without one (a graph scheduled before reasons were recorded). The table prints
+them in its "placed" column ("-" when none), beside the verdict with its
+inferred reason; ``Row.why`` is the recorded reasons, else the inferred one.
 
 ``to_json`` schema ("overlapc.report/1")::
 
@@ -454,7 +455,7 @@ def format_text(rows: list[Row], summary: dict) -> str:
 def format_table(rows: list[Row]) -> str:
     """One fixed-width line per collective under a header line. Deterministic."""
     header = ("collective", "kind", "group", "bytes", "dtype", "issue", "wait", "compute",
-              "comm_ms", "exposed_ms", "verdict", "why", "module")
+              "comm_ms", "exposed_ms", "verdict", "placed", "module")
     table = [header]
     for r in rows:
         table.append((
@@ -462,7 +463,8 @@ def format_table(rows: list[Row]) -> str:
             f"{r.issue_before}->{r.issue_after}", f"{_pos(r.wait_before)}->{_pos(r.wait_after)}",
             f"{r.compute_nodes}/{r.compute_ms:.3f}ms", f"{r.comm_ms:.3f}",
             f"{r.exposed_ms_before:.3f}->{r.exposed_ms:.3f}",
-            r.verdict, r.why or "-", r.module or "-",
+            r.verdict + (f" ({r.reason})" if r.reason else ""),
+            "; ".join(x for x in (r.issue_reason, r.wait_reason) if x) or "-", r.module or "-",
         ))
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     return "".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n"

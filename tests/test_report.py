@@ -203,7 +203,7 @@ def test_text_and_json(fake_pg):
     assert lines[2] == report.memory_text(s)
     assert lines[3] == "peak in flight per group: all_gather 1 -> 1 (288B -> 288B)"
     assert lines[4].split()[:3] == ["collective", "kind", "group"]
-    assert "exposed  in-flight limit" in lines[6] and "layers.1" in lines[6]
+    assert "exposed (in-flight limit)" in lines[6] and "layers.1" in lines[6]
     doc = report.to_json(rows, s)
     assert json.loads(json.dumps(doc)) == doc
     assert doc["schema"] == report.SCHEMA and doc["summary"] == s
@@ -282,8 +282,9 @@ def test_recorded_reasons_replace_the_inferred_ones(fake_pg):
         ("", "", ""), ("count bound", "before consumer", "count bound; before consumer"),
         ("", "", "in-flight limit")]   # no record: the inferred reason of an exposed row
     table = report.format_table(rows).splitlines()
-    assert table[0].split()[10:12] == ["verdict", "why"]
-    assert "exposed  count bound; before consumer" in table[2] and "exposed  in-flight limit" in table[3]
+    assert table[0].split()[10:12] == ["verdict", "placed"]
+    assert "exposed (in-flight limit)  count bound; before consumer" in table[2]
+    assert "exposed (in-flight limit)  -" in table[3]
 
 
 def test_rows_and_summary_simulate_each_order_once(fake_pg, monkeypatch):
