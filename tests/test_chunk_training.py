@@ -1,5 +1,6 @@
-"""Chunked collectives on 2 real gloo ranks: the TP+SP block and the MoE layer
-give the same loss and gradients (fp32, rtol 1e-5) with chunks 2 and 4 as with
+"""Chunked collectives on 2 real gloo ranks: the TP+SP block (sequence-first and
+batch-first) and the MoE layers (equal splits; dropless, left alone) give the
+same loss and gradients (fp32, rtol 1e-5) with chunks 2, 4 and "auto" as with
 chunks 1 and eager, and backend="overlapc" with options {"chunks": 2} really
 chunks (more functional collectives run per step than without it)."""
 import os
@@ -11,10 +12,15 @@ from multiproc import init_gloo, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
-CHUNKS = (1, 2, 4)
+# the bias gradients of a norm are sums that cancel to ~1e-3; compiled graphs sum in
+# another order than eager (batch-first TP+SP, chunks 1 vs eager: 2e-6 apart)
+ATOL = 1e-5
+CHUNKS = (1, 2, 4, "auto")
+# compute and link of the same order for the test models, so that "auto" pipelines
+AUTO_PROFILE = dict(device="cpu", link="ethernet", tflops=1e-5, link_gbps=0.002, latency_us=1.0)
 
 
-def chunking_backend(chunks: int, notes: list):
+def chunking_backend(chunks, notes: list):
     """AOTAutograd backend that runs chunk_collectives on forward and backward
     graphs (Inductor's decompositions, eager execution): the pass alone."""
     from torch._dynamo.backends.common import aot_autograd
@@ -24,7 +30,8 @@ def chunking_backend(chunks: int, notes: list):
     from overlapc.passes.chunk import chunk_collectives
 
     def compile_graph(gm, example_inputs):
-        notes.extend(chunk_collectives(gm, chunks))
+        from overlapc import costmodel
+        notes.extend(chunk_collectives(gm, chunks, costmodel.profile(**AUTO_PROFILE)))
         gm.recompile()
         return make_boxed_func(gm.forward)
 
@@ -35,10 +42,13 @@ def chunking_backend(chunks: int, notes: list):
 def _models():
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import moe
+    import moe_dropless
     import tp_sp
     return {
         "tp_sp": lambda: tp_sp.build(dim=32, heads=2, hidden=64, depth=1, seq=32, batch=2),
+        "tp_sp_batch": lambda: tp_sp.build(dim=32, heads=2, hidden=64, depth=1, seq=32, batch=4, batch_first=True),
         "moe": lambda: moe.build(dim=32, hidden=64, tokens=32, capacity=8, depth=1),
+        "moe_dropless": lambda: moe_dropless.build(dim=32, hidden=64, tokens=32, depth=1),
     }
 
 
@@ -93,7 +103,11 @@ def _ranks(rank, world_size, port):
             model, inputs = build()
             compiled = torch.compile(model, backend="overlapc",
                                      options={"chunks": chunks, "inner": "aot_eager", "on_error": "raise"})
-            _step(model, inputs, compiled)        # compiles
+            try:
+                _step(model, inputs, compiled)        # compiles
+            except Exception as error:   # reported by the test (dropless: see test_dropless_moe_...)
+                counts[chunks] = f"{type(error).__name__}: {str(error)[:300]}"
+                continue
             model.zero_grad(set_to_none=True)
             counts[chunks] = count_collectives(lambda: _step(model, inputs, compiled))
         out[(name, "overlapc")] = (eager, counts)
@@ -103,18 +117,18 @@ def _ranks(rank, world_size, port):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_ranks, world_size=2, timeout=240.0)
+    return run_ranks(_ranks, world_size=2, timeout=480.0)
 
 
 def _close(a, b, what):
     import torch
-    torch.testing.assert_close(b[0], a[0], rtol=RTOL, atol=1e-6, msg=lambda m: f"{what} loss: {m}")
+    torch.testing.assert_close(b[0], a[0], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} loss: {m}")
     assert len(a[1]) == len(b[1])
     for i, (x, y) in enumerate(zip(a[1], b[1])):
-        torch.testing.assert_close(y, x, rtol=RTOL, atol=1e-6, msg=lambda m: f"{what} grad {i}: {m}")
+        torch.testing.assert_close(y, x, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {i}: {m}")
 
 
-@pytest.mark.parametrize("model", ["tp_sp", "moe"])
+@pytest.mark.parametrize("model", ["tp_sp", "tp_sp_batch", "moe", "moe_dropless"])
 def test_chunked_training_matches_unchunked_and_eager(results, model):
     for rank, per_rank in enumerate(results):
         unchunked = per_rank[(model, 1)][1]
@@ -123,17 +137,35 @@ def test_chunked_training_matches_unchunked_and_eager(results, model):
             what = f"{model} rank {rank} chunks {chunks}"
             _close(eager, got, what + " vs eager")
             _close(unchunked, got, what + " vs chunks 1")
-            if chunks > 1:
-                assert notes and all(applied for _, applied, _ in notes), (what, notes)
-                expected = "all_to_all_expert" if model == "moe" else "all_gather_matmul"
-                assert expected in {p for p, _, _ in notes}, (what, notes)
+            if chunks == 1:
+                continue
+            if model == "moe_dropless":   # split sizes known only at run time: left alone, and why
+                assert notes and not any(applied for _, applied, _ in notes), (what, notes)
+                assert any("split sizes are not constant ints" in reason for _, _, reason in notes), notes
+                continue
+            assert notes and all(applied for _, applied, _ in notes), (what, notes)
+            expected = "all_to_all_expert" if model == "moe" else "all_gather_matmul"
+            assert expected in {p for p, _, _ in notes}, (what, notes)
+            if model == "tp_sp_batch":   # through attention: each block is one pipeline, fw and bw
+                assert all(p == "all_gather_matmul" for p, _, _ in notes), (what, notes)
 
 
-@pytest.mark.parametrize("model", ["tp_sp", "moe"])
+@pytest.mark.parametrize("model", ["tp_sp", "tp_sp_batch", "moe"])
 def test_overlapc_backend_chunks_option_is_wired(results, model):
     for rank, per_rank in enumerate(results):
         eager, counts = per_rank[(model, "overlapc")]
+        assert not isinstance(counts[2], str), counts[2]
         _close(eager, counts[2][1], f"{model} rank {rank} overlapc chunks 2")
         assert counts[2][0] > counts[1][0], (
             f"{model} rank {rank}: backend='overlapc' with chunks=2 ran {counts[2][0]} collectives, "
             f"chunks=1 ran {counts[1][0]}: the chunks option had no effect")
+
+
+@pytest.mark.xfail(strict=True, reason="passes/memory.py _nbytes: `if nbytes:` guards on an unbacked "
+                   "byte count (GuardOnDataDependentSymNode); int() of it in the try would count 0")
+def test_dropless_moe_schedules_and_trains_under_the_overlapc_backend(results):
+    for rank, per_rank in enumerate(results):
+        eager, counts = per_rank[("moe_dropless", "overlapc")]
+        for chunks in (1, 2):
+            assert not isinstance(counts[chunks], str), f"rank {rank} chunks {chunks}: {counts[chunks]}"
+            _close(eager, counts[chunks][1], f"moe_dropless rank {rank} overlapc chunks {chunks}")
