@@ -2,6 +2,7 @@
 
     python benchmarks/step_time.py [--rate 500mbit] [--world-size 2] [--steps 10]
                                    [--json benchmarks/results/step_time.json]
+    python benchmarks/step_time.py --ddp [--json benchmarks/results/step_time_ddp.json]
 
 The link: run as root with ``ip`` and ``tc`` available, the ranks run in a
 fresh network namespace whose loopback is shaped with a token bucket
@@ -34,6 +35,18 @@ instance compiled up front, timed interleaved (A B C ... A B C ...):
   overlapc_count_none         ... no count limit (the byte budget alone)
   overlapc_count_only         ... max_in_flight=2, no byte budget (the v1 default)
   overlapc_unlimited          ... no count limit, no byte budget
+
+The DDP case (``--ddp``, on its own: a few minutes), same model, link and bounds' method:
+
+  ddp_eager      torch DDP, bucket_cap_mb=25 (its gradient hooks all-reduce buckets during backward)
+  ddp_inductor   torch.compile(DDP(...), backend="inductor"): Dynamo's DDPOptimizer splits the
+                 graph at bucket boundaries so the hooks overlap the backward
+  overlapc_ddp   overlapc.fsdp.shard on a (dp_replicate N, dp_shard 1) mesh + backend="overlapc",
+                 default options: every gradient all-reduced in the backward graph
+  comm_only      an all-reduce of every gradient, back to back; edge_comm: the all-reduces of the
+                 first block's gradients (embedding + block 0), the last the backward produces
+  peak memory    as below; DDP's buckets (allocated when DDP is built) live before the step,
+                 so DDP eager's peak does not count them
 
 A variant whose effective OverlapConfig equals an earlier one's (overlapc_k3 =
 overlapc while the default is max_in_flight=3) is compiled and timed once and
@@ -96,6 +109,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+DDP_VARIANTS = ["ddp_eager", "ddp_inductor", "overlapc_ddp"]
 MODEL_VARIANTS = [
     "fsdp2_eager", "inductor", "inductor_pinned", "inductor_reorder", "inductor_overlap_scheduler",
     "overlapc", "overlapc_bucket_module", "overlapc_nobucket", "overlapc_k2", "overlapc_k3",
@@ -108,7 +122,8 @@ OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket_module": {"bucket": "module
                     "overlapc_k3": {"max_in_flight": 3},
                     "overlapc_count_none": {"max_in_flight": None},
                     "overlapc_count_only": {"max_in_flight": 2, "max_in_flight_bytes": None},
-                    "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None}}
+                    "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None},
+                    "overlapc_ddp": {}}
 INDUCTOR_OPTIONS = {"inductor": None, "inductor_pinned": {"reorder_for_peak_memory": False},
                     "inductor_reorder": {"reorder_for_compute_comm_overlap": True}}
 LOSS_RTOL = 1e-3
@@ -136,8 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--ddp", action="store_true",
+                   help=f"the DDP case instead: {DDP_VARIANTS} (replicate N x shard 1) and DDP's bounds")
     p.add_argument("--variants", nargs="*", default=None,
-                   help=f"subset of {MODEL_VARIANTS} (bounds always run)")
+                   help=f"subset of {MODEL_VARIANTS} (with --ddp: of {DDP_VARIANTS}; bounds always run)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run (s)")
     p.add_argument("--gloo-timeout", type=float, default=900.0, help="per-collective gloo timeout (s)")
     p.add_argument("--json", default=None, help="write results here")
@@ -146,10 +163,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    valid = DDP_VARIANTS if args.ddp else MODEL_VARIANTS
     for v in args.variants or []:
-        if v not in MODEL_VARIANTS:
-            p.error(f"unknown variant {v!r}; valid: {', '.join(MODEL_VARIANTS)}")
+        if v not in valid:
+            p.error(f"unknown variant {v!r}{' with --ddp' if args.ddp else ''}; valid: {', '.join(valid)}")
     return args
+
+
+def variants_of(args) -> list[str]:
+    return list(args.variants or (DDP_VARIANTS if args.ddp else MODEL_VARIANTS))
 
 
 def config_of(args) -> dict:
@@ -158,8 +180,9 @@ def config_of(args) -> dict:
         "dim": args.dim, "layers": args.layers, "heads": args.heads, "ffn": args.ffn,
         "vocab": args.vocab, "batch_per_rank": args.batch, "seq": args.seq, "optim": args.optim,
         "steps": args.steps, "warmup": args.warmup, "dtype": "float32",
-        "reshard_after_forward": True, "torch_threads_per_rank": 1,
-        "variants": args.variants or MODEL_VARIANTS,
+        "case": "ddp" if args.ddp else "fsdp", "torch_threads_per_rank": 1,
+        **({"ddp_bucket_cap_mb": 25} if args.ddp else {"reshard_after_forward": True}),
+        "variants": variants_of(args),
         "cpus": os.cpu_count(), "loadavg_at_report": list(os.getloadavg()),
     }
 
@@ -461,6 +484,16 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
 
     def build(name):
         import overlapc.fsdp
+        if name in ("ddp_eager", "ddp_inductor"):
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(fresh(), bucket_cap_mb=25)
+            step = model if name == "ddp_eager" else torch.compile(model, backend="inductor")
+            return train_step(step, optimizer(model))
+        if name == "overlapc_ddp":
+            replicate = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+            model = overlapc.fsdp.shard(fresh(), replicate)
+            options = {**OVERLAPC_OPTIONS[name], "profile": profile_path, "dump_dir": os.path.join(args.scratch, name)}
+            return train_step(torch.compile(model, backend="overlapc", options=options), optimizer(model))
         if name == "fsdp2_eager":
             from torch.distributed.fsdp import fully_shard
             model = fresh()
@@ -472,7 +505,7 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
             model = fresh()
             return train_step(torch.compile(model, backend="inductor"), optimizer(model))
         if name in ("comm_only", "edge_comm"):
-            return comm_step(name, cfg, world_size)
+            return comm_step(name, cfg, world_size, ddp=args.ddp)
         if name == "concurrent":
             return concurrent_step(steps["compute_only"], steps["comm_only"])
         model = overlapc.fsdp.shard(fresh(), mesh)
@@ -490,7 +523,7 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
             compiled = torch.compile(model, backend="overlapc", options=options)
         return train_step(compiled, optimizer(model))
 
-    names = list(args.variants or MODEL_VARIANTS)
+    names = variants_of(args)
     aliases = _same_config(names)
     say("measured once: " + ", ".join(f"{a} = {b} (same OverlapConfig)" for a, b in aliases.items())
         if aliases else "every overlapc variant has its own config")
@@ -691,8 +724,9 @@ def _agree(name, errors, say) -> bool:
     return False
 
 
-def comm_step(name: str, cfg, world_size: int):
-    """The step's collectives alone (see module docstring), as a step function."""
+def comm_step(name: str, cfg, world_size: int, ddp: bool = False):
+    """The step's collectives alone (see module docstring), as a step function;
+    ``ddp``: all-reduces of the gradients instead of FSDP's gathers and reduce-scatters."""
     import torch
     import torch.distributed as dist
 
@@ -715,6 +749,15 @@ def comm_step(name: str, cfg, world_size: int):
     else:
         gathers, backward = [s for _, s in shapes], [s for _, s in reversed(shapes)]
         regather = True
+    if ddp:
+        ar_in = [torch.randn(torch.Size(s).numel()) for s in backward]
+
+        def all_reduces(i):
+            works = [C.all_reduce(t, "avg", group) for t in ar_in]
+            for w in works:
+                C.wait_tensor(w)
+            return float("nan")
+        return all_reduces
     ag_in = [torch.randn(shard_numel(s)) for s in gathers]
     rs_in = [torch.randn(shard_numel(s) * world_size) for s in backward]
     rg_in = [torch.randn(shard_numel(s)) for s in backward]
@@ -768,7 +811,7 @@ def report(args, per_rank: list[dict]) -> int:
     r0 = per_rank[0]
     measured = list(r0["times"])
     aliases = r0["aliases"]
-    names = [n for n in list(args.variants or MODEL_VARIANTS) + BOUND_VARIANTS if n in measured or n in aliases]
+    names = [n for n in variants_of(args) + BOUND_VARIANTS if n in measured or n in aliases]
     errors = {}
     for res in per_rank:
         for k, v in res["errors"].items():
@@ -901,6 +944,13 @@ def report(args, per_rank: list[dict]) -> int:
             print(f"  [{'MET' if ok else 'NOT MET'}] {text}: {detail}")
         goals["others/overlapc"] = others
         goals["met"] = {text: ok for text, ok, _ in checks}
+    if "overlapc_ddp" in stats and bounds:
+        goals, checks = _ddp_goals(stats, bounds)
+        print()
+        print("goals:")
+        for text, ok, detail in checks:
+            print(f"  [{'MET' if ok else 'NOT MET'}] {text}: {detail}")
+        goals["met"] = {text: ok for text, ok, _ in checks}
 
     if args.json:
         out = {"link": args.link, "config": config_of(args), "failure": getattr(args, "failure", None),
@@ -916,6 +966,36 @@ def report(args, per_rank: list[dict]) -> int:
         print(f"FAIL: losses differ by {worst:.2e} > {LOSS_RTOL:g} ({worst_at})", file=sys.stderr)
         return 2
     return 0
+
+
+def _ddp_goals(stats: dict, bounds: dict) -> tuple[dict, list]:
+    """The DDP case's ratios and (goal, met, detail) checks: overlapc_ddp against the
+    bound, both DDP variants and DDP eager's peak memory."""
+    o = stats["overlapc_ddp"]["median_s"]
+    goals = {"overlapc_ddp/bound": o / bounds["bound_s"], "overlapc_ddp/concurrent": o / bounds["concurrent_s"]}
+    for name in ("ddp_eager", "ddp_inductor"):
+        if name in stats:
+            goals[f"{name}/overlapc_ddp"] = stats[name]["median_s"] / o
+    peaks = {n: stats[n].get("peak_bytes") for n in ("overlapc_ddp", "ddp_eager", "ddp_inductor") if n in stats}
+    if peaks.get("overlapc_ddp") and peaks.get("ddp_eager"):
+        goals["overlapc_ddp/ddp_eager peak"] = peaks["overlapc_ddp"] / peaks["ddp_eager"]
+    nan = float("nan")
+
+    def faster(name):
+        ratio = goals.get(f"{name}/overlapc_ddp")
+        return (f"overlapc_ddp at least as fast as {name}", ratio is not None and ratio >= 1.0,
+                f"{name}/overlapc_ddp {ratio if ratio is not None else nan:.3f}x")
+
+    peak = goals.get("overlapc_ddp/ddp_eager peak")
+    checks = [
+        ("overlapc_ddp within 1.05x of bound", goals["overlapc_ddp/bound"] <= 1.05, f"{goals['overlapc_ddp/bound']:.3f}x"),
+        ("overlapc_ddp within 1.05x of concurrent (the bound as this machine runs it)",
+         goals["overlapc_ddp/concurrent"] <= 1.05, f"{goals['overlapc_ddp/concurrent']:.3f}x"),
+        faster("ddp_eager"), faster("ddp_inductor"),
+        ("overlapc_ddp peak memory <= ddp_eager's", peak is not None and peak <= 1.0,
+         f"overlapc_ddp/ddp_eager {peak:.3f}x" if peak is not None else "not measured"),
+    ]
+    return goals, checks
 
 
 def _write_json(path, obj) -> None:

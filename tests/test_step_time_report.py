@@ -77,3 +77,28 @@ def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_ti
     assert met["estimates within 20% of measured"] is True             # 1.9 / 2.1 and 1.6 / 1.8: -10%, -11%
     assert met["estimates rank the variants as measured"] is True      # unlimited < overlapc both ways
     assert "same config as overlapc" in capsys.readouterr().out
+
+
+def test_ddp_case_judges_overlapc_ddp_against_both_ddp_variants(step_time, tmp_path):
+    rank0 = {"ddp_eager": [2.5, 2.5, 2.5], "ddp_inductor": [2.0, 2.0, 2.0], "overlapc_ddp": [2.05, 2.1, 2.1],
+             "compute_only": [1.9, 1.9, 1.9], "comm_only": [0.5, 0.5, 0.5], "edge_comm": [0.1, 0.1, 0.1],
+             "concurrent": [2.05, 2.05, 2.05]}
+    out = tmp_path / "ddp.json"
+    args = step_time.parse_args(["--ddp", "--steps", "3", "--json", str(out)])
+    args.link = "test"
+    mib = 2 ** 20
+    peaks = {"ddp_eager": 100 * mib, "ddp_inductor": 90 * mib, "overlapc_ddp": 95 * mib}
+    per_rank = [{"times": rank0, "losses": {n: [1.0, 0.9] for n in rank0}, "errors": {},
+                 "compile_s": {n: 1.0 for n in rank0}, "n_params": 10, "aliases": {}, "peak_bytes": peaks,
+                 "estimates": {}}]
+    assert step_time.report(args, per_rank) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["case"] == "ddp" and sorted(result["variants"]) == sorted(step_time.DDP_VARIANTS)
+    met = result["ratios"]["met"]
+    assert result["ratios"]["overlapc_ddp/bound"] == pytest.approx(2.1 / 2.0)   # bound max(1.9 + 0.1, 0.5)
+    assert met["overlapc_ddp within 1.05x of bound"] is True                      # exactly 1.05
+    assert met["overlapc_ddp at least as fast as ddp_eager"] is True
+    assert met["overlapc_ddp at least as fast as ddp_inductor"] is False         # 2.0 vs 2.1
+    assert met["overlapc_ddp peak memory <= ddp_eager's"] is True                # 95 <= 100
+    with pytest.raises(SystemExit):
+        step_time.parse_args(["--ddp", "--variants", "overlapc"])               # an FSDP variant in the DDP case
