@@ -8,12 +8,19 @@ ranks run in a fresh network namespace whose loopback is shaped with a token
 bucket (tbf rate RATE burst 256kb limit 64mb); otherwise (or --no-shape) plain
 loopback, and the output says so. One torch thread per rank.
 
-Models (examples/tp_sp.py and examples/moe.py, fp32, forward + backward):
-  tp_sp  transformer blocks with tensor + sequence parallelism: all-gather of the
-         sequence -> q/k/v and MLP-up matmuls, o and MLP-down matmuls ->
-         reduce-scatter (the MLP is one all-gather -> ... -> reduce-scatter pipeline)
-  moe    expert-parallel MoE layers: all_to_all_single dispatch -> expert MLP ->
-         all_to_all_single combine (equal splits, one expert per rank)
+Models (examples/tp_sp.py, moe.py, moe_dropless.py; fp32, forward + backward):
+  tp_sp        transformer blocks with tensor + sequence parallelism, sequence-first
+               [seq, batch, dim]: all-gather of the sequence -> q/k/v and MLP-up
+               matmuls, o and MLP-down matmuls -> reduce-scatter (pieces are
+               sequence rows: attention stops them, the MLP is one pipeline)
+  tp_sp_batch  the same blocks batch-first [batch, seq, dim] (torchtitan's layout;
+               DTensor's split + cat around the dim-0 collectives): pieces are batch
+               rows, each block (attention; MLP) is one pipeline
+  moe          expert-parallel MoE layers: all_to_all_single dispatch -> expert MLP ->
+               all_to_all_single combine (equal splits, one expert per rank)
+  moe_dropless token-choice MoE: a count exchange, then all_to_all_single with split
+               sizes known only at run time (not chunked: variants eager, chunks1,
+               chunks_auto only)
 
 Variants, timed interleaved (A B C ... A B C ...), medians over rounds of the
 slowest rank's step:
@@ -24,6 +31,12 @@ slowest rank's step:
                these DTensor graphs costs ~45 s per variant). --path pass: an
                AOTAutograd backend that runs chunk_collectives(gm, k) alone.
                chunks1 = the same compile without chunking.
+  chunks_auto  chunks="auto" with the profile calibrated at the start of the run
+               (overlapc calibrate's quick sweep on this link): per pattern, the
+               count the estimator puts fastest. --path overlapc: an AOTAutograd
+               backend running drop_dead_compute, chunk_collectives(gm, "auto",
+               profile) and overlapc.schedule(gm) with default options (what
+               backend="overlapc" does, until its pipeline passes "auto" on).
   compute_only the chunks1 graphs with every collective replaced by a local op of
                the same shape (no communication)
   comm_only    the chunks1 graphs' collectives alone, same sizes, issued and
@@ -67,9 +80,16 @@ from step_time import (  # noqa: E402  (same link set-up and memory probe)
     _describe_exit, _free_port, concurrent_step, parent, profile_step,
 )
 
-VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "chunks8", "compute_only", "comm_only", "concurrent"]
-PIPELINED = [v for v in VARIANTS if v.startswith("chunks") and v != "chunks1"]
-MODELS = ["tp_sp", "moe"]
+VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "chunks8", "chunks_auto", "compute_only", "comm_only",
+            "concurrent"]
+FIXED = ["chunks2", "chunks4", "chunks8"]
+MODELS = ["tp_sp", "tp_sp_batch", "moe", "moe_dropless"]
+# data-dependent split sizes: no local stand-in of the same shapes, nothing chunked
+VARIANTS_OF = {"moe_dropless": ["eager", "chunks1", "chunks_auto"]}
+
+
+def variants_of(name: str) -> list[str]:
+    return VARIANTS_OF.get(name, VARIANTS)
 
 
 def log(msg: str) -> None:
@@ -86,8 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp-hidden", type=int, default=4096)
     p.add_argument("--tp-heads", type=int, default=8)
     p.add_argument("--tp-depth", type=int, default=1)
-    p.add_argument("--seq", type=int, default=512, help="TP+SP sequence (all ranks)")
-    p.add_argument("--batch", type=int, default=4, help="TP+SP batch")
+    p.add_argument("--seq", type=int, default=256, help="TP+SP sequence (all ranks)")
+    p.add_argument("--batch", type=int, default=8, help="TP+SP batch")
     p.add_argument("--moe-hidden", type=int, default=512)
     p.add_argument("--moe-depth", type=int, default=2)
     p.add_argument("--tokens", type=int, default=2048, help="MoE tokens per rank")
@@ -182,22 +202,27 @@ def rank_entry(rank, world, port, argd, conn) -> None:
 # ------------------------------------------------------------------ in each rank
 
 
-def chunk_backend(chunks: int, notes: list, specs: list | None = None, local: bool = False):
-    """AOTAutograd backend: drop_dead_compute and chunk_collectives(gm, chunks) on
-    forward and backward (what backend="overlapc" does before scheduling), eager
-    execution. ``specs`` collects each collective (op, input shape, dtype, other
-    args) in graph order; ``local`` replaces collectives by local ops."""
+def chunk_backend(chunks, notes: list, specs: list | None = None, local: bool = False, profile=None,
+                  schedule: bool = False, on_error: str = "raise"):
+    """AOTAutograd backend: drop_dead_compute and chunk_collectives(gm, chunks, profile)
+    on forward and backward (what backend="overlapc" does before scheduling), then
+    overlapc.schedule when ``schedule``; eager execution. ``specs`` collects each
+    collective (op, input shape, dtype, other args) in graph order; ``local``
+    replaces collectives by local ops."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.decomposition import select_decomp_table
 
+    import overlapc
     from overlapc.backend import drop_dead_compute
     from overlapc.collectives import collective_op, is_wait, node_value
     from overlapc.passes.chunk import chunk_collectives
 
     def compile_graph(gm, example_inputs):
         drop_dead_compute(gm)
-        notes.extend(chunk_collectives(gm, chunks))
+        notes.extend(chunk_collectives(gm, chunks, profile))
+        if schedule:
+            overlapc.schedule(gm, overlapc.OverlapConfig(on_error=on_error))
         for node in gm.graph.nodes:
             op = collective_op(node)
             if op is not None and specs is not None:
@@ -249,19 +274,30 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
     torch._dynamo.config.cache_size_limit = 64
     say = log if rank == 0 else (lambda msg: None)
     import moe
+    import moe_dropless
     import tp_sp
+    from overlapc import calibrate, costmodel
 
     builders = {
         "tp_sp": lambda: tp_sp.build(dim=args.dim, heads=args.tp_heads, hidden=args.tp_hidden,
                                      depth=args.tp_depth, seq=args.seq, batch=args.batch),
+        "tp_sp_batch": lambda: tp_sp.build(dim=args.dim, heads=args.tp_heads, hidden=args.tp_hidden,
+                                           depth=args.tp_depth, seq=args.seq, batch=args.batch, batch_first=True),
         "moe": lambda: moe.build(dim=args.dim, hidden=args.moe_hidden, tokens=args.tokens,
                                  capacity=args.tokens // world, depth=args.moe_depth),
+        "moe_dropless": lambda: moe_dropless.build(dim=args.dim, hidden=args.moe_hidden, tokens=args.tokens,
+                                                   depth=args.moe_depth),
     }
-    out = {"times": {}, "losses": {}, "peak_bytes": {}, "notes": {}}
+    say("calibrating this link and the compute (overlapc calibrate, quick sweep) ...")
+    profile = costmodel.profile_from_json(calibrate.run_in_group(None, quick=True), source="tp_moe calibration")
+    out = {"times": {}, "losses": {}, "peak_bytes": {}, "notes": {}, "profile": repr(profile)}
     for name in args.models:
         steps, notes = {}, {}
         specs: list = []
-        for variant in VARIANTS:
+        variants = variants_of(name)
+        # dropless: the scheduler may refuse its unbacked sizes; the fallback is counted, not hidden
+        on_error = "fallback" if name == "moe_dropless" else "raise"
+        for variant in variants:
             if variant == "comm_only":
                 steps[variant] = _comm_step(specs)
                 continue
@@ -275,35 +311,44 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
                 fn = model
             elif variant == "compute_only":
                 fn = torch.compile(model, backend=chunk_backend(1, [], specs, local=True))
+            elif variant == "chunks_auto":
+                notes[variant] = []
+                fn = torch.compile(model, backend=chunk_backend("auto", notes[variant], profile=profile,
+                                                                schedule=args.path == "overlapc", on_error=on_error))
             elif args.path == "overlapc":
                 fn = torch.compile(model, backend="overlapc", options={
-                    "chunks": int(variant[len("chunks"):]), "inner": "aot_eager", "on_error": "raise"})
+                    "chunks": int(variant[len("chunks"):]), "inner": "aot_eager", "on_error": on_error})
             else:
                 notes[variant] = []
                 fn = torch.compile(model, backend=chunk_backend(int(variant[len("chunks"):]), notes[variant]))
             steps[variant] = _train_step(model, fn, x0)
-        for variant in VARIANTS:          # compiles, then warm-up
+        for variant in variants:          # compiles, then warm-up
             t0 = time.perf_counter()
-            out["losses"][f"{name}/{variant}"] = steps[variant]()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out["losses"][f"{name}/{variant}"] = steps[variant]()
+            out.setdefault("fallbacks", {})[f"{name}/{variant}"] = [
+                str(w.message)[:300] for w in caught if "overlapc left the graph unscheduled" in str(w.message)]
             say(f"{name}/{variant}: first step {time.perf_counter() - t0:.1f} s")
-        times = {v: [] for v in VARIANTS}
+        times = {v: [] for v in variants}
         for r in range(args.warmup + args.steps):
-            for variant in VARIANTS:
+            for variant in variants:
                 dist.barrier()
                 t0 = time.perf_counter()
                 steps[variant]()
                 if r >= args.warmup:
                     times[variant].append(time.perf_counter() - t0)
             say(f"{name}: round {r + 1}/{args.warmup + args.steps} " +
-                " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in VARIANTS if times[v] and r >= args.warmup))
-        for variant in VARIANTS:
+                " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in variants if times[v] and r >= args.warmup))
+        for variant in variants:
             dist.barrier()
             peak, collectives = profile_step(steps[variant])
             out["peak_bytes"][f"{name}/{variant}"] = peak
             out.setdefault("collectives_run", {})[f"{name}/{variant}"] = collectives
-        for variant in VARIANTS:
+        for variant in variants:
             out["times"][f"{name}/{variant}"] = times[variant]
-        out["notes"][name] = {v: [(n.pattern, n.applied, n.reason) for n in ns] for v, ns in notes.items()}
+        out["notes"][name] = {v: [(n.pattern, n.applied, n.reason, n.chunks, n.estimates) for n in ns]
+                              for v, ns in notes.items()}
         out["collectives_per_step"] = out.get("collectives_per_step", {})
         out["collectives_per_step"][name] = len(specs)
     return out
@@ -344,7 +389,7 @@ def config_of(args) -> dict:
             "tp": {"hidden": args.tp_hidden, "heads": args.tp_heads, "depth": args.tp_depth,
                    "seq": args.seq, "batch": args.batch},
             "moe": {"hidden": args.moe_hidden, "depth": args.moe_depth, "tokens_per_rank": args.tokens,
-                    "experts": 2, "capacity": args.tokens // 2},
+                    "experts": 2, "capacity": args.tokens // 2, "dropless": "top-1 token choice"},
             "steps": args.steps, "warmup": args.warmup, "dtype": "float32", "torch_threads_per_rank": 1,
             "chunking": _path_text(args),
             "cpus": os.cpu_count(), "loadavg_at_report": list(os.getloadavg())}
@@ -359,27 +404,31 @@ def _path_text(args) -> str:
 
 
 def report(args, per_rank: list[dict]) -> int:
+    """Tables and goals; returns 1 when a loss differs from eager (fp32, rtol 1e-5)."""
     rows, ok = {}, True
     print()
     print(f"link: {args.link}")
     print(f"load average (1/5/15 min) at report: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cpus")
     print(f"chunking: {_path_text(args)}")
+    print(f"profile for chunks_auto: {per_rank[0]['profile']}")
     for name in args.models:
+        variants = variants_of(name)
         med = {}
-        for v in VARIANTS:
+        for v in variants:
             key = f"{name}/{v}"
             slowest = [max(r["times"][key][i] for r in per_rank) for i in range(len(per_rank[0]["times"][key]))]
             med[v] = statistics.median(slowest)
-        compute, comm = med["compute_only"], med["comm_only"]
-        print(f"\n{name}: {per_rank[0]['collectives_per_step'][name]} collectives per step (unchunked); "
-              f"compute {compute * 1e3:.0f} ms, comm {comm * 1e3:.0f} ms (medians of {args.steps} rounds, slowest rank)")
-        print(f"floor max(compute, comm) = {max(compute, comm) * 1e3:.0f} ms; est_ms = floor + min(compute, comm) / k")
+        compute, comm = med.get("compute_only"), med.get("comm_only")
+        print(f"\n{name}: {per_rank[0]['collectives_per_step'][name]} collectives per step (unchunked)"
+              + ("" if compute is None else f"; compute {compute * 1e3:.0f} ms, comm {comm * 1e3:.0f} ms")
+              + f" (medians of {args.steps} rounds, slowest rank)")
+        if compute is not None:
+            print(f"floor max(compute, comm) = {max(compute, comm) * 1e3:.0f} ms; est_ms = floor + min(compute, comm) / k")
         print(f"{'variant':<14}{'step_ms':>9}{'vs_chunks1':>12}{'est_ms':>10}{'peak_MiB':>10}{'colls':>7}  loss_ok")
         rows[name] = {}
-        ref = per_rank[0]["losses"][f"{name}/eager"]
-        for v in VARIANTS:
-            k = int(v[len("chunks"):]) if v.startswith("chunks") else None
-            bound = None if k is None else max(compute, comm) + min(compute, comm) / k
+        for v in variants:
+            k = int(v[len("chunks"):]) if v in ("chunks1", *FIXED) else None
+            bound = None if k is None or compute is None else max(compute, comm) + min(compute, comm) / k
             peak = max(r["peak_bytes"][f"{name}/{v}"] for r in per_rank)
             loss_ok = None
             if v.startswith("chunks") or v == "eager":
@@ -387,33 +436,46 @@ def report(args, per_rank: list[dict]) -> int:
                               1e-5 * abs(r["losses"][f"{name}/eager"]) + 1e-7 for r in per_rank)
                 ok &= loss_ok
             speed = med["chunks1"] / med[v]
+            fallbacks = per_rank[0].get("fallbacks", {}).get(f"{name}/{v}", [])
             rows[name][v] = {"step_ms": med[v] * 1e3, "speedup_vs_chunks1": speed,
                              "collectives_run_per_step": per_rank[0]["collectives_run"][f"{name}/{v}"],
                              "est_ms": None if bound is None else bound * 1e3,
-                             "peak_bytes": peak, "loss_matches_eager": loss_ok,
+                             "peak_bytes": peak, "loss_matches_eager": loss_ok, "fallbacks": fallbacks,
                              "times_ms_slowest_rank": [round(max(r["times"][f"{name}/{v}"][i] for r in per_rank) * 1e3, 2)
                                                        for i in range(args.steps)]}
             print(f"{v:<14}{med[v] * 1e3:>9.0f}{speed:>11.2f}x{'' if bound is None else f'{bound * 1e3:>10.0f}':>10}"
                   f"{peak / 2**20:>10.1f}{per_rank[0]['collectives_run'][f'{name}/{v}']:>7}  "
-                  f"{'' if loss_ok is None else loss_ok}")
-        best = min(PIPELINED, key=lambda v: med[v])
-        ceiling = med["chunks1"] / med["concurrent"]
-        rows[name]["floor_ms"] = max(compute, comm) * 1e3
-        rows[name]["best"] = {"variant": best, "speedup_vs_chunks1": med["chunks1"] / med[best],
-                              "goal_1_2x_met": med["chunks1"] / med[best] >= 1.2,
-                              "ideal_speedup": (compute + comm) / max(compute, comm),
-                              "ceiling_speedup": ceiling,
-                              "contention": med["concurrent"] / max(compute, comm)}
-        print(f"best: {best} {med['chunks1'] / med[best]:.2f}x vs chunks1 (goal >= 1.2x; ideal for this "
-              f"compute/comm: {(compute + comm) / max(compute, comm):.2f}x); loss of rank 0 eager {ref:.6g}")
-        print(f"concurrent (compute || comm, untied) {med['concurrent'] * 1e3:.0f} ms = "
-              f"{med['concurrent'] / max(compute, comm):.2f}x the floor: the most any chunk count gains "
-              f"here is {ceiling:.2f}x; {best} reaches {med['chunks1'] / med[best] / ceiling:.0%} of it")
+                  f"{'' if loss_ok is None else loss_ok}{'  FELL BACK: ' + fallbacks[0] if fallbacks else ''}")
         notes = per_rank[0]["notes"][name]
-        for v in PIPELINED if notes else ():
-            applied = sum(1 for _, a, _ in notes.get(v, []) if a)
-            print(f"  {v}: {applied} of {len(notes.get(v, []))} patterns chunked")
         rows[name]["notes"] = notes
+        for pattern, applied, reason, k, estimates in notes.get("chunks_auto", []):
+            est = ", ".join(f"{n}: {ms:.2f}" for n, ms in estimates)
+            print(f"  chunks_auto {pattern}: {k if applied else 1} piece(s){'' if applied else ' (' + reason + ')'}"
+                  f"{'; estimates ms ' + est if est else ''}")
+        fixed = [v for v in FIXED if v in med]
+        if not fixed:
+            continue
+        best = min(fixed, key=lambda v: med[v])
+        speed = med["chunks1"] / med[best]
+        tp = name.startswith("tp_sp")
+        goal = 1.3 if tp else 1.5
+        of_concurrent = med[best] / med["concurrent"]
+        auto_gap = med["chunks_auto"] / med[best] - 1
+        rows[name]["floor_ms"] = max(compute, comm) * 1e3
+        rows[name]["best"] = {"variant": best, "speedup_vs_chunks1": speed, "goal_speedup": goal,
+                              "goal_speedup_met": speed >= goal,
+                              "best_over_concurrent": of_concurrent,
+                              "goal_within_10pct_of_concurrent_met": of_concurrent <= 1.10 if tp else None,
+                              "auto_over_best": 1 + auto_gap, "goal_auto_within_3pct_met": auto_gap <= 0.03,
+                              "ideal_speedup": (compute + comm) / max(compute, comm),
+                              "ceiling_speedup": med["chunks1"] / med["concurrent"]}
+        print(f"best fixed: {best} {speed:.2f}x vs chunks1 (goal >= {goal}x: {'met' if speed >= goal else 'NOT met'})"
+              + (f"; {of_concurrent:.2f}x concurrent (goal <= 1.10x: {'met' if of_concurrent <= 1.10 else 'NOT met'})"
+                 if tp else "")
+              + f"; chunks_auto {1 + auto_gap:.3f}x best (goal <= 1.03x: {'met' if auto_gap <= 0.03 else 'NOT met'})")
+        print(f"concurrent (compute || comm, untied) {med['concurrent'] * 1e3:.0f} ms = "
+              f"{med['concurrent'] / max(compute, comm):.2f}x the floor; chunks1 / concurrent = "
+              f"{med['chunks1'] / med['concurrent']:.2f}x is the most any chunk count gains here")
     if args.json:
         _write_json(args.json, {"link": args.link, "config": config_of(args), "results": rows,
                                 "losses_per_rank": [r["losses"] for r in per_rank]})
