@@ -73,7 +73,7 @@ def _capture(module, **kwargs):
 
 @pytest.fixture(scope="module")
 def tp_graphs(fake_pg):
-    return _capture("tp_sp", heads=8, depth=1)
+    return _capture("tp_sp", heads=8, depth=1, batch=4)
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +96,19 @@ def test_tp_sp_every_pattern_is_pipelined_with_the_same_values(tp_graphs, chunks
                              for n in notes), notes
         assert gm.meta["overlapc_chunks"] == notes
         assert_same_values(original, gm)
-    fw_notes = fw.meta["overlapc_chunks"]
-    # attention: all-gather -> qkv matmul; o: matmul -> reduce-scatter; the MLP is one pipeline
-    assert [n.pattern for n in fw_notes] == ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_matmul"]
-    assert len(fw_notes[0].starts) == 1 and len(fw_notes[-1].starts) == 2
-    assert "reduce_scatter" in fw_notes[-1].starts[1]
-    assert count(fw, F.all_gather_into_tensor.default) == 2 * chunks
-    assert count(fw, F.reduce_scatter_tensor.default) == 2 * chunks
-    # the MLP backward (all-gather of the gradient -> ... -> reduce-scatter) is one pipeline too
-    bw_notes = bw.meta["overlapc_chunks"]
-    assert bw_notes[0].pattern == "all_gather_matmul" and len(bw_notes[0].starts) == 2
-    # chained through the residual add and the norm (its backward): attention o's
-    # reduce-scatter feeds the MLP's all-gather piece by piece, the MLP backward's
-    # reduce-scatter feeds the all-gather before o's backward matmul
-    assert [n.fed_by for n in fw_notes] == ["", "", fw_notes[1].starts[0]]
-    assert [n.fed_by for n in bw_notes] == ["", bw_notes[0].starts[1], ""]
-    for gm, feeder, fed in ((fw, fw_notes[1], fw_notes[2]), (bw, bw_notes[0], bw_notes[1])):
+    fw_notes, bw_notes = fw.meta["overlapc_chunks"], bw.meta["overlapc_chunks"]
+    # sequence-first: attention mixes the sequence, so its pipeline cuts the batch (dim 1):
+    # all-gather -> q/k/v -> attention -> o -> reduce-scatter is one pipeline, as is the MLP
+    assert [(n.pattern, len(n.starts)) for n in fw_notes] == [("all_gather_matmul", 2)] * 2, fw_notes
+    assert [(n.pattern, len(n.starts)) for n in bw_notes] == [("all_gather_matmul", 2)] * 2, bw_notes
+    assert count(fw, F.all_gather_into_tensor.default) == count(fw, F.reduce_scatter_tensor.default) == 2 * chunks
+    assert sum(1 for n in fw.graph.nodes if "scaled_dot_product" in str(n.target)) == chunks
+    # the attention's reduce-scatter feeds the MLP's all-gather piece by piece through the
+    # residual add and the norm (both cut along the batch); in the backward the MLP's
+    # pipeline cuts the sequence rows and the attention's the batch: not chained
+    assert [n.fed_by for n in fw_notes] == ["", fw_notes[0].starts[1]]
+    assert [n.fed_by for n in bw_notes] == ["", ""]
+    for gm, feeder, fed in ((fw, fw_notes[0], fw_notes[1]),):
         pos = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         nodes = {n.name: n for n in gm.graph.nodes}
         gathers = [nodes[p] for p in fed.pieces if "all_gather" in p]
@@ -384,9 +381,11 @@ def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
         notes = chunk_collectives(gm, "auto", prof)
         gm.graph.lint()
         assert [n.pattern for n in notes] == ["all_gather_matmul"] * 2, notes
+        # attention: batch 4, at most 4 pieces; the MLP may also cut the sequence rows
+        assert [k for k, _ in notes[0].estimates] == [1, 2, 4], notes[0]
         for note in notes:
             ks = [k for k, _ in note.estimates]
-            assert ks == [k for k in CANDIDATES if k <= 4], note   # batch 4: at most 4 pieces
+            assert ks[0] == 1 and set(ks) <= set(CANDIDATES) and ks == sorted(ks), note
             best = min(note.estimates, key=lambda e: (e[1], e[0]))
             assert note.chunks == best[0] and note.applied == (best[0] > 1), note
             assert (note.chunks > 1) == pipelined, note

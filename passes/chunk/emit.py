@@ -56,36 +56,40 @@ class Emitter:
         self.created.append(node)
         return node
 
-    def _piece(self, x: fx.Node, i: int, world: int, like) -> fx.Node:
-        """Piece i of ``x`` (rows: ``world`` blocks, piece i of each), contiguous."""
+    def _piece(self, x: fx.Node, i: int, layout: tuple[int, int], like) -> fx.Node:
+        """Piece i of ``x`` in ``layout`` (dim, blocks): piece i of each block, contiguous."""
+        dim, blocks = layout
         v = L.val(x)
-        rows, rest = v.shape[0], list(v.shape[1:])
-        n = rows // world
-        if world == 1:
-            part = self._new(aten.slice.Tensor, (x, 0, i * n // self.k, (i + 1) * n // self.k), like=like)
-            if not v.is_contiguous():
+        shape = list(v.shape)
+        n = shape[dim] // blocks
+        if blocks == 1:
+            part = self._new(aten.slice.Tensor, (x, dim, i * n // self.k, (i + 1) * n // self.k), like=like)
+            if not (v.is_contiguous() and all(d == 1 for d in shape[:dim])):
                 part = self._new(aten.clone.default, (part,), {"memory_format": torch.contiguous_format}, like)
             return part
         if not v.is_contiguous():
             x = self._new(aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, like)
-        blocks = self._new(aten.view.default, (x, [world, self.k, n // self.k, *rest]), like=like)
-        part = self._new(aten.select.int, (blocks, 1, i), like=like)
+        split = [*shape[:dim], blocks, self.k, n // self.k, *shape[dim + 1:]]
+        part = self._new(aten.select.int, (self._new(aten.view.default, (x, split), like=like), dim + 1, i), like=like)
         part = self._new(aten.clone.default, (part,), {"memory_format": torch.contiguous_format}, like)
-        return self._new(aten.view.default, (part, [world * n // self.k, *rest]), like=like)
+        return self._new(aten.view.default, (part, [*shape[:dim], blocks * n // self.k, *shape[dim + 1:]]),
+                         like=like)
 
-    def _join(self, pieces: list[fx.Node], world: int, like: fx.Node) -> fx.Node:
-        """Inverse of _piece: rows of ``world`` blocks, piece i of each from pieces[i]."""
-        v = L.val(pieces[0])
-        rest = list(v.shape[1:])
-        m = v.shape[0] // world
-        if world == 1:
-            return self._new(aten.cat.default, (pieces, 0), like=like)
-        parts = [self._new(aten.view.default, (p, [world, m, *rest]), like=like) for p in pieces]
-        whole = self._new(aten.cat.default, (parts, 1), like=like)
-        return self._new(aten.view.default, (whole, [world * m * self.k, *rest]), like=like)
+    def _join(self, pieces: list[fx.Node], layout: tuple[int, int], like: fx.Node) -> fx.Node:
+        """Inverse of _piece: the whole tensor from its k pieces."""
+        dim, blocks = layout
+        shape = list(L.val(pieces[0]).shape)
+        if blocks == 1:
+            return self._new(aten.cat.default, (pieces, dim), like=like)
+        m = shape[dim] // blocks
+        parts = [self._new(aten.view.default, (p, [*shape[:dim], blocks, m, *shape[dim + 1:]]), like=like)
+                 for p in pieces]
+        whole = self._new(aten.cat.default, (parts, dim + 1), like=like)
+        return self._new(aten.view.default, (whole, [*shape[:dim], blocks * m * self.k, *shape[dim + 1:]]),
+                         like=like)
 
-    def _copy_piece(self, node: fx.Node, env: dict, i: int, blocks: int, inside: set) -> fx.Node:
-        """``node`` on piece i of its inputs (``blocks``: its rank blocks)."""
+    def _copy_piece(self, node: fx.Node, env: dict, i: int, layout: tuple[int, int], inside: set) -> fx.Node:
+        """``node`` on piece i of its inputs (``layout``: its own)."""
         out = L.val(node)
         slices: dict[fx.Node, fx.Node] = {}
 
@@ -94,17 +98,19 @@ class Emitter:
                 return a
             if a in inside:
                 return env[a]
-            if L.cuts_operand(node, a):
+            dim = L.cut_dim(node, a, layout)
+            if dim is not None:
                 if a not in slices:
-                    slices[a] = self._piece(a, i, blocks, node)
+                    slices[a] = self._piece(a, i, (dim, layout[1]), node)
                 return slices[a]
             return a
 
         args = tree_map(arg, node.args)
         kwargs = tree_map(arg, dict(node.kwargs))
+        dim = layout[0]
         if node.target in L.VIEWS:
-            args = (args[0], [out.shape[0] // self.k, *out.shape[1:]], *args[2:])
-        if node.target is aten.split.Tensor and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % out.dim() == 0:
+            args = (args[0], [d // self.k if q == dim else d for q, d in enumerate(out.shape)], *args[2:])
+        if node.target is aten.split.Tensor and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % out.dim() == dim:
             args = (args[0], args[1] // self.k, *args[2:])   # a rank block's piece
         return self._new(node.target, args, kwargs, like=node)
 
@@ -137,12 +143,12 @@ class Emitter:
                 env = bridge_envs[i]
                 env[link.join] = link.joined.pieces[i]
                 for node in link.bridge:
-                    env[node] = self._copy_piece(node, env, i, link.blocks[node], set(link.bridge) | {link.join})
+                    env[node] = self._copy_piece(node, env, i, link.layouts[node], set(link.bridge) | {link.join})
                 shard = env[plan.source_input]
             elif op == "all_gather_into_tensor":
-                shard = self._piece(plan.source_input, i, 1, src)
+                shard = self._piece(plan.source_input, i, (plan.dim, 1), src)
             else:
-                shard = self._piece(plan.source_input, i, world, src)
+                shard = self._piece(plan.source_input, i, (0, world), src)
             args = list(src.args)
             args[0] = shard
             if op == "all_to_all_single":
@@ -157,9 +163,9 @@ class Emitter:
             if source_wait is not None:
                 env[source_wait] = self._new(F.wait_tensor.default, (source_starts[i],), like=source_wait)
             for cut in plan.cut:
-                env[cut] = self._piece(cut, i, plan.blocks[cut], plan.region[0])
+                env[cut] = self._piece(cut, i, plan.layouts[cut], plan.region[0])
             for node in plan.region:
-                env[node] = self._copy_piece(node, env, i, plan.blocks[node], inside | set(plan.cut))
+                env[node] = self._copy_piece(node, env, i, plan.layouts[node], inside | set(plan.cut))
 
         def start_sink(i):
             self._at = (i, 1)
@@ -197,21 +203,22 @@ class Emitter:
             bridge = set(link.bridge)
             for node in link.bridge:
                 if any(u not in bridge and u is not plan.source for u in node.users):
-                    replaced[node] = self._join([bridge_envs[i][node] for i in range(k)], link.blocks[node], node)
+                    replaced[node] = self._join([bridge_envs[i][node] for i in range(k)], link.layouts[node], node)
         self._at = (k - 1, 1)
         for node in [source_wait, *plan.region] if source_wait is not None else plan.region:
             outside = [u for u in node.users if u not in inside and u is not plan.sink]
             if outside:
-                replaced[node] = self._join([envs[i][node] for i in range(k)], plan.blocks[node], node)
+                replaced[node] = self._join([envs[i][node] for i in range(k)], plan.layouts[node], node)
         if plan.sink is not None:
             self._at = (k - 1, 2)
-            sink_world = 1 if collective_op(plan.sink) == "reduce_scatter_tensor" else world
-            joined = self._join(sink_results, sink_world, plan.sink)
+            scattered = collective_op(plan.sink) == "reduce_scatter_tensor"
+            layout = (plan.dim, 1) if scattered else (0, world)
+            joined = self._join(sink_results, layout, plan.sink)
             if tuple(L.val(joined).shape) != tuple(L.val(sink_wait).shape):
                 joined = self._new(aten.view.default, (joined, list(L.val(sink_wait).shape)), like=sink_wait)
-            elif sink_world == 1:   # a later all-gather may read these pieces through row-wise compute
+            elif scattered:   # a later all-gather may read these pieces through row-wise compute
                 self.planner.joins.append(
-                    (joined, Joined(sink_results, self._prefix, self._base + 2, plan.sink.name, k)))
+                    (joined, Joined(sink_results, self._prefix, self._base + 2, plan.sink.name, k, plan.dim)))
             replaced[sink_wait] = joined
         keep = set(inside)   # readers that go with the originals
         if link is not None:

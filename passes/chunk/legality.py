@@ -1,13 +1,16 @@
 """Row-wise legality: whether piece i of a node is the node applied to piece i of its inputs.
 
-Rows are dim 0. A tensor in a pipeline has ``blocks`` blocks along dim 0 (the
-ranks of a collective that moved it, or 1) and piece i of it is rows
-``r*n + i*n/k ... + n/k`` of every block r (n rows a block): see
-``overlapc.passes.chunk``'s docstring. Every check raises ``Skip`` with the
-reason a note reports.
+A tensor in a pipeline has a layout (dim, blocks): its pieces are cut along
+``dim`` (dim 0, the rows, unless the pipeline cuts the batch of a
+sequence-first tensor, its dim 1), which holds ``blocks`` equal blocks (the
+ranks of a collective that moved it, or the rows of a view that merged outer
+dims into it, or 1); piece i is entries ``r*n + i*n/k ... + n/k`` of every
+block r (n a block). See ``overlapc.passes.chunk``'s docstring. Every check
+raises ``Skip`` with the reason a note reports.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -81,17 +84,17 @@ def one_wait(start: fx.Node) -> fx.Node:
     return waits[0]
 
 
-def rows(node: fx.Node, blocks: int, k: int) -> int:
-    """Dim 0 of ``node`` (of each of its outputs): must split into blocks * k equal
-    parts, the same for all outputs."""
+def rows(node: fx.Node, blocks: int, k: int, dim: int = 0) -> int:
+    """Dim ``dim`` of ``node`` (of each of its outputs): must split into blocks * k
+    equal parts, the same for all outputs."""
     found = set()
     for value in outputs(node):
-        if value.dim() == 0 or value.shape[0] % (blocks * k):
-            raise Skip(f"dim 0 of {node.name} ({tuple(value.shape)}) does not divide by "
+        if value.dim() <= dim or value.shape[dim] % (blocks * k):
+            raise Skip(f"dim {dim} of {node.name} ({tuple(value.shape)}) does not divide by "
                        f"world {blocks} x chunks {k}")
-        found.add(value.shape[0])
+        found.add(value.shape[dim])
     if len(found) != 1:
-        raise Skip(f"outputs of {node.name} differ in dim 0 ({sorted(found)})")
+        raise Skip(f"outputs of {node.name} differ in dim {dim} ({sorted(found)})")
     return found.pop()
 
 
@@ -106,18 +109,18 @@ def equal_splits(start: fx.Node, world: int) -> None:
         raise Skip(f"{start.name}: output splits {list(out_splits)} differ from input splits")
 
 
-def keeps_rows(node: fx.Node) -> bool:
-    """A slice along another dim, or along dim 0 over all of it (DTensor emits
-    ``slice(wait, 0, 0, n)`` after an all-gather): piece i in, piece i out."""
+def keeps_rows(node: fx.Node, piece_dim: int = 0) -> bool:
+    """A slice along another dim than the pieces', or along theirs over all of it
+    (DTensor emits ``slice(wait, 0, 0, n)`` after an all-gather): piece i in, piece i out."""
     if node.target is not aten.slice.Tensor:
         return False
     value = node_value(node.args[0])
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
     dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
-    if dim % value.dim() != 0:
+    if dim % value.dim() != piece_dim:
         return True
-    return start in (None, 0) and step == 1 and (end is None or end >= value.shape[0])
+    return start in (None, 0) and step == 1 and (end is None or end >= value.shape[piece_dim])
 
 
 def is_layout(node: fx.Node) -> bool:
@@ -141,21 +144,49 @@ def target_is_split(node: fx.Node) -> bool:
     return node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 
 
-def cuts_operand(node: fx.Node, a: fx.Node) -> bool:
-    """Whether ``node``, run on a piece, takes the matching piece of ``a``, an operand
-    from outside the pipeline with full rows (a saved activation in a backward)."""
+def cut_dim(node: fx.Node, a: fx.Node, layout: tuple[int, int]) -> int | None:
+    """The dim along which ``node``, run on a piece (its layout ``layout``), takes the
+    matching piece of ``a``, an operand from outside the pipeline with the full extent
+    there (a saved activation in a backward); None when it takes ``a`` whole."""
     if node.target in MATMULS:
-        return False
+        return None
     out, va = val(node), val(a)
-    if va.dim() == 0 or va.shape[0] != out.shape[0] or out.shape[0] <= 1:
-        return False
-    return node.target in BATCHWISE or va.dim() == out.dim()
+    if node.target in BATCHWISE:   # every operand has the batch first (attention's log-sum-exp too)
+        dim = 0
+    else:
+        dim = layout[0] - (out.dim() - va.dim())   # operands broadcast from the right
+        if va.dim() != out.dim():
+            return None
+    if dim < 0 or va.dim() == 0 or va.shape[dim] != out.shape[layout[0]] or out.shape[layout[0]] <= 1:
+        return None
+    return dim
 
 
-def check_rowwise(node: fx.Node, blocks: dict, k: int) -> int:
+def _view_layout(shape, layout, out_shape, k: int) -> tuple[int, int]:
+    """The layout of ``shape`` (in ``layout``) viewed as ``out_shape``. In row-major
+    order the tensor is [outer][n][inner] with outer = prod(shape[:dim]) * blocks and
+    pieces cutting n; the view keeps them iff some dim q of ``out_shape`` is
+    [outer / prod(out_shape[:q])][m] with m * prod(out_shape[q+1:]) = n * inner."""
+    dim, blocks = layout
+    outer = math.prod(shape[:dim]) * blocks
+    per_block = shape[dim] // blocks * math.prod(shape[dim + 1:])
+    for q in range(len(out_shape)):
+        before = math.prod(out_shape[:q])
+        if outer % before or out_shape[q] % (outer // before):
+            continue
+        b = outer // before
+        if out_shape[q] // b * math.prod(out_shape[q + 1:]) == per_block and out_shape[q] // b % k == 0:
+            return q, b
+    raise Skip(f"a view of {tuple(shape)} as {tuple(out_shape)} does not keep the pieces of dim {dim}")
+
+
+_KEEPDIM_ARG = {aten.sum.dim_IntList: 2, aten.mean.dim: 2, aten.amax.default: 2, aten.amin.default: 2}
+
+
+def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
     """Raise Skip unless piece i of ``node`` is ``node`` of piece i of its inputs;
-    ``blocks`` maps the nodes already in pieces to their block counts. Returns
-    ``node``'s block count (each output's, for a node with several)."""
+    ``layouts`` maps the nodes already in pieces to their layouts (dim, blocks).
+    Returns ``node``'s layout (each output's, for a node with several)."""
     target = node.target
     why = f"{node.name} ({opname(node)}) is not row-wise"
     if node.op != "call_function":
@@ -163,70 +194,84 @@ def check_rowwise(node: fx.Node, blocks: dict, k: int) -> int:
     if role(node)[2] is not None:
         raise Skip(f"barrier {node.name} ({role(node)[2]})")
     args = list(node._input_nodes)
-    ins = [a for a in args if a in blocks]
+    ins = [a for a in args if a in layouts]
     if not ins:
         raise Skip(why)
-    if len({blocks[a] for a in ins}) != 1:
+    if len({layouts[a] for a in ins}) != 1:
         raise Skip(f"{node.name} ({opname(node)}) mixes inputs of different rank layouts")
-    b = blocks[ins[0]]
+    p, b = layouts[ins[0]]
     out = val(node)
-    if target is operator.getitem or target in VIEWS or target in COPIES or keeps_rows(node):
-        if node.args[0] not in blocks or len(args) != 1:
+    src = val(ins[0])
+    if target is operator.getitem or target in COPIES or keeps_rows(node, p):
+        if node.args[0] not in layouts or len(args) != 1:
             raise Skip(why)
-    elif target in ROW_REDUCTIONS:
-        dims = node.args[1] if len(node.args) > 1 else None
-        rank = val(node.args[0]).dim()
-        if len(args) != 1 or not dims or any(d % rank == 0 for d in dims):
-            raise Skip(f"{node.name} ({opname(node)}) reduces over the rows")
-    elif target in PERMUTES:
-        dims = [0, 1] if target is aten.t.default else (
-            list(node.args[1:3]) if target is aten.transpose.int else list(node.args[1]))
-        dims = [d % out.dim() for d in dims] if out.dim() else dims
-        if target is aten.permute.default and dims[0] != 0 or \
-                target is not aten.permute.default and 0 in dims and dims[0] != dims[-1]:
-            raise Skip(f"{node.name} ({opname(node)}) moves dim 0")
-    elif target_is_split(node):
-        parts = len(outputs(node))
+    elif target in VIEWS:
         if len(args) != 1:
             raise Skip(why)
-        if _dim(node, 1 if target is aten.unbind.int else 2, val(node.args[0]).dim()) == 0:
-            if target is not aten.split.Tensor or b % parts or val(node.args[0]).shape[0] % parts:
+        p, b = _view_layout(tuple(src.shape), (p, b), tuple(out.shape), k)
+    elif target in ROW_REDUCTIONS:
+        dims = node.args[1] if len(node.args) > 1 else None
+        if len(args) != 1 or not dims or any(d % src.dim() == p for d in dims):
+            raise Skip(f"{node.name} ({opname(node)}) reduces over the rows")
+        index = _KEEPDIM_ARG.get(target)
+        keepdim = node.kwargs.get("keepdim", node.args[index] if index is not None and len(node.args) > index
+                                  else False)
+        if not keepdim:
+            p -= sum(1 for d in dims if d % src.dim() < p)
+    elif target in PERMUTES:
+        if target is aten.permute.default:
+            order = [d % out.dim() for d in node.args[1]]
+        else:
+            order = list(range(out.dim()))
+            i, j = (0, 1) if target is aten.t.default else (node.args[1] % out.dim(), node.args[2] % out.dim())
+            order[i], order[j] = order[j], order[i]
+        p = order.index(p)
+    elif target_is_split(node):
+        parts = len(outputs(node))
+        d = _dim(node, 1 if target is aten.unbind.int else 2, src.dim())
+        if len(args) != 1:
+            raise Skip(why)
+        if d == p:
+            if target is not aten.split.Tensor or b % parts or src.shape[p] % parts:
                 raise Skip(f"{node.name} ({opname(node)}) splits the rows unevenly across rank blocks")
             b //= parts   # DTensor's regather: rank blocks become separate tensors
+        elif target is aten.unbind.int and d < p:
+            p -= 1
     elif target is aten.cat.default:
-        if any(a not in blocks for a in args):
+        if any(a not in layouts for a in args):
             raise Skip(f"{node.name} ({opname(node)}) joins pipelined rows with others")
-        if _dim(node, 1, out.dim()) == 0:
+        if _dim(node, 1, out.dim()) == p:
             if len({tuple(val(a).shape) for a in args}) != 1:
                 raise Skip(f"{node.name} ({opname(node)}) joins unequal parts along the rows")
             b *= len(args)   # separate rank blocks become one tensor (before a reduce-scatter)
-        elif len({val(a).shape[0] for a in args}) != 1:
+        elif len({val(a).shape[p] for a in args}) != 1:
             raise Skip(why)
     elif target in MATMULS:
         first = row_operand(node)
-        if first not in blocks or len(ins) != 1:
+        if first not in layouts or len(ins) != 1 or p != 0:
             raise Skip(f"{node.name} ({opname(node)}) does not read the rows as its first operand")
         if target is aten.addmm.default:
             bias = val(node.args[0])
             if bias.dim() == 2 and bias.shape[0] != 1:
                 raise Skip(f"{node.name}: bias {node.args[0].name} has rows")
     elif target in BATCHWISE:
+        if p != 0 or any(val(a).shape[0] != out.shape[0] for a in ins):
+            raise Skip(f"{node.name} ({opname(node)}) is cut along dim {p}, not its batch")
         if target in (aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default) \
-                and _dim(node, 2 if target is aten._softmax_backward_data.default else 1, out.dim()) == 0:
+                and _dim(node, 2 if target is aten._softmax_backward_data.default else 1, out.dim()) == p:
             raise Skip(f"{node.name} ({opname(node)}) normalises over the rows")
-        if any(val(a).shape[0] != out.shape[0] for a in ins):
-            raise Skip(why)
     elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         for a in args:
             v = val(a)
-            if a in blocks and (v.dim() != out.dim() or v.shape[0] != out.shape[0]):
+            if a in layouts and (v.dim() != out.dim() or v.shape[p] != out.shape[p]):
                 raise Skip(f"{node.name} ({opname(node)}) broadcasts {a.name} along rows")
-            if a not in blocks and v.dim() == out.dim() and v.shape[0] not in (1, out.shape[0]):
+            d = p - (out.dim() - v.dim())
+            if a not in layouts and d >= 0 and v.shape[d] not in (1, out.shape[p]):
                 raise Skip(why)
     else:
         raise Skip(why)
-    rows(node, b, k)
-    return b
+    rows(node, b, k, p)
+    return p, b
 
 
 def check_no_feedback(region, wait, depends) -> None:

@@ -36,6 +36,7 @@ class Joined:
     stage: int                       # the pieces' stage (their waits')
     start: str                       # the original reduce-scatter's name
     chunks: int
+    dim: int                         # the pieces' dim
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ class Link:
     join: fx.Node
     joined: Joined
     bridge: list[fx.Node]            # graph order, ending at the all-gather's input
-    blocks: dict[fx.Node, int]       # rank blocks of the join and each bridge node
+    layouts: dict[fx.Node, tuple[int, int]]   # (dim, blocks) of the join and each bridge node
 
 
 @dataclasses.dataclass
@@ -62,7 +63,8 @@ class Plan:
     region: list[fx.Node]            # row-wise nodes, graph order
     cut: list[fx.Node]               # row operands cut into pieces (matmul -> reduce-scatter)
     anchor: fx.Node                  # new nodes go just before it
-    blocks: dict[fx.Node, int]       # rank blocks along dim 0 of the source wait, cut and region nodes
+    layouts: dict[fx.Node, tuple[int, int]]   # (dim, blocks) of the source wait, cut and region nodes
+    dim: int = 0                     # the dim its collectives' pieces are cut along (not theirs: 0)
     link: Link | None = None         # an earlier pipeline's pieces feed source_input
 
     @property
@@ -100,32 +102,39 @@ class Planner:
         if op == "all_to_all_single":
             L.equal_splits(start, world)
             L.rows(start.args[0], world, k)
-        else:
-            shard = L.val(start.args[0])
-            if shard.dim() == 0 or shard.shape[0] % k:
+            region, sink, layouts, why = self._region_to_sink(wait, op, group, world, k, 0)
+            if sink is None:
+                raise Skip(why or f"no all_to_all_single of group {group} reads {wait.name}'s rows")
+            return Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink, layouts)
+        shard = L.val(start.args[0])
+        # pieces of the gathered rows (dim 0), else of a sequence-first activation's batch
+        # (dim 1), which flow through attention; a plan fed by an earlier pipeline first
+        dims = [d for d in (0, 1) if shard.dim() > (0 if d == 0 else 2) and shard.shape[d] % k == 0]
+        plans = []
+        for dim in dims:
+            region, sink, layouts, _ = self._region_to_sink(wait, "reduce_scatter_tensor", group, world, k, dim)
+            if sink is not None:
+                plans.append(Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink, layouts,
+                                  dim, self._link(start, k, dim)))
+        if not plans:
+            if 0 not in dims:
                 raise Skip(f"dim 0 of the shard {start.args[0].name} ({tuple(shard.shape)}) "
                            f"does not divide by chunks {k}")
-        L.rows(wait, world, k)
-        sink_op = "reduce_scatter_tensor" if op == "all_gather_into_tensor" else "all_to_all_single"
-        region, sink, blocks, why = self._region_to_sink(wait, sink_op, group, world, k)
-        if sink is None and op == "all_to_all_single":
-            raise Skip(why or f"no all_to_all_single of group {group} reads {wait.name}'s rows")
-        if sink is None:
-            region, blocks = self._matmul_consumers(wait, world, k)
-        plan = Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink or region[-1], blocks)
-        if op == "all_gather_into_tensor":
-            plan.link = self._link(start, k)
-        return plan
+            L.rows(wait, world, k)
+            region, layouts = self._matmul_consumers(wait, world, k)
+            plans.append(Plan(pattern, group, world, k, start, start.args[0], None, region, [], region[-1], layouts,
+                              0, self._link(start, k, 0)))
+        return min(plans, key=lambda p: p.link is None)
 
-    def _link(self, start: fx.Node, k: int) -> Link | None:
+    def _link(self, start: fx.Node, k: int, dim: int) -> Link | None:
         """The row-wise compute by which an earlier reduce-scatter pipeline's result
         (a Joined cat) reaches the all-gather ``start``'s input, or None. Every node
         on the way must be row-wise on the shard's rows, no barrier may lie between
-        that pipeline and ``start``, and both must have the same piece count."""
+        that pipeline and ``start``, and both must cut the same dim into as many pieces."""
         shard = start.args[0]
         end = self.index[start]
         for join, joined in self.joins:
-            if join._erased or joined.chunks != k:
+            if join._erased or joined.chunks != k or joined.dim != dim:
                 continue
             reach = {join}           # original nodes before ``start`` that depend on the join
             for node in self.original[joined.prefix[0] + 1:end]:
@@ -144,12 +153,12 @@ class Planner:
             bridge.sort(key=self.index.__getitem__)
             try:
                 inside = set(bridge) | {join}
-                blocks = {join: 1}
+                layouts = {join: (dim, 1)}
                 for node in bridge:
-                    blocks[node] = L.check_rowwise(node, blocks, k)
+                    layouts[node] = L.check_rowwise(node, layouts, k)
                     if L.is_multi(node) and any(u not in inside for u in node.users):
                         raise Skip(f"{node.name} ({L.opname(node)}) has a reader outside the chain")
-                if blocks[shard] != 1:
+                if layouts[shard] != (dim, 1):
                     raise Skip(f"{shard.name} is not in one block")
                 L.check_no_feedback(bridge, join, reach)
                 for node in self.original[joined.prefix[0] + 1:end]:
@@ -157,13 +166,14 @@ class Planner:
                         raise Skip(f"barrier {node.name}")
             except Skip:
                 return None
-            return Link(join, joined, bridge, blocks)
+            return Link(join, joined, bridge, layouts)
         return None
 
-    def _region_to_sink(self, wait, sink_op, group, world, k):
+    def _region_to_sink(self, wait, sink_op, group, world, k, dim):
         """(row-wise nodes from ``wait`` to the first ``sink_op`` of ``group`` that
         reads them (and the other outputs of a node with several), the sink start,
-        their rank blocks, None) or ([], None, {}, why-not)."""
+        their layouts, None) or ([], None, {}, why-not); pieces cut along ``dim`` of
+        the collectives' tensors."""
         depends = {wait}
         sink = None
         for node in _after(wait):
@@ -182,26 +192,28 @@ class Planner:
                     on_path.update(u for u in node.users if u.target is operator.getitem)
         on_path.discard(wait)
         region = [n for n in _between(wait, sink) if n in on_path]
-        blocks = {wait: world}
+        layout = (0, world) if dim == 0 else (dim, 1)
+        layouts = {wait: layout}
         try:
             if sink_op == "all_to_all_single":
                 L.equal_splits(sink, world)
             L.one_wait(sink)
+            L.rows(wait, layout[1], k, dim)
             for node in region:
-                blocks[node] = L.check_rowwise(node, blocks, k)
-            if blocks[sink.args[0]] != world:
-                raise Skip(f"{sink.args[0].name} holds {blocks[sink.args[0]]} rank blocks, "
-                           f"{sink.name} scatters {world}")
+                layouts[node] = L.check_rowwise(node, layouts, k)
+            if layouts[sink.args[0]] != layout:
+                raise Skip(f"{sink.args[0].name} has its pieces as {layouts[sink.args[0]]} (dim, blocks), "
+                           f"{sink.name} needs {layout}")
             L.check_no_feedback(region, wait, depends)
         except Skip as skip:
             return [], None, {}, f"compute between {wait.name} and {sink.name} is not pipelined: {skip}"
-        return region, sink, blocks, None
+        return region, sink, layouts, None
 
     def _matmul_consumers(self, wait: fx.Node, world: int, k: int) -> tuple[list[fx.Node], dict]:
         """The matmuls that read the gathered rows as their first operand (through
         views that keep the rows and DTensor's regather), with those views, in graph
-        order; and their rank blocks."""
-        views = {wait: world}
+        order; and their layouts."""
+        views = {wait: (0, world)}
         matmuls: list[fx.Node] = []
         first_other = None
         for node in _after(wait):
@@ -255,13 +267,14 @@ class Planner:
         why = None
         for b in (world, 1):   # the matmul's rows: rank blocks as they are scattered, or one block
             try:
-                blocks = {first: b}
+                layouts = {first: (0, b)}
                 L.rows(first, b, k)
                 for n in region:
-                    blocks[n] = L.check_rowwise(n, blocks, k)
-                if blocks[start.args[0]] == world:
+                    layouts[n] = L.check_rowwise(n, layouts, k)
+                if layouts[start.args[0]] == (0, world):
                     break
-                why = f"{start.args[0].name} holds {blocks[start.args[0]]} rank blocks, {start.name} scatters {world}"
+                why = f"{start.args[0].name} holds {layouts[start.args[0]]} (dim, rank blocks), " \
+                      f"{start.name} scatters {world} along dim 0"
             except Skip as skip:
                 why = str(skip)
         else:
@@ -272,7 +285,7 @@ class Planner:
                 if user not in inside and user is not start and _reaches(user, start):
                     raise Skip(f"intermediate {n.name} has another user {user.name} ({L.opname(user)}) "
                                f"that feeds {start.name}")
-        return Plan("matmul_reduce_scatter", group, world, k, None, None, start, region, [first], start, blocks)
+        return Plan("matmul_reduce_scatter", group, world, k, None, None, start, region, [first], start, layouts)
 
     @staticmethod
     def _check_barriers(plan: Plan) -> None:
