@@ -1,34 +1,45 @@
 """Split collectives on the critical path into pipelined pieces.
 
-    notes = chunk_collectives(gm, chunks)   # rewrites gm.graph in place; no recompile
+    notes = chunk_collectives(gm, chunks)   # chunks: int, or "auto" (with profile=...);
+                                            # rewrites gm.graph in place; no recompile
 
 Targets: a collective whose input is produced right before it and whose result
 is needed right after (tensor/sequence parallel, MoE), where reordering alone
 hides nothing. Each becomes ``chunks`` pieces so that piece i+1's collective
 runs while piece i computes.
 
-Row layout. All three patterns split dim 0 ("rows": tokens or sequence) and
-never the dims a collective or a matmul contracts. A tensor of R rows that a
-collective over W ranks moves is R = W blocks of n rows (rank-major); piece i
-of it is rows ``r*n + i*n/chunks + j`` of every block r. That layout commutes
-with the collectives, so every result is exact (only matmuls over fewer rows):
+Layout. Pieces are cut along one dim of the collectives' tensors, never a
+dim a collective or a matmul contracts: dim 0 ("rows": tokens or sequence),
+or, for a sequence-first [seq, batch, ...] activation whose rows attention
+mixes, its batch (dim 1). A tensor in a pipeline has a layout (dim, blocks): a
+tensor of R rows that a collective over W ranks moves is W blocks of n rows
+(rank-major), and piece i is entries ``r*n + i*n/chunks + j`` of every block r
+along that dim. That commutes with the collectives, so every result is exact
+(only matmuls over fewer rows):
 
-* all_gather(shard)[piece i] = all_gather(shard rows i*n/k ...): the shard is
-  split along its own dim 0 (a cheap view) and the gathered pieces are already
-  in piece layout; splitting a non-gathered dim instead would need a strided
-  copy of the shard and only works for inputs with a batch dim.
-* reduce_scatter(x)[rows i*n/k ...] = reduce_scatter(x[piece i]).
+* all_gather(shard)[piece i] = all_gather(shard piece i): the shard is cut
+  along its own dim 0 (a view) or its batch (a copy of 1/k of the shard), and
+  the gathered pieces are already in piece layout.
+* reduce_scatter(x)[piece i] = reduce_scatter(x[piece i]).
 * all_to_all_single(x)[piece i] = all_to_all_single(x[piece i]) for equal splits.
 
-Row-wise compute (matmul with the rows as its first operand and a weight not
-derived from them, elementwise ops, reductions over other dims such as a norm's
-statistics, views that keep dim 0 a multiple of W*chunks, permutes that keep
-dim 0 first) maps piece i to piece i. Patterns:
+Row-wise compute maps piece i to piece i and carries the layout on (legality):
+a matmul with the rows as its first operand and a weight not derived from
+them, elementwise ops, reductions over other dims (a norm's statistics), views
+(the layout followed through row-major order: [seq, batch/k, d] viewed as
+[seq*batch/k, d] is ``seq`` blocks), permutes (the dim moves), attention
+(SDPA forward and backward, softmax, bmm: independent per batch row when the
+pieces are batch rows), and DTensor's layout changes: an all-gather on dim 0
+followed by ``split`` + ``cat`` into dim k (and ``split`` + ``cat`` before a
+reduce-scatter) turn W rank blocks into separate tensors and back, so a
+batch-first [batch, seq, ...] activation's pieces are batch rows. Patterns:
 
 * ``all_gather_matmul``: all-gather -> row-wise compute -> reduce-scatter of
-  the same group (a TP+SP MLP, forward and backward) becomes one pipeline and
-  its note names both starts; without a reduce-scatter reachable through
-  row-wise compute, all-gather -> views -> the matmuls that read the rows.
+  the same group (a TP+SP attention block or MLP, forward and backward) becomes
+  one pipeline and its note names both starts; without a reduce-scatter
+  reachable through row-wise compute, all-gather -> views -> the matmuls that
+  read the rows. A pipeline fed by an earlier one (below) is preferred, then
+  rows, then the batch of a sequence-first activation.
 * ``matmul_reduce_scatter``: matmul -> views -> reduce-scatter; the matmul's
   row operand is copied piece by piece.
 * ``all_to_all_expert``: all_to_all_single -> row-wise expert compute ->
@@ -36,8 +47,9 @@ dim 0 first) maps piece i to piece i. Patterns:
 
 Chained pipelines: when an all-gather's input is row-wise compute of an earlier
 reduce-scatter pipeline's result (the residual add and norm between attention
-and MLP in TP+SP), that compute runs piece by piece on the reduce-scatter's
-pieces and feeds the all-gather's pieces directly (the note's ``fed_by``), so
+and MLP in TP+SP) cut along the same dim into as many pieces, that compute
+runs piece by piece on the reduce-scatter's pieces and feeds the all-gather's
+pieces directly (the note's ``fed_by``), so
 the two pipelines become one and piece i's reduce-scatter overlaps the compute
 of other pieces of the next pattern.
 
@@ -53,11 +65,15 @@ compute. Nodes that read a reassembled value move after it (a stable
 topological order, the same on every rank); a node outside the pipelines that
 it reads (a weight's transpose) moves to just before its first reader.
 
-Code: ``legality`` (row-wise checks), ``plan`` (finding patterns and chaining
-them into Plans), ``emit`` (pieces, reassembly, order); this module drives them.
+``chunks="auto"``: per pattern, the count among ``estimate.CANDIDATES`` that
+the estimator puts fastest (``estimate``), 1 leaving the pattern alone.
 
-Left alone, with a ChunkNote saying why: a dim 0 that does not divide, unknown
-or symbolic shapes, unequal all-to-all splits, a start without exactly one
+Code: ``legality`` (row-wise checks, layouts), ``plan`` (finding patterns and
+chaining them into Plans), ``emit`` (pieces, reassembly, order), ``estimate``
+(a pipeline's time for k pieces); this module drives them.
+
+Left alone, with a ChunkNote saying why: a dim that does not divide, unknown
+or symbolic shapes, unequal or data-dependent all-to-all splits (dropless MoE), a start without exactly one
 wait, compute that is not row-wise, an intermediate whose other users feed the
 pipeline back, a barrier between the collectives.
 """
