@@ -30,7 +30,9 @@ import hashlib
 import itertools
 import logging
 import os
+import sys
 import warnings
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -48,7 +50,7 @@ INDUCTOR_PATCHES = {
     "reorder_for_compute_comm_overlap": False,
 }
 
-_graph_name: contextvars.ContextVar[str] = contextvars.ContextVar("overlapc_graph", default="graph")
+_graph_name: contextvars.ContextVar[str] = contextvars.ContextVar("overlapc_graph", default="")
 _counter = {"graphs": 0}
 
 
@@ -75,6 +77,29 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+class _RankAndGraph(logging.Filter):
+    """On the "overlapc" logger, in a process group: a record reads "[rank R]
+    fw_0: ..." while the backend compiles graph fw_0, else "[rank R] ..." (its
+    leading "overlapc: " dropped: the logger's name says it); records at INFO and
+    below pass on rank 0 only unless the logger is enabled for DEBUG, so
+    per-graph summaries print once per job by default and on every rank at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or getattr(record, "overlapc_tagged", False):
+            return True
+        rank = dist.get_rank()
+        if rank != 0 and record.levelno <= logging.INFO and not log.isEnabledFor(logging.DEBUG):
+            return False
+        graph = _graph_name.get()
+        record.msg = f"[rank {rank}] {graph + ': ' if graph else ''}{str(record.msg).removeprefix('overlapc: ')}"
+        record.overlapc_tagged = True
+        return True
+
+
+log.addFilter(_RankAndGraph())
+
+
 def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
                          sink: Callable[[GraphRecord], None] | None, recompile: bool = True) -> None:
     """Schedule ``gm`` in place; hand the before/after record to ``sink`` and dump_dir."""
@@ -86,7 +111,7 @@ def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
         return
     # After bucketing/chunking, "before" is the rewritten graph's order before scheduling.
     before_order = unscheduled_order(gm, before_order)
-    record = GraphRecord(_graph_name.get(), gm, before_order, before_code,
+    record = GraphRecord(_graph_name.get() or "graph", gm, before_order, before_code,
                          gm.print_readable(print_output=False))
     if sink is not None:
         sink(record)
@@ -153,16 +178,19 @@ def _uses_gloo() -> bool:
 
 
 def _named(kind: str, compile_fn: Callable, index: int, cfg: OverlapConfig | None = None,
-           input_names: list[str] | None = None) -> Callable:
+           input_names: list[str] | None = None, model: "_Model | None" = None) -> Callable:
     """Wrap an AOT/Inductor compiler so the schedule pass knows which graph it
     sees; with ``cfg`` asking for it, check the ranks first (``overlapc.rankcheck``).
     The check sits here, not in the post-grad pass, so an Inductor FX graph cache
-    hit (which skips the pass) cannot skip it."""
+    hit (which skips the pass) cannot skip it. ``model``: say once when the
+    compiled model's graphs hold no collectives although its parameters are distributed."""
     def compile_named(gm, example_inputs, *args, **kwargs):
         is_backward = kwargs.get("is_backward", kind == "bw")
         name = f"{'bw' if is_backward else 'fw'}_{index}"
         token = _graph_name.set(name)
         try:
+            if model is not None:
+                model.saw(gm, name)
             if cfg is not None and rankcheck.enabled(cfg):
                 seconds = rankcheck.check(gm, name, cfg, input_names or [])
                 if seconds is not None:
@@ -172,6 +200,92 @@ def _named(kind: str, compile_fn: Callable, index: int, cfg: OverlapConfig | Non
         finally:
             _graph_name.reset(token)
     return compile_named
+
+
+@dataclasses.dataclass
+class _Model:
+    """A model compiled with backend="overlapc" and what overlapc has said about it."""
+
+    name: str
+    found: str              # what makes its parameters distributed, in words ("" when nothing does)
+    advice: str
+    collectives: bool = False
+    warned: bool = False
+    breaks: set = dataclasses.field(default_factory=set)
+
+    def saw(self, gm: fx.GraphModule, graph: str) -> None:
+        """One WARNING (rank 0) at the first graph without collectives, unless an earlier graph had some."""
+        from overlapc.collectives import collective_op
+        if any(collective_op(n) for n in gm.graph.nodes):
+            self.collectives = True
+        elif self.found and not self.collectives and not self.warned:
+            self.warned = True
+            if _rank() == 0:
+                log.warning("overlapc: nothing to schedule in %s: graph %s has no collective, while the model's "
+                            "parameters are distributed (%s). %s", self.name, graph, self.found, self.advice)
+
+    def graph_break(self, gm: fx.GraphModule, index: int) -> None:
+        """A WARNING (rank 0) per graph break that splits a model with in-graph collectives."""
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if not self.found.endswith("DTensor parameters") or reason is None or not reason.graph_break:
+            return
+        frame = reason.user_stack[-1] if reason.user_stack else None
+        where = f"{frame.filename}:{frame.lineno}" if frame is not None else "an unknown line"
+        if where in self.breaks or _rank() != 0:
+            return
+        self.breaks.add(where)
+        log.warning("overlapc: graph break in %s after graph %d at %s (%s): overlap cannot cross it; the "
+                    "collectives after the break start only when the graph before it has finished, and those "
+                    "before it are waited at its end. Remove the break (torch._dynamo.explain(model)(*inputs) "
+                    "lists them) to let overlapc schedule across it", self.name, index, where,
+                    str(reason.reason).splitlines()[0][:200])
+
+
+_models: "weakref.WeakKeyDictionary[torch.nn.Module, _Model]" = weakref.WeakKeyDictionary()
+
+
+def _compiled_model() -> _Model | None:
+    """The module torch.compile wrapped (found on the Python stack, as an
+    OptimizedModule's ``self``) and what makes its parameters distributed; None
+    for a compiled function. Inspected once per model."""
+    frame = sys._getframe(1)
+    while frame is not None and not isinstance(frame.f_locals.get("self"), torch._dynamo.eval_frame.OptimizedModule):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    module = frame.f_locals["self"]._orig_mod
+    if module not in _models:
+        inner = getattr(module, "module", None) if isinstance(module, torch.nn.parallel.DistributedDataParallel) \
+            else None
+        name = type(module).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+        _models[module] = _Model(name, *_distributed(module))
+    return _models[module]
+
+
+def _distributed(module: torch.nn.Module) -> tuple[str, str]:
+    """(what makes ``module``'s parameters distributed, what to do about it); ("", "") when nothing does."""
+    dist = torch.distributed
+    if not dist.is_available():
+        return "", ""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(module, DistributedDataParallel):
+        return ("DDP replicas", "DDP all-reduces gradients in its autograd hooks, outside the compiled "
+                "graphs, so nothing overlaps by overlapc; to have the graphs reduce gradients, replicate in the "
+                "graph: overlapc.fsdp.shard(model, mesh) on a mesh with dims (\"dp_replicate\", \"dp_shard\") "
+                "and dp_shard of size 1 (HSDP with shard size 1), instead of DDP")
+    fsdp = [name or "(root)" for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if fsdp:
+        return (f"{len(fsdp)} FSDP2 fully_shard module(s) ({', '.join(fsdp[:3])}{', ...' if len(fsdp) > 3 else ''})",
+                "In torch 2.13 FSDP2's all-gathers and reduce-scatters run in hooks that torch.compile does not "
+                "trace, outside the compiled graphs (overlap is FSDP2's own prefetching); shard with "
+                "overlapc.fsdp.shard(model, mesh) instead of fully_shard to have overlapc schedule them")
+    dtensors = sum(isinstance(p, DTensor) for p in module.parameters())
+    if dtensors:
+        return (f"{dtensors} DTensor parameters", "The graphs read the parameters without communicating "
+                "(already replicated or local); nothing to overlap")
+    return "", ""
 
 
 def _input_names(gm: fx.GraphModule) -> list[str]:
@@ -201,7 +315,7 @@ def drop_dead_compute(gm: fx.GraphModule) -> int:
 
 
 def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None,
-               input_names: list[str] | None = None) -> Callable:
+               input_names: list[str] | None = None, model: _Model | None = None) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -211,8 +325,8 @@ def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None,
         _schedule_and_record(gm, cfg, sink)
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=_named("fw", compile_graph, index, cfg, input_names),
-                        bw_compiler=_named("bw", compile_graph, index, cfg, input_names),
+    return aot_autograd(fw_compiler=_named("fw", compile_graph, index, cfg, input_names, model),
+                        bw_compiler=_named("bw", compile_graph, index, cfg, input_names, model),
                         decompositions=decompositions)
 
 
@@ -231,15 +345,18 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
         from overlapc import costmodel
         costmodel.resolve(cfg.profile)   # a bad path fails now, not in the first dump
     index = _next_index()
-    log.info("overlapc: compiling with %s", cfg)
+    log.info("overlapc: compiling graph %d (fw_%d, bw_%d) with %s", index, index, index, cfg)
     if cfg.enabled and _uses_gloo():
         route_gloo_all_gathers()
     names = _input_names(gm)
+    model = _compiled_model() if cfg.enabled else None
+    if model is not None:
+        model.graph_break(gm, index)
     if cfg.inner == "aot_eager":
         if not cfg.enabled:
             from torch._dynamo.backends.debugging import aot_eager
             return aot_eager(gm, example_inputs)
-        return _aot_eager(cfg, index, input_names=names)(gm, example_inputs)
+        return _aot_eager(cfg, index, input_names=names, model=model)(gm, example_inputs)
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     patches = dict(list_mode_options(mode)) if mode else {}
@@ -247,7 +364,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
         patches.update(INDUCTOR_PATCHES, post_grad_custom_post_pass=SchedulePass(cfg))
         if cfg.dump_dir:
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
-    inner = _named("fw", compile_fx_inner, index, cfg, names)
+    inner = _named("fw", compile_fx_inner, index, cfg, names, model)
     if not rankcheck.enabled(cfg):
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
     # An AOTAutograd cache hit would skip the per-graph wrapper and with it the check.

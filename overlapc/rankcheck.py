@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import collectives, is_cheap, is_wait, module_path
+from overlapc.collectives import is_cheap, is_wait, module_path, scan
 from overlapc.config import OverlapConfig
 
 _PREFIX = "overlapc/rankcheck"
@@ -79,13 +79,14 @@ def skeleton(gm: fx.GraphModule, input_names: list[str]) -> tuple[list[Step], li
     """The collectives of ``gm`` in graph order and the order of their starts and
     waits ("s3", "w3"). ``input_names[i]`` names the i-th input of the Dynamo graph
     (AOTAutograd's placeholders point at them through ``meta["desc"]``)."""
-    found = collectives(gm)
+    nodes = list(gm.graph.nodes)
+    found = scan(nodes, {}, first_consumers=False)
     index = {c.start: i for i, c in enumerate(found)}
     waits = {w: index[c.start] for c in found for w in c.waits}
     steps = [Step(c.kind, _group(c.group), c.nbytes, str(c.dtype).removeprefix("torch."),
                   _source(c.start, input_names), module_path(c.start)) for c in found]
     events = []
-    for node in gm.graph.nodes:
+    for node in nodes:
         if node in index:
             events.append(f"s{index[node]}")
         elif is_wait(node) and node in waits:

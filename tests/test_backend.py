@@ -297,3 +297,19 @@ def test_captured_tp_backward_recomputes_nothing_dead(fake_pg):
         dead = [n.name for n in record.gm.graph.nodes if n.op == "call_function" and not n.users
                 and not n.is_impure() and role(n)[0] is None and not role(n)[1]]
         assert dead == [], (record.name, dead)
+
+
+def test_log_lines_name_rank_and_graph_and_other_ranks_stay_quiet_below_debug(fake_pg, caplog, monkeypatch):
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        compile_and_run(GatheredMLP(), {"inner": "aot_eager"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "overlapc"]
+    summaries = [m for m in lines if "moved" in m]
+    assert [m.split(":")[0][:12] for m in summaries] == ["[rank 0] fw_", "[rank 0] bw_"], lines
+    assert any(m.startswith("[rank 0] compiling graph ") for m in lines), lines
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    for level, expected in ((logging.INFO, []), (logging.DEBUG, ["fw_", "bw_"])):
+        caplog.clear()
+        with caplog.at_level(level, logger="overlapc"):
+            compile_and_run(GatheredMLP(), {"inner": "aot_eager"})
+        said = [r.getMessage() for r in caplog.records if r.name == "overlapc" and "moved" in r.getMessage()]
+        assert [m.removeprefix("[rank 1] ")[:3] for m in said] == expected, said

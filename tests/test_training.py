@@ -131,3 +131,73 @@ def test_gloo_keeps_many_all_gathers_in_flight_once_routed():
     results = run_ranks(_job_many_all_gathers_in_flight, world_size=2, args=(True, 300), timeout=300)
     for result in results:
         assert result == [[float(i), float(100 + i)] for i in range(32)]
+
+
+class _Records(__import__("logging").Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+class _Broken(torch.nn.Module):
+    """Two blocks with a graph break between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def _job_says_when_overlap_is_off(rank, world_size, port):
+    import logging
+
+    import overlapc.fsdp
+    from torch.distributed.fsdp import fully_shard
+    init_gloo(rank, world_size, port)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
+    logger, records = logging.getLogger("overlapc"), _Records()
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    options = {"inner": "aot_eager"}
+    said = {}
+    torch.manual_seed(0)
+    fsdp2 = Model()
+    fully_shard(fsdp2.block, mesh=mesh)
+    fully_shard(fsdp2, mesh=mesh)
+    torch.manual_seed(0)
+    models = {"fsdp2": fsdp2, "ddp": torch.nn.parallel.DistributedDataParallel(Model()),
+              "simple_fsdp": _fresh(mesh), "broken": overlapc.fsdp.shard(_Broken(), mesh)}
+    for name, model in models.items():
+        records.lines.clear()
+        _train(model, rank, options)
+        said[name] = list(records.lines)
+    dist.destroy_process_group()
+    return said
+
+
+def test_says_once_when_overlap_is_off_and_names_graph_breaks():
+    results = run_ranks(_job_says_when_overlap_is_off, world_size=2, timeout=400)
+    for rank, said in enumerate(results):
+        warnings_ = {name: [m for level, m in lines if level == "WARNING"] for name, lines in said.items()}
+        infos = [m for lines in said.values() for level, m in lines if level == "INFO"]
+        if rank == 1:
+            assert all(not w for w in warnings_.values()) and not infos, said   # summaries on rank 0 only
+            continue
+        assert len(warnings_["fsdp2"]) == 1 and len(warnings_["ddp"]) == 1, warnings_
+        assert warnings_["fsdp2"][0].startswith("[rank 0] fw_") and "nothing to schedule in FSDPModel: graph fw_" \
+            in warnings_["fsdp2"][0] and "(2 FSDP2 fully_shard module(s) ((root), block))" in warnings_["fsdp2"][0]
+        assert "overlapc.fsdp.shard(model, mesh)" in warnings_["fsdp2"][0]
+        assert "nothing to schedule in DistributedDataParallel(Model): graph fw_" in warnings_["ddp"][0]
+        assert "(DDP replicas)" in warnings_["ddp"][0] and "dp_replicate" in warnings_["ddp"][0]
+        assert warnings_["simple_fsdp"] == []
+        assert len(warnings_["broken"]) == 1 and "graph break in _Broken after graph " in warnings_["broken"][0]
+        assert "test_training.py:" in warnings_["broken"][0] and "overlap cannot cross it" in warnings_["broken"][0]
+        assert any(m.startswith("[rank 0] fw_") and "moved" in m for m in infos), infos
+        assert any(m.startswith("[rank 0] compiling graph ") for m in infos), infos
