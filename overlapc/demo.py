@@ -7,12 +7,16 @@ from the same initial weights: under backend="overlapc" (default options unless
 flags say otherwise) and under plain Inductor. Rank 0 prints the loss per step,
 the schedule overlapc chose for the forward and backward graphs (from the
 backend's own artifacts: collectives per graph before -> after bucketing,
-estimates, peak memory), and the median step time of both. A rank that dies or
+estimates, peak memory), and the median step time of both. Then two more overlapc steps run under
+torch.profiler, and rank 0 prints, per graph and per step, the estimated and
+the measured time and exposed communication (``overlapc.analyze`` on its
+trace). ``--keep DIR`` keeps the profile, dumps and traces. A rank that dies or
 hangs ends the demo with a message instead of a hang.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import os
@@ -86,7 +90,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     if args.bucket is not None:
         options["bucket"] = {"none": None}.get(args.bucket, int(args.bucket) if args.bucket.isdigit()
                                                else args.bucket)
-    results = {}
+    results, models = {}, {}
     for name, backend, options in (("overlapc", "overlapc", options), ("inductor", "inductor", None)):
         torch.manual_seed(0)
         model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
@@ -94,11 +98,15 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         say(f"[{name}] compiling and training {args.steps} steps ...", flush=True)
         begin = time.perf_counter()
         losses, times = _train(compiled, data, args.steps)
-        results[name] = (losses, times)
+        results[name], models[name] = (losses, times), compiled
         say(f"[{name}] losses: " + " ".join(f"{loss:.5f}" for loss in losses)
             + f"   (first step incl. compile {times[0]:.1f} s, total {time.perf_counter() - begin:.1f} s)",
             flush=True)
 
+    trace = os.path.join(dump_dir, f"trace_rank{rank}.json")
+    say("[overlapc] profiling 2 steps (torch.profiler) ...", flush=True)
+    _profile(models["overlapc"], data, trace)
+    dist.barrier()
     if rank == 0:
         for graph in sorted(os.listdir(os.path.join(dump_dir, "rank0")), key=lambda g: (g[:2] != "fw", g)):
             folder = os.path.join(dump_dir, "rank0", graph)
@@ -113,9 +121,53 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
               f"inductor {timed['inductor'] * 1e3:.1f} ms "
               f"(ratio {timed['inductor'] / timed['overlapc']:.2f}x); "
               f"losses agree to {same:.1e} relative")
-        print("Estimates in the reports use the profile calibrated above (quick sweep, noisy on shared "
-              "cores); benchmarks/step_time.py shapes the link to show the overlap at realistic ratios.")
+        print(measured_text(trace, dump_dir))
+        print("Estimates use the profile calibrated above (quick sweep, noisy on shared cores); "
+              "benchmarks/step_time.py shapes the link to show the overlap at realistic ratios.")
     dist.destroy_process_group()
+
+
+def _profile(model, data, path: str) -> None:
+    """Two training steps under torch.profiler (after one warm-up step), written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
+                 on_trace_ready=lambda prof: prof.export_chrome_trace(path)) as prof:
+        for step in range(3):
+            x, y = data[step % len(data)]
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            dist.barrier()
+            prof.step()
+
+
+def measured_text(trace: str, dump_dir: str) -> str:
+    """Estimated vs measured exposed communication and time, per graph and per step, of rank
+    0's profiled steps (``overlapc analyze``). A step's estimate is its graphs' simulated
+    times: what runs outside them (optimizer, Python, the barrier) is measured, not estimated."""
+    from overlapc.analyze import analyze
+
+    result = analyze(trace, dump_dir)
+    lines = ["", "== estimated vs measured (rank 0, profiled steps; `overlapc analyze`) =="]
+    for step in result.steps:
+        inside = sum(r.measured_ms for r in step.graphs)
+        estimate = step.estimated_step_ms or 0.0
+        lines.append(f"step {step.step}: measured {step.step_ms:.1f} ms (graphs {inside:.1f} ms, outside them "
+                     f"{step.step_ms - inside:.1f} ms), estimated {estimate:.1f} ms "
+                     f"({_ratio(estimate, step.step_ms)} of the step, {_ratio(estimate, inside)} of its graphs); "
+                     f"exposed communication measured {step.exposed_ms:.1f} ms, estimated "
+                     f"{step.estimated_exposed_ms or 0:.1f} ms")
+        for run in step.graphs:
+            lines.append(f"  {run.graph}: measured {run.measured_ms:.1f} ms, estimated {run.estimated_ms:.1f} ms "
+                         f"({_ratio(run.estimated_ms, run.measured_ms)}); exposed communication measured "
+                         f"{run.exposed_ms:.1f} ms, estimated {run.estimated_exposed_ms:.1f} ms")
+    return "\n".join(lines)
+
+
+def _ratio(estimate: float | None, measured: float) -> str:
+    return f"{estimate / measured:.2f}x" if estimate and measured else "-"
 
 
 def _count_collectives(path: str) -> int:
@@ -136,11 +188,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="collectives of a group and kind in flight (0 = no limit; default: overlapc's)")
     parser.add_argument("--bucket", default=None, help='"auto", "module", a byte count, or "none" (default: overlapc\'s)')
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
+    parser.add_argument("--keep", metavar="DIR", help="write the profile, schedule dumps and profiler traces "
+                        "here and keep them (default: a temporary folder); then try "
+                        "`overlapc analyze DIR/trace_rank0.json --dump DIR`")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step includes compilation)")
     world_size = 2
-    with tempfile.TemporaryDirectory(prefix="overlapc-demo-") as dump_dir:
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    with (contextlib.nullcontext(os.path.abspath(args.keep)) if args.keep
+          else tempfile.TemporaryDirectory(prefix="overlapc-demo-")) as dump_dir:
         context = mp.start_processes(_rank_main, args=(world_size, _free_port(), args, dump_dir),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + args.timeout

@@ -1,6 +1,7 @@
 """overlapc calibrate: the fit, the profile file, and its use by the report (2 real gloo ranks)."""
 import json
 import os
+import statistics
 import types
 
 import pytest
@@ -51,6 +52,10 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert doc["schema"] == costmodel.PROFILE_SCHEMA
     assert doc["measured"]["world_size"] == 2 and doc["measured"]["backend"] == "gloo"
     assert sorted(doc["collectives"]) == sorted(calibrate.KINDS)
+    # fixed costs: one small op, and issuing one collective (the median over kinds)
+    assert 0 < doc["device"]["kernel_us"] < 1000 and doc["measured"]["compute"]["small_op"]["us"] > 0
+    assert sorted(doc["measured"]["issue_us"]) == sorted(calibrate.KINDS)
+    assert doc["link"]["issue_us"] == pytest.approx(statistics.median(doc["measured"]["issue_us"].values()))
     for kind, entry in doc["collectives"].items():
         assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
         assert all(s["ms"] > 0 for s in entry["samples"])
@@ -58,6 +63,7 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
         for s in entry["samples"]:   # collective_ms with the fitted numbers gives the fitted times
             assert costmodel.collective_ms(stand_in(kind, s["bytes"], 2), link) == pytest.approx(s["fit_ms"])
     profile = costmodel.load_profile(path)
+    assert (profile.device.kernel_us, profile.link.issue_us) == (doc["device"]["kernel_us"], doc["link"]["issue_us"])
     assert dict((k, (g, l)) for k, g, l in profile.link.per_kind) == {
         k: (e["gbps"], e["latency_us"]) for k, e in doc["collectives"].items()}
 
