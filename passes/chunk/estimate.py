@@ -9,7 +9,9 @@ its roofline part divided by k, its fixed per-op cost ``kernel_us`` paid once a
 piece) and issues the collectives (``issue_us`` each); the link runs them one
 at a time in issue order (latency + bytes/k x ring factor / bandwidth). Order,
 as emitted: source 0; then for each piece i: source i+1, wait and compute i,
-sink i, wait for sink i-1; wait for the last sink.
+sink i, wait for sink i-1; wait for the last sink. A pipeline fed by an
+earlier one (``Plan.link``) has its first source in flight while the feeder
+still computes: it counts as done when the pipeline starts.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
         return busy
 
     if source is not None:
-        source_done.append(issue_on_link(source))
+        source_done.append(0.0 if plan.link is not None else issue_on_link(source))
     for i in range(k):
         if source is not None and i + 1 < k:
             source_done.append(issue_on_link(source))
