@@ -453,20 +453,26 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
 
 
 def _estimator(profile, info: dict):
-    """row -> estimated duration (ms): the dump's comm_ms, or ``profile``'s for its kind and bytes."""
+    """row -> estimated duration (ms): the dump's comm_ms, or ``profile``'s for its kind, bytes
+    and group (by name or mesh dim name; its size from the trace's process group list)."""
     if profile is None:
         return lambda row: row.get("comm_ms")
     from overlapc import costmodel
 
     resolved = costmodel.resolve(profile)
-    sizes = {str(g.get("pg_name")): g.get("pg_size") for g in info.get("pg_config") or [] if isinstance(g, dict)}
+    sizes = {}
+    for group in info.get("pg_config") or []:
+        if isinstance(group, dict):
+            desc = str(group.get("pg_desc", ""))
+            for key in (str(group.get("pg_name")), desc[len("mesh_"):] if desc.startswith("mesh_") else None):
+                if key:
+                    sizes[key] = group.get("pg_size")
 
     def estimate(row: dict) -> float | None:
         if row.get("nbytes") is None:
             return None
-        gbps, latency_us = resolved.link_for(str(row["group"])).for_kind(row["kind"]) \
-            if hasattr(resolved, "link_for") else resolved.link.for_kind(row["kind"])
-        ring = costmodel.ring_factor(row["kind"], sizes.get(str(row.get("group_name", row["group"]))))
+        gbps, latency_us = resolved.link_for(str(row["group"])).for_kind(row["kind"])
+        ring = costmodel.ring_factor(row["kind"], sizes.get(str(row["group"])))
         return latency_us * 1e-3 + row["nbytes"] * ring / (gbps * 1e9) * 1e3
     return estimate
 

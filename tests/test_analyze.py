@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from multiproc import init_gloo, run_ranks
-from overlapc import analyze
+from overlapc import analyze, costmodel
 
 
 class Model(torch.nn.Module):
@@ -183,3 +183,16 @@ def test_bad_input(tmp_path, capsys):
     path.write_text(json.dumps(_cuda_trace()))
     assert analyze.run(_args(str(path), str(tmp_path / "nodump"))) == 2
     assert "no dump folder" in capsys.readouterr().err
+
+
+def test_profile_reestimates_matched_collectives(tmp_path):
+    _cuda_dump(tmp_path / "dump")
+    trace = _cuda_trace()
+    trace["distributedInfo"]["pg_config"] = [{"pg_name": "0", "pg_desc": "default_pg", "pg_size": 8},
+                                             {"pg_name": "1", "pg_desc": "mesh_replicate", "pg_size": 2}]
+    result = analyze.analyze(trace, str(tmp_path / "dump"), "h100:ib,1=nvlink")
+    got = {m.kind: m.estimated_ms for m in result.collectives}
+    ib, nvlink = costmodel.LINKS["ib"], costmodel.LINKS["nvlink"]
+    assert got["all_gather"] == pytest.approx(ib.latency_us * 1e-3 + (1 << 20) * 7 / 8 / (ib.gbps * 1e9) * 1e3)
+    assert got["all_reduce"] == pytest.approx(nvlink.latency_us * 1e-3 + (1 << 20) * 2 * 1 / 2
+                                              / (nvlink.gbps * 1e9) * 1e3)
