@@ -3,17 +3,18 @@
 Input: a Chrome trace written by ``torch.profiler.profile(...).export_chrome_trace``
 (one rank's file). Steps are the profiler's ``ProfilerStep#N`` spans (pass
 ``schedule=`` and call ``prof.step()``); a trace without them is one step
-spanning the compute thread's events. Two formats:
+spanning the compute threads' events. Two formats:
 
-* CPU (gloo): collectives run on gloo's worker threads (events "gloo:<op>").
-  The *compute thread* is the thread holding the steps (else the one issuing
-  the most collectives). Per collective: ``issue_ms`` = time the compute thread
-  spent in its start op (``_c10d_functional::all_gather_into_tensor``, ...),
-  ``exposed_ms`` = time it was blocked in its wait(s) (``wait_tensor``),
+* CPU (gloo): collectives run on gloo's worker threads (events "gloo:<op>");
+  every other thread that issues collectives is a *compute thread* (the
+  caller's, and autograd's device threads, which run backward on CUDA). Per
+  collective: ``issue_ms`` = time its thread spent in its start op
+  (``_c10d_functional::all_gather_into_tensor``, ...), ``exposed_ms`` = time
+  that thread was blocked in its wait(s) (``wait_tensor``),
   ``duration_ms`` = the worker's span running it (the k-th start in time order
   runs in the first worker span that begins after it and is not yet taken).
-  A step's measured exposed communication is the union of the compute
-  thread's wait spans in it.
+  A step's measured exposed communication is the union of the wait spans
+  in it.
 * CUDA (NCCL; any trace with "kernel" events): kernels whose name starts with
   "nccl" are communication, every other kernel is compute. A kernel belongs to
   the op whose launch (``cudaLaunchKernel``, same ``correlation``) it came from
@@ -25,8 +26,8 @@ spanning the compute thread's events. Two formats:
 
 Matching to overlapc's rows (``dump=``, the backend's ``dump_dir`` or
 ``overlapc dump``'s folder): every ``CompiledFunction`` (forward) and
-``CompiledFunctionBackward`` span on the compute thread is matched to the
-first dumped graph of that direction whose collective starts (kinds, in
+``CompiledFunctionBackward`` span is matched to a dumped graph of that
+direction (one not yet matched in the step first) whose collective starts (kinds, in
 ``report.json`` issue order) equal the span's and which has as many waits;
 the k-th start is the k-th row, the k-th wait the row whose (first) wait comes
 k-th (Inductor keeps collectives and waits in order, though it may move a
@@ -134,6 +135,7 @@ class _Op:
     begin: float
     end: float
     kind: str | None          # None for a wait
+    thread: tuple = ()        # (pid, tid)
     correlations: tuple = ()  # CUDA launches inside it
 
 
@@ -260,16 +262,18 @@ def _match(step: int, ops: list[_Op], regions: list[tuple], graphs: list[_Graph]
     oldest first."""
     found: list[_Collective] = []
     taken: set[int] = set()
-    for begin, end, direction in regions:
-        inside = [i for i, op in enumerate(ops) if begin <= op.begin and op.end <= end and i not in taken]
+    used: set[str] = set()
+    for begin, end, direction, thread in regions:
+        inside = [i for i, op in enumerate(ops)
+                  if op.thread == thread and begin <= op.begin and op.end <= end and i not in taken]
         starts = [i for i in inside if ops[i].kind is not None]
         waits = [i for i in inside if ops[i].kind is None]
-        for graph in graphs:
-            if graph.name.startswith(direction + "_") and graph.kinds == [ops[i].kind for i in starts] \
-                    and len(graph.waits) == len(waits):
-                break
-        else:
+        fits = [g for g in graphs if g.name.startswith(direction + "_") and len(g.waits) == len(waits)
+                and g.kinds == [ops[i].kind for i in starts]]
+        if not fits:
             continue
+        graph = next((g for g in fits if g.name not in used), fits[0])   # identical graphs: in turn
+        used.add(graph.name)
         runs.append((graph, begin, end))
         mine = [_Collective(step, ops[i], [], graph.rows[row], graph, row, len(runs) - 1)
                 for row, i in enumerate(starts)]
@@ -277,15 +281,15 @@ def _match(step: int, ops: list[_Op], regions: list[tuple], graphs: list[_Graph]
             mine[row].waits.append(ops[i])
         found += mine
         taken.update(inside)
-    open_: list[_Collective] = []
+    open_: dict[tuple, list[_Collective]] = {}
     for i, op in enumerate(ops):
         if i in taken:
             continue
         if op.kind is not None:
-            open_.append(_Collective(step, op, []))
-            found.append(open_[-1])
-        elif open_:
-            open_.pop(0).waits.append(op)
+            open_.setdefault(op.thread, []).append(_Collective(step, op, []))
+            found.append(open_[op.thread][-1])
+        elif open_.get(op.thread):
+            open_[op.thread].pop(0).waits.append(op)
         else:
             found.append(_Collective(step, None, [op]))
     return sorted(found, key=lambda c: (c.start or c.waits[0]).begin)
@@ -378,23 +382,28 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             threads.setdefault(key, []).append(e)
     if not any(_is_comm_op(e["name"]) for events in threads.values() for e in events):
         raise ValueError(f"{path}: no communication ops found (profile with ProfilerActivity.CPU)")
-    thread = max(threads, key=lambda k: (any(_STEP.match(e["name"]) for e in threads[k]),
-                                         sum(_is_comm_op(e["name"]) for e in threads[k])))
-    mine = threads[thread]
-    launches = sorted((e["ts"], e["args"]["correlation"]) for e in spans
-                      if (e.get("pid"), e.get("tid")) == thread and e.get("cat") == "cuda_runtime"
-                      and isinstance(e.get("args"), dict) and "correlation" in e["args"])
-    ops = _top_level([_Op(e["name"], e["ts"], e["ts"] + e["dur"],
-                          None if _is_wait(e["name"]) else kind_of(e["name"]) or "other")
-                      for e in mine if _is_comm_op(e["name"])])
-    for op in ops:
-        at = bisect.bisect_left(launches, (op.begin, float("-inf")))
-        op.correlations = tuple(c for ts, c in launches[at:bisect.bisect_right(launches, (op.end, float("inf")))])
+    launches: dict = {}
+    for e in spans:
+        if e.get("cat") == "cuda_runtime" and isinstance(e.get("args"), dict) and "correlation" in e["args"]:
+            launches.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["args"]["correlation"]))
+    ops: list[_Op] = []
+    for thread, events in threads.items():
+        mine = _top_level([_Op(e["name"], e["ts"], e["ts"] + e["dur"],
+                               None if _is_wait(e["name"]) else kind_of(e["name"]) or "other", thread)
+                           for e in events if _is_comm_op(e["name"])])
+        calls = sorted(launches.get(thread, []))
+        for op in mine:
+            low = bisect.bisect_left(calls, (op.begin, float("-inf")))
+            op.correlations = tuple(c for _, c in calls[low:bisect.bisect_right(calls, (op.end, float("inf")))])
+        ops += mine
+    ops.sort(key=lambda op: op.begin)
+    everything = [e for events in threads.values() for e in events]
     steps = sorted((int(_STEP.match(e["name"]).group(1)), e["ts"], e["ts"] + e["dur"])
-                   for e in mine if _STEP.match(e["name"]))
+                   for e in everything if _STEP.match(e["name"]))
     if not steps:
-        steps = [(0, min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine))]
-    regions = sorted((e["ts"], e["ts"] + e["dur"], _REGIONS[e["name"]]) for e in mine if e["name"] in _REGIONS)
+        steps = [(0, min(e["ts"] for e in everything), max(e["ts"] + e["dur"] for e in everything))]
+    regions = sorted((e["ts"], e["ts"] + e["dur"], _REGIONS[e["name"]], (e.get("pid"), e.get("tid")))
+                     for e in everything if e["name"] in _REGIONS)
     graphs = load_dump(dump, rank) if dump else []
 
     found: list[_Collective] = []

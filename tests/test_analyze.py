@@ -101,62 +101,66 @@ def _args(trace, dump=None, fmt="text", profile=None):
 # -- a synthetic CUDA-format trace -----------------------------------------------------------------
 
 def _cuda_trace() -> dict:
-    """One step: an all-gather overlapping one matmul partly, then a reduce-scatter and an
+    """One step: a forward with an all-gather overlapping one matmul partly, then a backward
+    on autograd's device thread (tid 2, as CUDA runs it) with a reduce-scatter and an
     all-reduce (another group) running at once, the all-reduce's tail under a matmul.
     Exposed (us): all-gather 100; reduce-scatter 40 + 60/2 = 70; all-reduce 60/2 + 20 = 50."""
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}}]
     cpu, correlation = [], [0]
 
-    def op(name, ts, dur, kernel=None):
-        cpu.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur})
+    def op(name, ts, dur, kernel=None, tid=1, cat="cpu_op"):
+        cpu.append({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur})
         if kernel is not None:
             correlation[0] += 1
             kname, begin, length, stream = kernel
-            cpu.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+            cpu.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid,
                         "ts": ts + 1, "dur": dur - 2, "args": {"correlation": correlation[0]}})
             events.append({"ph": "X", "cat": "kernel", "name": kname, "pid": 0, "tid": stream, "ts": begin,
                            "dur": length, "args": {"correlation": correlation[0], "stream": stream, "device": 0}})
 
-    cpu.append({"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "pid": 1, "tid": 1,
-                "ts": 0, "dur": 1000})
-    cpu.append({"ph": "X", "cat": "cpu_op", "name": "CompiledFunction", "pid": 1, "tid": 1, "ts": 10, "dur": 900})
+    op("ProfilerStep#0", 0, 1000, cat="user_annotation")
+    op("CompiledFunction", 10, 45)
     op("_c10d_functional::all_gather_into_tensor", 20, 10, ("ncclDevKernel_AllGather_RING_LL", 40, 200, 20))
     op("aten::mm", 30, 5, ("sm90_xmma_gemm_f32f32", 50, 100, 7))
     op("_c10d_functional::wait_tensor", 45, 2)
     op("aten::mm", 50, 5, ("sm90_xmma_gemm_f32f32", 250, 100, 7))
+    op("CompiledFunctionBackward", 58, 42, tid=2)
     op("_c10d_functional::reduce_scatter_tensor", 60, 10, ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
-                                                            360, 100, 20))
-    op("_c10d_functional::all_reduce", 70, 10, ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 400, 100, 24))
-    op("aten::mm", 80, 5, ("sm90_xmma_gemm_f32f32", 480, 120, 7))
-    op("_c10d_functional::wait_tensor", 90, 2)
-    op("_c10d_functional::wait_tensor", 95, 2)
+                                                            360, 100, 20), tid=2)
+    op("_c10d_functional::all_reduce", 70, 10, ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 400, 100, 24), tid=2)
+    op("aten::mm", 80, 5, ("sm90_xmma_gemm_f32f32", 480, 120, 7), tid=2)
+    op("_c10d_functional::wait_tensor", 90, 2, tid=2)
+    op("_c10d_functional::wait_tensor", 95, 2, tid=2)
     return {"traceEvents": events + cpu, "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 8}}
 
 
 def _cuda_dump(folder):
-    rows = [("all_gather_into_tensor", "all_gather", 1, 3), ("reduce_scatter_tensor", "reduce_scatter", 5, 9),
-            ("all_reduce", "all_reduce", 6, 8)]
-    graph = folder / "fw_0"
-    graph.mkdir(parents=True)
-    (graph / "report.json").write_text(json.dumps({
-        "schema": "overlapc.report/1", "summary": {"step_ms_after": 0.5, "exposed_ms_after": 0.2},
-        "collectives": [{"name": n, "kind": k, "group": "0" if k != "all_reduce" else "1", "nbytes": 1 << 20,
-                         "module": "layers.0", "issue_after": i, "wait_after": w, "comm_ms": 0.1, "exposed_ms": 0.05,
-                         "reason": "", "issue_reason": "inputs ready", "wait_reason": "before consumer"}
-                        for n, k, i, w in rows]}))
+    graphs = {"fw_0": [("all_gather_into_tensor", "all_gather", 1, 3)],
+              "bw_0": [("reduce_scatter_tensor", "reduce_scatter", 1, 5), ("all_reduce", "all_reduce", 2, 4)]}
+    for name, rows in graphs.items():
+        graph = folder / name
+        graph.mkdir(parents=True)
+        (graph / "report.json").write_text(json.dumps({
+            "schema": "overlapc.report/1", "summary": {"step_ms_after": 0.25, "exposed_ms_after": 0.1},
+            "collectives": [{"name": n, "kind": k, "group": "0" if k != "all_reduce" else "1", "nbytes": 1 << 20,
+                             "module": "layers.0", "issue_after": i, "wait_after": w, "comm_ms": 0.1,
+                             "exposed_ms": 0.05, "reason": "", "issue_reason": "inputs ready",
+                             "wait_reason": "before consumer"} for n, k, i, w in rows]}))
 
 
 def test_cuda_format_trace(tmp_path):
     _cuda_dump(tmp_path / "dump")
     result = analyze.analyze(_cuda_trace(), str(tmp_path / "dump"))
     (step,) = result.steps
-    assert result.format == "cuda" and [(r.graph, r.measured_ms) for r in step.graphs] == [("fw_0", 0.9)]
+    assert result.format == "cuda"
+    assert [(r.graph, r.measured_ms, r.exposed_ms) for r in step.graphs] == [
+        ("fw_0", 0.045, pytest.approx(0.1)), ("bw_0", 0.042, pytest.approx(0.12))]
     got = {m.kind: (m.graph, m.order, m.duration_ms, m.exposed_ms, m.reason) for m in result.collectives}
     assert got == {"all_gather": ("fw_0", 0, pytest.approx(0.2), pytest.approx(0.1),
                                   "inputs ready; before consumer"),
-                   "reduce_scatter": ("fw_0", 1, pytest.approx(0.1), pytest.approx(0.07),
+                   "reduce_scatter": ("bw_0", 0, pytest.approx(0.1), pytest.approx(0.07),
                                       "inputs ready; before consumer"),
-                   "all_reduce": ("fw_0", 2, pytest.approx(0.1), pytest.approx(0.05),
+                   "all_reduce": ("bw_0", 1, pytest.approx(0.1), pytest.approx(0.05),
                                   "inputs ready; before consumer")}
     assert step.exposed_ms == pytest.approx(0.22)
     assert sum(m.exposed_ms for m in result.collectives) == pytest.approx(step.exposed_ms, rel=0.10)
