@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from overlapc.collectives import Collective
-from overlapc.config import OverlapConfig
-from overlapc.passes.structure import Structure, held_bytes
+from overlapc.passes.structure import held_bytes
 
 if TYPE_CHECKING:
     from overlapc.passes.memory import Headroom
@@ -62,25 +61,6 @@ def auto_budget(collectives: list[Collective], held: dict[fx.Node, int]) -> dict
     for c in collectives:
         largest[c.group] = max(largest.get(c.group, 0), held[c.start])
     return {group: max(1, 2 * size) for group, size in largest.items()}
-
-
-def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
-    """The Budget ``cfg`` sets for the graph of ``s`` (its movable collectives)."""
-    from overlapc.passes.memory import Headroom   # memory -> scheduler -> this module
-
-    collectives, held = s.movable, s.held
-    groups = sorted({c.group for c in collectives})
-    headroom = None
-    if cfg.max_in_flight_bytes == "auto":
-        max_bytes: dict[str, int | None] = dict(auto_budget(collectives, held))
-        headroom = Headroom(s) if collectives else None
-    else:
-        max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
-    reserve: dict[str, int] = {}
-    for c in collectives:
-        if c.kind != "all_gather":
-            reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
-    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom)
 
 
 class InFlight:

@@ -34,6 +34,8 @@ the report, not an error.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from overlapc.passes.inflight import Budget, InFlight
@@ -58,11 +60,35 @@ class ScheduleError(RuntimeError):
 
 
 class _Order:
-    """Positions of a new order of ``s``'s nodes, with ``s``'s structure."""
+    """Positions of a new order of ``s``'s nodes, with ``s``'s structure, and what
+    the guarantees read off it: each wait's first consumer in this order (chained
+    collectives move their consumers) and, per position, the next spine node."""
 
     def __init__(self, s: Structure, order: list[fx.Node]):
         self.s, self.nodes = s, order
         self.pos = {node: index for index, node in enumerate(order)}
+        self.first: dict[fx.Node, int] = {}
+        for wait, consumers in s.consumers.items():
+            end = self.pos[s.nodes[s.region_end(wait)]]
+            self.first[wait] = min([self.pos[u] for u in consumers] + [end])
+        self.next_spine = [len(order)] * (len(order) + 1)
+        for index in reversed(range(len(order))):
+            self.next_spine[index] = index if order[index] not in s.bundled else self.next_spine[index + 1]
+
+    def consumer_key(self, c) -> tuple[int, int]:
+        """(position of the first consumer in this order, the order in which that
+        consumer reads the waits it shares with others)."""
+        keys = []
+        for wait in c.waits:
+            first = self.first[wait]
+            keys.append((first, self.s._order_read(self.nodes[first]).get(wait, len(self.nodes))))
+        return min(keys)
+
+    def waitable(self, c, at: int) -> bool:
+        """Whether open collective ``c`` could be waited at position ``at``: any
+        kind but all-gather, or an all-gather whose first consumer comes before
+        the next spine node (its wait must stay just before that consumer)."""
+        return c.kind != "all_gather" or min(self.first[w] for w in c.waits) <= self.next_spine[at + 1]
 
     def fail(self, node: fx.Node, message: str) -> ScheduleError:
         c = self.s.coll_of_start.get(node) or self.s.coll_of_wait.get(node)
@@ -74,13 +100,23 @@ def fail(s: Structure, node: fx.Node, message: str, order: list[fx.Node] | None 
     return _Order(s, s.nodes if order is None else order).fail(node, message)
 
 
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    """What ``check`` measured on an order: its peak live bytes, the reference
+    order's, the most bytes in flight at once (all groups) and the most
+    collectives of one group and kind open at once."""
+
+    peak_bytes: int
+    reference_peak_bytes: int
+    peak_in_flight_bytes: int
+    peak_count: int
+
+
 def check(s: Structure, order: list[fx.Node], budget: Budget,
-          reference: list[fx.Node] | None = None) -> dict:
-    """Raise ScheduleError at the first broken guarantee; return what was measured:
-    peak_bytes, reference_peak_bytes, peak_in_flight_bytes (all groups) and
-    peak_count (most collectives of one group and kind open). The memory
-    guarantee compares with ``reference`` (``schedule`` passes the order before
-    scheduling), by default the serial order."""
+          reference: list[fx.Node] | None = None) -> Peaks:
+    """Raise ScheduleError at the first broken guarantee; return the Peaks. The
+    memory guarantee compares with ``reference`` (``schedule`` passes the order
+    before scheduling), by default the serial order."""
     o = _Order(s, order)
     _check_waits(o)
     _check_consumer_order(o)
@@ -95,8 +131,7 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     if peak > reference + flight.peak_total:
         raise ScheduleError(f"peak live bytes {peak} exceed the {what}'s {reference} plus the "
                             f"{flight.peak_total} bytes in flight")
-    return {"peak_bytes": peak, "reference_peak_bytes": reference,
-            "peak_in_flight_bytes": flight.peak_total, "peak_count": peak_count}
+    return Peaks(peak, reference, flight.peak_total, peak_count)
 
 
 def _compute_between(o: _Order, first: int, last: int) -> fx.Node | None:
@@ -111,15 +146,15 @@ def _check_waits(o: _Order) -> None:
     s, pos = o.s, o.pos
     for c in s.movable:
         for wait in c.waits:
-            target = s.target[wait]
-            if pos[wait] > pos[target]:
+            first = o.first[wait]
+            if pos[wait] > first:
                 raise o.fail(wait, f"wait of {c.kind} {c.start.name} comes after its first consumer "
-                                   f"{target.name} (position {pos[target]})")
+                                   f"{o.nodes[first].name} (position {first})")
             if c.kind == "all_gather":
-                between = _compute_between(o, pos[wait] + 1, pos[target])
+                between = _compute_between(o, pos[wait] + 1, first)
                 if between is not None:
                     raise o.fail(wait, f"wait of all-gather {c.start.name} is not just before its first "
-                                       f"consumer {target.name} (position {pos[target]}): {between.name} "
+                                       f"consumer {o.nodes[first].name} (position {first}): {between.name} "
                                        "stands between")
 
 
@@ -132,11 +167,11 @@ def _check_consumer_order(o: _Order) -> None:
     for starts in lanes.values():
         starts.sort(key=lambda c: o.pos[c.start])
         for before, after in zip(starts, starts[1:]):
-            if s.key[before.start][:2] > s.key[after.start][:2]:
+            if o.consumer_key(before) > o.consumer_key(after):
                 raise o.fail(after.start,
                              f"all-gather issued after {before.start.name} but consumed first (at "
-                             f"{s.nodes[s.key[after.start][0]].name} vs {s.nodes[s.key[before.start][0]].name}): "
-                             "consumer order broken")
+                             f"{o.nodes[o.consumer_key(after)[0]].name} vs "
+                             f"{o.nodes[o.consumer_key(before)[0]].name}): consumer order broken")
 
 
 def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
@@ -153,12 +188,15 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
             flight.open(c)
             count = flight.count(c.group, c.kind)
             peak_count = max(peak_count, count)
-            if budget.max_count is not None and count > budget.max_count:
+            at = o.pos[node]
+            if budget.max_count is not None and count > budget.max_count and (
+                    c.kind != "all_gather" or any(o.waitable(x, at) for x in flight.open_in(c.group)
+                                                  if x is not c and x.kind == c.kind)):
                 raise o.fail(node, f"{count} {c.kind} collectives of group {c.group} in flight, "
                                    f"limit {budget.max_count}")
             limit = budget.max_bytes.get(c.group)
             if limit is not None and flight.nbytes(c.group) > limit:
-                others = [x for x in flight.open_in(c.group) if x is not c
+                others = [x for x in flight.open_in(c.group) if x is not c and o.waitable(x, at)
                           and (c.kind == "all_gather" or x.kind != "all_gather")]
                 due = max(s.due(c), here)
                 if others and not budget.fits_headroom(flight.total, here, due):

@@ -14,7 +14,6 @@ import torch
 import torch.fx as fx
 
 from overlapc.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
-from overlapc.passes.scheduler import schedule_order
 from overlapc.passes.structure import Structure
 
 
@@ -115,17 +114,18 @@ def peak_bytes(order: list[fx.Node]) -> int:
 class Headroom:
     """How far a graph's memory stays below its peak, along its spine.
 
-    Reference: the serial order (``scheduler.schedule_order(s, mode="serial")``:
-    the same spine, each all-gather issued right before its wait, every other
+    Reference: ``serial``, the serial order of ``s`` (built by the pipeline
+    with ``scheduler.schedule_order(s, mode="serial")``: the same spine and
+    chain points, each all-gather issued right before its wait, every other
     collective waited right after its start; the least memory any placement
-    needs). At a spine node, headroom = the reference's peak live bytes minus
+    of the collectives needs). At a spine node, headroom = the reference's peak live bytes minus
     the live bytes there. A schedule whose bytes in flight (all groups) stay
     within the headroom at every spine node they span keeps the reference's
     peak: its live bytes there are the reference's plus what is in flight.
     Positions are ``s.pos``; ``least(first, last)`` is O(1) (a sparse table)."""
 
-    def __init__(self, s: Structure):
-        self.serial = schedule_order(s, mode="serial")
+    def __init__(self, s: Structure, serial: list[fx.Node]):
+        self.serial = serial
         self.liveness = Liveness(s.nodes)   # kept: the invariant check reuses both
         live = self.liveness.live_bytes(self.serial)
         peak = max(live, default=0)

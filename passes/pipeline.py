@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import warnings
@@ -11,8 +12,9 @@ import torch.fx as fx
 from overlapc.collectives import collectives as overlapc_collectives
 from overlapc.config import OverlapConfig
 from overlapc.passes import invariants
-from overlapc.passes.inflight import Budget, budget_for
-from overlapc.passes.invariants import ScheduleError, fail
+from overlapc.passes.inflight import Budget, auto_budget
+from overlapc.passes.invariants import Peaks, ScheduleError, fail
+from overlapc.passes.memory import Headroom
 from overlapc.passes.scheduler import UNBOUNDED, schedule_order
 from overlapc.passes.structure import Structure, apply_order
 
@@ -37,11 +39,43 @@ def _check_graph(gm) -> None:
                         "trace the function first (make_fx or torch.fx.symbolic_trace)")
 
 
-def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """What one run of the core did: how many movable collectives it placed,
+    whether it reordered the graph, what the invariant check measured on the
+    result (None when nothing was movable or only waits moved), and why each
+    start and wait stands where it is (node name -> ``scheduler.REASONS`` key;
+    also in each node's ``meta["overlapc_reason"]``)."""
+
+    collectives: int
+    modified: bool
+    peaks: Peaks | None = None
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
+    """The Budget ``cfg`` sets for the graph of ``s`` (its movable collectives);
+    with the "auto" byte budget, the headroom under the serial order's peak."""
+    collectives, held = s.movable, s.held
+    groups = sorted({c.group for c in collectives})
+    headroom = None
+    if cfg.max_in_flight_bytes == "auto":
+        max_bytes: dict[str, int | None] = dict(auto_budget(collectives, held))
+        headroom = Headroom(s, schedule_order(s, mode="serial")) if collectives else None
+    else:
+        max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
+    reserve: dict[str, int] = {}
+    for c in collectives:
+        if c.kind != "all_gather":
+            reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
+    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom)
+
+
+def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> Peaks:
     """Check the schedule guarantees on ``gm`` as it stands (``invariants.py``:
     consumer order, waits, the in-flight budget of ``config``, the memory
     guarantee); raise ScheduleError naming the first node that breaks one.
-    Returns the measured peaks (see ``invariants.check``)."""
+    Returns the measured Peaks."""
     _check_graph(gm)
     cfg = _config(config)
     try:
@@ -53,20 +87,24 @@ def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> di
 
 
 def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
-             kinds: tuple[str, ...] | None = None, s: Structure | None = None) -> dict | None:
-    """Schedule ``gm.graph`` in place with the core and check the result; None when
-    nothing is movable. ``budget_of(structure)`` gives the Budget; ``s``: the graph's
-    Structure when the caller has it (the graph unchanged since)."""
+             kinds: tuple[str, ...] | None = None, s: Structure | None = None) -> PassResult:
+    """Schedule ``gm.graph`` in place with the core and check the result.
+    ``budget_of(structure)`` gives the Budget; ``s``: the graph's Structure when
+    the caller has it (the graph unchanged since). Each placed start and wait
+    gets its reason in ``meta["overlapc_reason"]`` once the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
-        return None
+        return PassResult(0, False)
     budget: Budget = budget_of(s)
-    order = schedule_order(s, budget, mode, kinds)
+    reasons: dict[fx.Node, str] = {}
+    order = schedule_order(s, budget, mode, kinds, reasons)
     _check_kept(s, order)
     apply_order(gm, order)
-    if mode == "sink":   # starts were not placed by the core: only the above applies
-        return {}
-    return invariants.check(s, order, budget, reference=s.nodes)
+    # starts not placed by the core (sink mode) are checked by the above only
+    peaks = None if mode == "sink" else invariants.check(s, order, budget, reference=s.nodes)
+    for node, reason in reasons.items():
+        node.meta["overlapc_reason"] = reason
+    return PassResult(len(s.movable), order != s.nodes, peaks, {node.name: reason for node, reason in reasons.items()})
 
 
 def _check_kept(s: Structure, order: list[fx.Node]) -> None:
@@ -86,7 +124,7 @@ def _check_kept(s: Structure, order: list[fx.Node]) -> None:
                 raise fail(s, node, "moved across a barrier", order)
 
 
-def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> dict | None:
+def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> PassResult:
     """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured.
     ``snapshot()`` runs before a rewrite first changes the graph."""
     if cfg.chunks > 1:
@@ -180,7 +218,7 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     finally:
         if collecting:
             gc.enable()
-    if stats is None and not rewrites:
+    if not stats.collectives and not rewrites:
         return gm
     if recompile:
         gm.recompile()
@@ -203,7 +241,7 @@ def reorder_all_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Issue every collective as early as its inputs allow (all-gathers in consumer
     order per group and region) and wait each just before its first real consumer,
     with no in-flight bound. In place; returns ``gm`` recompiled."""
-    if _reorder(gm, lambda s: UNBOUNDED) is not None:
+    if _reorder(gm, lambda s: UNBOUNDED).modified:
         gm.recompile()
     return gm
 
@@ -217,7 +255,7 @@ def limit_in_flight(gm: fx.GraphModule, max_in_flight: int | None | OverlapConfi
     if not isinstance(max_in_flight, OverlapConfig):
         max_in_flight = OverlapConfig(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes)
     cfg = max_in_flight
-    if _reorder(gm, lambda s: budget_for(s, cfg)) is not None:
+    if _reorder(gm, lambda s: budget_for(s, cfg)).modified:
         gm.recompile()
     return gm
 
@@ -228,6 +266,6 @@ def sink_waits(gm: fx.GraphModule, kinds=None) -> fx.GraphModule:
     stay where they are. ``kinds`` restricts the pass to those collective kinds
     (e.g. ``("all_gather",)``). In place; returns ``gm`` recompiled."""
     kinds = None if kinds is None else tuple(kinds)
-    if _reorder(gm, lambda s: UNBOUNDED, mode="sink", kinds=kinds) is not None:
+    if _reorder(gm, lambda s: UNBOUNDED, mode="sink", kinds=kinds).modified:
         gm.recompile()
     return gm

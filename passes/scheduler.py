@@ -36,20 +36,41 @@ from overlapc.passes.structure import Structure
 
 UNBOUNDED = Budget(None, {}, {})
 MODES = ("schedule", "sink", "serial")
+# Why a start or wait stands where it is (recorded per node; the report prints them).
+REASONS = {
+    "inputs ready": "issued as soon as its inputs were placed",
+    "count bound": "held back by max_in_flight until an earlier one was waited",
+    "byte budget": "held back by the byte budget (or the memory headroom)",
+    "consumer order": "held behind an all-gather of its group whose consumer comes first",
+    "forced by consumer": "did not fit earlier: issued when its result was due",
+    "chain point": "reads another collective's result: issued at its chain point",
+    "not moved": "left where it was (sink mode)",
+    "serial": "waited right after its start (serial reference)",
+    "before consumer": "waited just before its first consumer",
+    "before chained start": "waited just before the collective start that reads it",
+    "before output": "waited before the graph output",
+    "before barrier": "waited before the barrier that closes its region",
+    "early for room": "waited early to make room in the in-flight budget",
+}
 
 
 def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedule",
-                   kinds: tuple[str, ...] | None = None) -> list[fx.Node]:
+                   kinds: tuple[str, ...] | None = None,
+                   reasons: dict[fx.Node, str] | None = None) -> list[fx.Node]:
     """A new order of ``s.nodes``: the spine in its order, collectives placed by
-    ``mode`` under ``budget``. ``kinds`` limits which collectives move (default all)."""
+    ``mode`` under ``budget``. ``kinds`` limits which collectives move (default all).
+    ``reasons``, when given, receives why each start and wait was placed where it is
+    (``REASONS``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return _Core(s, budget, mode, kinds).run()
+    return _Core(s, budget, mode, kinds, reasons).run()
 
 
 class _Core:
-    def __init__(self, s: Structure, budget: Budget, mode: str, kinds: tuple[str, ...] | None):
+    def __init__(self, s: Structure, budget: Budget, mode: str, kinds: tuple[str, ...] | None,
+                 reasons: dict[fx.Node, str] | None):
         self.s, self.budget, self.mode = s, budget, mode
+        self.reasons = reasons if reasons is not None else {}
         managed = [c for c in s.movable if kinds is None or c.kind in kinds]
         self.managed = {c.start: c for c in managed}
         self.move_starts = mode != "sink"
@@ -58,18 +79,14 @@ class _Core:
         for node in s.nodes:
             compute_before.append(compute_before[-1] + (node not in s.bundled))
         self.moving: set[fx.Node] = set()   # members of bundles placed by the core, not the spine
-        self.waits_at: dict[fx.Node, list[fx.Node]] = {}    # target -> waits placed just before it
         for c in managed:
             if self.move_starts:
                 self.moving.update(s.start_bundle[c.start])
             for wait in c.waits:
-                target = s.target[wait]
-                if not self.move_starts and compute_before[s.pos[target]] == compute_before[s.pos[wait] + 1]:
+                if not self.move_starts and compute_before[s.pos[s.target[wait]]] == compute_before[s.pos[wait] + 1]:
                     continue
                 self.moving.update(s.wait_bundle[wait])
-                self.waits_at.setdefault(target, []).append(wait)
-        for waits in self.waits_at.values():
-            waits.sort(key=s.wait_key)
+        self.spine = [n for n in s.nodes if n not in self.moving]
         self.flight = InFlight(s.held)
         self.order: list[fx.Node] = []
         self.placed: set[fx.Node] = set()
@@ -78,11 +95,40 @@ class _Core:
         self.region = 0
         self.dirty = True
         self.here = 0   # s.pos of the spine node placed last
+        self.step = 0   # index in self.spine of the spine node placed next
+        self.ready_step: dict[fx.Node, int] = {}
+        self.held_back: dict[fx.Node, str] = {}
 
+        # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
+        # is issued at a chain point, a spine node between the earliest point its
+        # upstream collectives may go and the point it must be complete, and
+        # the chained waits are placed right before it (their first consumer).
+        self.gate: dict[fx.Node, int] = {}                   # start -> spine index
+        self.chained: set[fx.Node] = set()                   # waits placed by their gated reader
+        if self.move_starts:
+            self._plan_gates(managed)
+
+        self.waits_at: dict[fx.Node, list[fx.Node]] = {}    # spine node -> waits placed just before it
+        for c in managed:
+            for wait in c.waits:
+                if wait not in self.moving or wait in self.chained:
+                    continue
+                target = s.spine_target[wait] if self.move_starts else s.target[wait]
+                self.waits_at.setdefault(target, []).append(wait)
+        for waits in self.waits_at.values():
+            waits.sort(key=s.wait_key)
+        self.gates_at: dict[fx.Node, list[fx.Node]] = {}
+        for start, index in self.gate.items():
+            self.gates_at.setdefault(self.spine[index], []).append(start)
+        for starts in self.gates_at.values():
+            starts.sort(key=s.pos.__getitem__)
 
         # Readiness: a start may issue once every external input of its bundle is
-        # placed; an input that is another collective's wait counts once that
-        # collective is issued (issuing then places the wait first).
+        # placed (and, when gated, its chain point is reached). An input that is a
+        # chained wait counts once that collective is issued (issuing the gated
+        # start places the wait first); any other wait's member counts once placed,
+        # and in "schedule" mode only after its spine target, so that the target
+        # stays the wait's first consumer.
         self.missing: dict[fx.Node, int] = {}
         self.blocked_on: dict[fx.Node, list[fx.Node]] = {}
         self.ready: list[tuple[int, str]] = []              # other kinds, by position
@@ -90,26 +136,80 @@ class _Core:
         self.by_name: dict[str, Collective] = {}
         self.lanes: dict[tuple[str, int], list[fx.Node]] = {}  # all-gathers in consumer order
         self.head: dict[tuple[str, int], int] = {}
+        self.key = dict(s.key)
         if self.move_starts:
             for c in managed:
                 self.by_name[c.start.name] = c
-                inputs = [self._producer(i) for i in s.bundle_inputs[c.start]]
-                self.missing[c.start] = len(inputs)
+                inputs = [self._producer(i, c.start) for i in s.bundle_inputs[c.start]]
+                self.missing[c.start] = len(inputs) + (c.start in self.gate)
                 for node in inputs:
                     self.blocked_on.setdefault(node, []).append(c.start)
                 if c.kind == "all_gather":
                     self.lanes.setdefault(self._lane(c), []).append(c.start)
+            for start, index in self.gate.items():   # an upstream all-gather is consumed at the gate
+                for i in s.bundle_inputs[start]:
+                    wait = s.wait_of_member.get(i)
+                    if wait in self.chained and s.coll_of_wait[wait].kind == "all_gather":
+                        up = s.coll_of_wait[wait].start
+                        key = (s.pos[self.spine[index]], s.pos[start] - len(s.nodes), s.pos[up])
+                        self.key[up] = min(self.key[up], key)
             for lane, starts in self.lanes.items():
-                starts.sort(key=lambda start: (s.key[start], s.pos[start]))
+                starts.sort(key=lambda start: (self.key[start], s.pos[start]))
                 self.head[lane] = 0
             self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
 
+    def _plan_gates(self, managed: list[Collective]) -> None:
+        """Chain points, in spine indices. For a start B reading chained waits:
+        lo = the earliest index at which B's inputs can all be there (its spine
+        inputs placed, other waits at their spine targets, upstream collectives
+        issued: at their own chain point, or once their inputs are there);
+        hi = the latest index B may go (no later than any chained wait's spine
+        target, nor than where B itself must be complete); the chain point is
+        halfway, splitting the compute between the upstream collective and B.
+        The serial reference uses the same chain points, so that a chained
+        start stands where it does in the schedule it is compared with.
+        When hi < lo, B is not gated: its chained waits stay at their targets."""
+        s, spine = self.s, self.spine
+        index = {node: i for i, node in enumerate(spine)}
+        region_first = [0] + [index[b] + 1 for b in s.barriers]
+        deadline: dict[fx.Node, int] = {}
+        for c in reversed(managed):   # downstream first
+            ends = []
+            for wait in c.waits:
+                ends.append(index[s.spine_target[wait]])
+                for u in s.consumers[wait]:
+                    down = s.start_of_member.get(u)
+                    if down is not None and down in deadline and u in self.moving:
+                        ends.append(deadline[down])
+            deadline[c.start] = min(ends)
+        earliest: dict[fx.Node, int] = {}
+        for c in managed:
+            lo, hi, chained = region_first[s.region_of(c.start)], deadline[c.start], []
+            for i in s.bundle_inputs[c.start]:
+                wait = s.wait_of_member.get(i)
+                if wait is None or i not in self.moving:
+                    lo = max(lo, index[i] + 1)
+                elif s.coll_of_wait[wait].start in earliest and s.region_of(wait) == s.region_of(c.start):
+                    chained.append(wait)
+                    lo = max(lo, earliest[s.coll_of_wait[wait].start])
+                    hi = min(hi, index[s.spine_target[wait]])
+                else:
+                    lo = max(lo, index[s.spine_target[wait]])
+            if chained and lo <= hi:
+                self.gate[c.start] = lo + (hi - lo) // 2
+                self.chained.update(chained)
+                earliest[c.start] = self.gate[c.start]
+            else:
+                for wait in chained:   # not gated: each chained wait stays at its target
+                    lo = max(lo, index[s.spine_target[wait]])
+                earliest[c.start] = lo
+
     # -- bookkeeping -----------------------------------------------------------------
-    def _producer(self, node: fx.Node) -> fx.Node:
-        """What readiness waits for: the start of the collective whose wait bundle
-        holds ``node``, else ``node`` itself."""
+    def _producer(self, node: fx.Node, reader: fx.Node) -> fx.Node:
+        """What ``reader``'s readiness waits for: for a chained wait's member read
+        by its gated start, the start of the wait's collective, else ``node``."""
         wait = self.s.wait_of_member.get(node)
-        if wait is not None and node in self.moving:
+        if wait in self.chained and node in self.moving and reader in self.gate:
             return self.s.coll_of_wait[wait].start
         return node
 
@@ -125,19 +225,28 @@ class _Core:
         self.order.append(node)
         self.placed.add(node)
         for start in self.blocked_on.get(node, ()):
-            self.missing[start] -= 1
-            if self.missing[start] == 0:
-                self.dirty = True
-            if self.missing[start] == 0 and self.managed[start].kind != "all_gather":
-                if self.s.region_of(start) <= self.region:
-                    heapq.heappush(self.ready, (self.s.pos[start], start.name))
-                else:
-                    self.later.setdefault(self.s.region_of(start), []).append(start)
+            self._became_ready(start)
 
-    def _issue(self, c: Collective) -> None:
+    def _became_ready(self, start: fx.Node) -> None:
+        self.missing[start] -= 1
+        if self.missing[start]:
+            return
+        self.dirty = True
+        self.ready_step[start] = self.step
+        if self.managed[start].kind != "all_gather" and start not in self.issued:
+            if self.s.region_of(start) <= self.region:
+                heapq.heappush(self.ready, (self.s.pos[start], start.name))
+            else:
+                self.later.setdefault(self.s.region_of(start), []).append(start)
+
+    def _issue(self, c: Collective, reason: str | None = None) -> None:
         for node in self.s.bundle_inputs[c.start]:
             self._ensure(node)
         self.issued.add(c.start)
+        if reason is None:
+            reason = "inputs ready" if self.ready_step.get(c.start) == self.step or c.kind != "all_gather" \
+                else self.held_back.get(c.start, "consumer order")
+        self.reasons[c.start] = reason
         for member in self.s.start_bundle[c.start]:
             self._place(member)
         self.flight.open(c)
@@ -147,7 +256,7 @@ class _Core:
             while self.head[lane] < len(starts) and starts[self.head[lane]] in self.issued:
                 self.head[lane] += 1
         if self.mode == "serial" and c.kind != "all_gather":
-            self._wait(c)
+            self._wait(c, "serial")
 
     def _ensure(self, node: fx.Node) -> None:
         """Place ``node`` now if it is a bundle member not yet placed (something
@@ -162,10 +271,11 @@ class _Core:
         if c.start not in self.issued:
             self._force_issue(c)
         if wait is not None:
-            self._wait(c)
+            self._wait(c, "before chained start" if wait in self.chained else "before consumer")
 
-    def _wait_one(self, wait: fx.Node) -> None:
+    def _wait_one(self, wait: fx.Node, reason: str) -> None:
         c = self.s.coll_of_wait[wait]
+        self.reasons[wait] = reason
         for member in self.s.wait_bundle[wait]:
             self._place(member)
         self.waits_left[c.start] -= 1
@@ -173,11 +283,11 @@ class _Core:
             self.flight.close(c)
             self.dirty = True
 
-    def _wait(self, c: Collective) -> None:
+    def _wait(self, c: Collective, reason: str) -> None:
         """Place every wait of ``c`` not yet placed, in wait order."""
         for wait in sorted(c.waits, key=self.s.wait_key):
             if wait not in self.placed:
-                self._wait_one(wait)
+                self._wait_one(wait, reason)
 
     # -- the budget ----------------------------------------------------------------------
     def _count_full(self, c: Collective) -> bool:
@@ -197,25 +307,32 @@ class _Core:
     def _gather_fits(self, c: Collective) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open
         collectives of other kinds for room if needed)?"""
-        if self.mode == "serial" or self._count_full(c):
+        if self.mode == "serial":
+            return False
+        if self._count_full(c):
+            self.held_back[c.start] = "count bound"
             return False
         room = self.budget.gather_room(c.group)
-        return room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room \
-            or self._in_headroom(c)
+        if room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room \
+                or self._in_headroom(c):
+            return True
+        self.held_back[c.start] = "byte budget"
+        return False
 
     def _make_room(self, c: Collective, gathers: bool) -> None:
         """Wait the oldest open collectives of ``c``'s group until ``c`` fits or
         nothing more may be waited (all-gathers only when ``gathers``)."""
         while True:
             if self._count_full(c):
-                victim = self.flight.oldest(c.group, kind=c.kind)
+                victim = self.flight.oldest(c.group, kind=c.kind) \
+                    if gathers or c.kind != "all_gather" else None
             elif self._bytes_over(c):
                 victim = self.flight.oldest(c.group, gathers=gathers)
             else:
                 return
             if victim is None:
                 return
-            self._wait(victim)
+            self._wait(victim, "early for room")
 
     # -- issuing ---------------------------------------------------------------------------
     def _issue_ready(self) -> None:
@@ -242,24 +359,26 @@ class _Core:
                 self._make_room(c, gathers=False)
                 self._issue(c)
 
-    def _force_issue(self, c: Collective) -> None:
-        """Issue ``c`` now because its wait is due (all-gathers before it in its lane first)."""
+    def _force_issue(self, c: Collective, gathers: bool = True, reason: str = "forced by consumer") -> None:
+        """Issue ``c`` now (all-gathers before it in its lane first): its wait is
+        due, or (``gathers`` False) its chain point came; open all-gathers are
+        waited for room only when ``gathers``."""
         if c.kind == "all_gather":
             lane, starts = self._lane(c), self.lanes[self._lane(c)]
             while c.start not in self.issued:
                 earlier = self.managed[starts[self.head[lane]]]
-                self._make_room(earlier, gathers=True)
-                self._issue(earlier)
+                self._make_room(earlier, gathers=gathers)
+                self._issue(earlier, reason if earlier is c else None)
         else:
             self._make_room(c, gathers=False)
-            self._issue(c)
+            self._issue(c, reason)
 
     # -- the walk ---------------------------------------------------------------------------
     def run(self) -> list[fx.Node]:
         s = self.s
-        spine = [n for n in s.nodes if n not in self.moving]
-        placed, waits_at = self.placed, self.waits_at
-        for index, node in enumerate(spine):
+        placed, waits_at, gates_at = self.placed, self.waits_at, self.gates_at
+        for index, node in enumerate(self.spine):
+            self.step = index
             due = waits_at.get(node)
             if due:
                 for wait in due:
@@ -269,23 +388,35 @@ class _Core:
                     if self.move_starts and c.start not in self.issued:
                         self._force_issue(c)
                     if wait not in placed:
-                        self._wait_one(wait)
+                        self._wait_one(wait, _wait_reason(node, s))
                 self._issue_ready()   # a wait freed room: the next all-gather goes now
+            for start in gates_at.get(node, ()):
+                self._became_ready(start)
+                if start not in self.issued:
+                    self._force_issue(self.managed[start], gathers=False, reason="chain point")
             for i in node._input_nodes:
                 if i not in placed:
                     self._ensure(i)
+            self.step = index + 1   # what this node makes ready can go right after it
             self._place(node)
             self.here = s.pos[node]
             if not self.move_starts and node in self.managed:
                 self.flight.open(self.managed[node])
+                self.reasons[node] = "not moved"
             if node in s.is_barrier:
                 self.region += 1
                 self._release(self.region)
                 self.dirty = True
-            following = spine[index + 1] if index + 1 < len(spine) else None
+            following = self.spine[index + 1] if index + 1 < len(self.spine) else None
             if node.op == "placeholder" and following is not None and following.op == "placeholder":
                 continue   # keep placeholders together at the top
             self._issue_ready()
         if len(self.order) != len(s.nodes):
             raise AssertionError("overlapc internal error: schedule lost nodes")
         return self.order
+
+
+def _wait_reason(target: fx.Node, s: Structure) -> str:
+    if target.op == "output":
+        return "before output"
+    return "before barrier" if target in s.is_barrier else "before consumer"

@@ -4,14 +4,17 @@
 collectives the scheduler may move:
 
 * start bundles: the start, the cheap input chain that feeds only it (casts,
-  views of a parameter, and nodes a pass marked with
+  views of a parameter, compute on another collective's result alone such as
+  an averaging div, and nodes a pass marked with
   ``meta["overlapc_input_chain"]``, such as a bucket's copy-in) and the
   getitems of list results;
 * wait bundles: the wait and the aliasing views that read only through it;
 * regions: barriers (``overlapc.collectives.barrier_reason``) cut the graph
   into regions; nothing moves from one region to another;
 * each wait's target: its first real consumer, else the barrier that closes
-  its region, else the output node;
+  its region, else the output node; its spine target: the same, skipping
+  consumers inside start bundles (a *chained* wait feeds another collective's
+  start, which moves, so only the final order says which consumer is first);
 * consumer keys: all-gathers sort by (target position, order in which the
   target reads its inputs, own position);
 * the spine: every node outside the bundles (compute, placeholders, barriers,
@@ -73,6 +76,7 @@ class Structure:
         self.wait_bundle: dict[fx.Node, list[fx.Node]] = {}
         self.wait_of_member: dict[fx.Node, fx.Node] = {}
         self.target: dict[fx.Node, fx.Node] = {}
+        self.consumers: dict[fx.Node, list[fx.Node]] = {}
         for c in self.movable:
             for wait in c.waits:
                 end = self.region_end(wait)
@@ -81,7 +85,8 @@ class Structure:
                 self.wait_bundle[wait] = [wait, *closure]
                 for member in self.wait_bundle[wait]:
                     self.wait_of_member[member] = wait
-                first = min([self.pos[u] for u in real_consumers(wait, closure)] + [end])
+                self.consumers[wait] = sorted(real_consumers(wait, closure), key=self.pos.__getitem__)
+                first = min([self.pos[u] for u in self.consumers[wait]] + [end])
                 self.target[wait] = self.nodes[first]
 
         self.start_bundle: dict[fx.Node, list[fx.Node]] = {}
@@ -97,10 +102,17 @@ class Structure:
         # Nodes that may stand between a wait and its consumer: bundle members and any wait.
         self.bundled = set(self.start_of_member) | set(self.wait_of_member) | set(waits)
         self.held = {c.start: held_bytes(c) for c in self.movable}
+        # First consumer that no start bundle carries (else the region's end): a
+        # wait read by another collective's start bundle (a chain) is due by then.
+        self.spine_target: dict[fx.Node, fx.Node] = {}
+        for wait, consumers in self.consumers.items():
+            first = next((u for u in consumers if u not in self.bundled), None)
+            end = self.region_end(wait)
+            self.spine_target[wait] = self.nodes[min(self.pos[first], end) if first is not None else end]
 
         shared: set[fx.Node] = set()
         seen: set[fx.Node] = set()
-        for target in self.target.values():
+        for target in self.spine_target.values():
             (shared if target in seen else seen).add(target)
         self._shared_targets = shared
         self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
@@ -116,9 +128,10 @@ class Structure:
         return self.barrier_pos[index] if index < len(self.barrier_pos) else self.pos[self.output]
 
     def due(self, c: Collective) -> int:
-        """Position of the latest target among ``c``'s waits (-1 when none has one):
-        where ``c`` must be complete."""
-        return max((self.pos[self.target[w]] for w in c.waits if w in self.target), default=-1)
+        """Position of the latest spine target among ``c``'s waits (-1 when none has
+        one): where ``c`` is complete in any schedule (a chained wait, read by a
+        start bundle, is placed before its spine target)."""
+        return max((self.pos[self.spine_target[w]] for w in c.waits if w in self.spine_target), default=-1)
 
     # -- bundles -----------------------------------------------------------------
     def _input_chain(self, start: fx.Node) -> list[fx.Node]:
@@ -136,7 +149,7 @@ class Structure:
                 continue
             seen.add(node)
             if (node.op in ("placeholder", "get_attr", "output")
-                    or not (is_cheap(node) or node.meta.get("overlapc_input_chain"))
+                    or not (is_cheap(node) or node.meta.get("overlapc_input_chain") or self._on_a_wait(node))
                     or node in self.wait_of_member or node in self.coll_of_start
                     or self.region_of(node) != region
                     or barrier_reason(node) is not None
@@ -147,6 +160,29 @@ class Structure:
                 by_name[i.name] = i
                 heapq.heappush(heap, (-self.pos[i], i.name))
         return sorted(chain, key=self.pos.__getitem__)
+
+    def _on_a_wait(self, node: fx.Node) -> bool:
+        """Whether ``node`` computes on a collective's result alone: every input is
+        a wait's bundle member, a placeholder, an attribute or a cheap node over
+        those, at least one a wait's. Such a node (HSDP's averaging between the
+        reduce-scatter and the all-reduce, a matmul of the result with a weight)
+        may join the input chain of the start it alone feeds: it adds no
+        dependency on other compute."""
+        found, frontier, seen = False, list(node._input_nodes), set()
+        while frontier:
+            i = frontier.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if i in self.wait_of_member:
+                found = True
+            elif i.op in ("placeholder", "get_attr"):
+                continue
+            elif is_cheap(i) and barrier_reason(i) is None:
+                frontier.extend(i._input_nodes)
+            else:
+                return False
+        return found
 
     def _external_inputs(self, members: list[fx.Node]) -> list[fx.Node]:
         """Nodes the members read that are not members themselves, in graph order."""
@@ -174,9 +210,10 @@ class Structure:
         return self._arg_order[target]
 
     def wait_key(self, wait: fx.Node) -> tuple[int, int, int]:
-        """Where a wait stands among waits for the same target: (target position,
-        read order, own position). Structural, so every order ranks waits alike."""
-        target = self.target[wait]
+        """Where a wait stands among waits for the same spine target: (target
+        position, read order, own position). Structural, so every order ranks
+        waits alike."""
+        target = self.spine_target[wait]
         if target not in self._shared_targets:
             return self.pos[target], 0, self.pos[wait]
         read = self._order_read(target).get(wait, len(self.nodes))
@@ -190,11 +227,28 @@ def held_bytes(c: Collective) -> int:
     """Bytes a collective holds while in flight beyond what issuing and waiting it
     back to back would: an all-gather's output and input (the gathered buffer and
     the shard, or the cast copy made for it), another collective's input (the
-    c10d work keeps it until the wait). Unknown sizes count 0."""
+    c10d work keeps it until the wait) and, when that input is another
+    collective's result (a chain, whose start goes to a chain point, possibly
+    before where it stood), its output too. Unknown sizes count 0."""
     inputs = tensor_nbytes([node_value(i) for i in c.start._input_nodes]) or 0
-    if c.kind == "all_gather":
+    if c.kind == "all_gather" or _reads_a_wait(c.start):
         return (c.nbytes or 0) + inputs
     return inputs
+
+
+def _reads_a_wait(start: fx.Node) -> bool:
+    """Whether ``start`` reads a wait's result, directly or through cheap nodes."""
+    frontier, seen = list(start._input_nodes), set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if role(node)[1]:
+            return True
+        if is_cheap(node):
+            frontier.extend(node._input_nodes)
+    return False
 
 
 def apply_order(gm: fx.GraphModule, order: list[fx.Node]) -> None:

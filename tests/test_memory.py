@@ -78,15 +78,15 @@ def test_verify_reports_the_peaks_it_checked(captured):
     gm = copy.deepcopy(captured["llama/bw_0"])
     overlapc.schedule(gm, {"on_error": "raise"}, recompile=False)
     stats = overlapc.verify(gm)
-    assert stats["peak_bytes"] == peak_bytes(list(gm.graph.nodes))
-    assert stats["peak_bytes"] <= stats["reference_peak_bytes"] + stats["peak_in_flight_bytes"]
-    assert 0 < stats["peak_in_flight_bytes"]
+    assert stats.peak_bytes == peak_bytes(list(gm.graph.nodes))
+    assert stats.peak_bytes <= stats.reference_peak_bytes + stats.peak_in_flight_bytes
+    assert 0 < stats.peak_in_flight_bytes
 
 
 def test_headroom_is_the_serial_orders_distance_to_its_peak(captured):
     s = Structure(captured["mlp/bw_0"])
-    room = Headroom(s)
     serial = schedule_order(s, mode="serial")
+    room = Headroom(s, serial)
     live = dict(zip(serial, Liveness(s.nodes).live_bytes(serial)))
     assert room.peak == max(live.values())
     level = [room.peak - live[n] if n not in s.bundled else room.peak for n in s.nodes]
@@ -108,6 +108,6 @@ def test_auto_budget_goes_further_ahead_where_memory_is_low(captured):
         scheduled = copy.deepcopy(gm)
         overlapc.schedule(scheduled, dict(options, on_error="raise"), recompile=False)
         stats[name] = overlapc.verify(scheduled, overlapc.OverlapConfig(**options))
-    assert stats["bytes only"]["peak_in_flight_bytes"] <= twice_largest
-    assert stats["auto"]["peak_in_flight_bytes"] > twice_largest
-    assert stats["auto"]["peak_bytes"] <= max(stats["bytes only"]["peak_bytes"], stats["auto"]["reference_peak_bytes"])
+    assert stats["bytes only"].peak_in_flight_bytes <= twice_largest
+    assert stats["auto"].peak_in_flight_bytes > twice_largest
+    assert stats["auto"].peak_bytes <= max(stats["bytes only"].peak_bytes, stats["auto"].reference_peak_bytes)

@@ -99,10 +99,43 @@ def order(gm):
     return [n.name for n in gm.graph.nodes]
 
 
+_CHEAP = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._to_copy.default,
+          torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default,
+          torch.ops.prims.convert_element_type.default}
+
+
+def _over_waits(node):
+    """(reaches a wait, only through cheap nodes and placeholders)"""
+    if node.target == F.wait_tensor.default:
+        return True, True
+    if node.op == "placeholder":
+        return False, True
+    if node.target not in _CHEAP:
+        return False, False
+    found = [_over_waits(i) for i in node.all_input_nodes]
+    return any(f for f, _ in found), all(ok for _, ok in found)
+
+
+def _chained(start):
+    """Whether a start reads another collective's result through cheap nodes, or
+    through one node computing on such results and placeholders alone."""
+    for i in start.all_input_nodes:
+        found, ok = _over_waits(i)
+        if found and ok:
+            return True
+        if i.op == "call_function":
+            inner = [_over_waits(j) for j in i.all_input_nodes]
+            if any(f for f, _ in inner) and all(ok for _, ok in inner):
+                return True
+    return False
+
+
 def held(c):
-    """Bytes a collective holds in flight (all-gather: output + input; others: input)."""
+    """Bytes a collective holds in flight: an all-gather's output and input; any
+    other's input, and its output too when it is chained (reads another
+    collective's result), since its start may go ahead of where it stood."""
     inputs = sum(i.meta["val"].numel() * i.meta["val"].element_size() for i in c.start.all_input_nodes)
-    return (c.nbytes if c.kind == "all_gather" else 0) + inputs
+    return (c.nbytes if c.kind == "all_gather" or _chained(c.start) else 0) + inputs
 
 
 def independent_checks(gm, cfg, before_peak):

@@ -1,0 +1,240 @@
+"""Chained collectives: a collective whose input is another collective's result.
+
+Random make_fx programs where every stage starts a collective and feeds its
+result, through nothing, a view, a cast, a reshape or a matmul, into further
+collectives of any kind (all-gather, reduce-scatter, all-reduce, all-to-all) on
+any of three groups, before compute reads the last one; with bf16 casts,
+barriers, results that are graph outputs, and thunder-style up-front issue.
+Each program is scheduled under random bounds with bucketing on and off; the
+guarantees are then recomputed here on the final order, independently of
+overlapc.verify (``tests/test_properties.independent_checks``, which defines
+every first consumer on the scheduled graph), and values, determinism and
+verify are checked too. Every such graph must schedule: on_error="raise".
+"""
+import os
+
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import overlapc
+from graphs import F, WORLD, trace, wait
+from test_properties import LocalCollectives, independent_checks, order
+from overlapc.passes.memory import peak_bytes
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+LINKS = ("none", "view", "cast", "reshape", "matmul")
+
+
+@st.composite
+def chained_programs(draw):
+    n = draw(st.integers(1, 4))
+    stages = []
+    for _ in range(n):
+        length = draw(st.integers(1, 3))
+        stages.append(dict(
+            head=draw(st.sampled_from(KINDS)),
+            chain=[(draw(st.sampled_from(KINDS)), draw(st.integers(0, 2)), draw(st.sampled_from(LINKS)))
+                   for _ in range(length - 1)],
+            group=draw(st.integers(0, 2)),
+            bf16=draw(st.booleans()),
+            out=draw(st.booleans()),
+            barrier=draw(st.integers(0, 3)) == 0,
+        ))
+    return dict(stages=stages, upfront=draw(st.booleans()))
+
+
+def start(kind, x, group):
+    """Start a collective of ``kind`` on ``x`` (rows a multiple of WORLD where the kind needs it)."""
+    if kind == "all_gather":
+        return F.all_gather_into_tensor(x, WORLD, group)
+    if kind == "reduce_scatter":
+        return F.reduce_scatter_tensor(x, "sum", WORLD, group)
+    if kind == "all_reduce":
+        return F.all_reduce(x, "sum", group)
+    split = [x.shape[0] // WORLD] * WORLD
+    return F.all_to_all_single(x, split, split, group)
+
+
+def rows_after(kind, rows):
+    return rows * WORLD if kind == "all_gather" else rows // WORLD if kind == "reduce_scatter" else rows
+
+
+def feasible(kind, rows):
+    """Keep every tensor between 1 and 128 rows, divisible where the kind splits rows."""
+    if kind == "all_gather":
+        return rows * WORLD <= 128
+    return rows % WORLD == 0
+
+
+def link(how, y, weight):
+    if how == "view":
+        return y.view(-1, 16)
+    if how == "cast":
+        return y.to(torch.bfloat16).float() if y.dtype == torch.float32 else y.float().to(y.dtype)
+    if how == "reshape":
+        return y.reshape(y.shape[0], 4, 4).reshape(-1, 16)
+    if how == "matmul":
+        return y @ weight.to(y.dtype)
+    return y
+
+
+def build(p, groups):
+    stages = p["stages"]
+
+    def fn(x, eye, *ws):
+        handles = {}
+
+        def head(i):
+            s = stages[i]
+            src = ws[i] if s["head"] == "all_gather" else x
+            if s["bf16"]:
+                src = src.to(torch.bfloat16)
+            if s["head"] != "all_gather" and not feasible(s["head"], src.shape[0]):
+                src = torch.cat([src] * WORLD)
+            return start(s["head"], src, groups[s["group"]])
+
+        if p["upfront"]:   # thunder-style: every all-gather of a weight issued before any compute
+            for i, s in enumerate(stages):
+                if s["head"] == "all_gather":
+                    handles[i] = head(i)
+        outs = []
+        for i, s in enumerate(stages):
+            y = wait(handles[i] if i in handles else head(i))
+            for kind, group, how in s["chain"]:
+                y = link(how, y, eye)
+                if not feasible(kind, y.shape[0]):
+                    kind = "all_reduce" if y.shape[0] % WORLD else "reduce_scatter"
+                y = wait(start(kind, y, groups[group]))
+            if s["out"]:
+                outs.append(y)
+            x = torch.tanh(x @ eye + y.float().sum(0, keepdim=True))
+            if s["barrier"]:
+                x = torch.ops.aten.add_(x, 1)
+        return (x, *outs)
+    return fn
+
+
+class Stand(LocalCollectives):
+    def call_function(self, target, args, kwargs):
+        if target == F.all_to_all_single.default:
+            return args[0].roll(1, 0) * 0.5
+        return super().call_function(target, args, kwargs)
+
+
+def inputs_for(p):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(16, 16, generator=g), torch.eye(16) * 0.5] + \
+        [torch.randn(2, 16, generator=g) for _ in p["stages"]]
+
+
+def is_chained(gm):
+    """Whether some collective reads (through cheap ops or a matmul) another's wait."""
+    rows = overlapc.collectives(gm)
+    waits = {w for c in rows for w in c.waits}
+    for c in rows:
+        frontier, seen = list(c.start.all_input_nodes), set()
+        while frontier:
+            node = frontier.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in waits:
+                return True
+            if node.op == "call_function":
+                frontier.extend(node.all_input_nodes)
+    return False
+
+
+@settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(p=chained_programs(), limit=st.sampled_from([1, 2, 3, None]),
+       byte_limit=st.sampled_from([None, 4096, 16384, "auto"]), bucket=st.sampled_from([None, "auto"]))
+def test_chained_graphs_schedule_and_keep_every_guarantee(fake_pg, two_groups, p, limit, byte_limit, bucket):
+    cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, bucket=bucket,
+                                 on_error="raise")
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    shapes = [(16, 16), (16, 16)] + [(2, 16)] * len(p["stages"])
+    gm = trace(build(p, groups), *shapes)
+    expected = Stand(gm).run(*inputs_for(p))
+    before_peak = peak_bytes(list(gm.graph.nodes))
+
+    overlapc.schedule(gm, cfg)
+
+    gm.graph.lint()
+    got = Stand(gm).run(*inputs_for(p))
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    overlapc.verify(gm, cfg)
+    if bucket is None:   # buckets add copy nodes whose bytes the independent check does not model
+        independent_checks(gm, cfg, before_peak)
+    again = trace(build(p, groups), *shapes)
+    overlapc.schedule(again, cfg)
+    assert order(again) == order(gm)
+
+
+def hsdp_backward(rs_group, ar_group, layers=4):
+    """An HSDP-shaped backward: per layer a gradient matmul, its reduce-scatter over
+    the shard group, then (averaged) an all-reduce over the replicate group; the
+    gradients are graph outputs."""
+    def fn(x, *ws):
+        grads = []
+        for w in ws:
+            g = x.t() @ torch.tanh(x @ w)
+            shard = wait(F.reduce_scatter_tensor(g, "sum", WORLD, rs_group))
+            grads.append(wait(F.all_reduce(shard / 2, "sum", ar_group)))
+            x = torch.tanh(x @ w.t())
+        return (x, *grads)
+    return fn
+
+
+def _positions(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def test_hsdp_all_reduce_goes_at_a_chain_point_between_its_reduce_scatter_and_the_end(fake_pg, two_groups):
+    gm = trace(hsdp_backward(fake_pg.group_name, two_groups[0].group_name), (16, 16), *[(16, 16)] * 4)
+    overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None))
+    pos = _positions(gm)
+    rows = overlapc.collectives(gm)
+    compute = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default]
+    rs = [c for c in rows if c.kind == "reduce_scatter"]
+    ar = [c for c in rows if c.kind == "all_reduce"]
+    assert len(rs) == len(ar) == 4
+    for r, a in zip(rs, ar):
+        # compute between the reduce-scatter's start and its wait, and between the
+        # all-reduce's start and its wait, except for the last layer's, which has
+        # no compute left after it
+        between_rs = [m for m in compute if pos[r.start] < pos[m] < pos[r.waits[0]]]
+        between_ar = [m for m in compute if pos[a.start] < pos[m] < pos[a.waits[0]]]
+        if a is not ar[-1]:
+            assert between_rs and between_ar, (r.start.name, a.start.name)
+        assert pos[r.waits[0]] < pos[a.start]
+        assert a.start.meta["overlapc_reason"] == "chain point"
+        assert r.waits[0].meta["overlapc_reason"] in ("before chained start", "early for room")
+    overlapc.verify(gm)
+
+
+def test_two_dim_all_gather_chain_keeps_consumer_order_and_overlaps(fake_pg, two_groups):
+    """A weight gathered over two mesh dims (a redistribute over both) per layer:
+    all-gather over one group, then over the other, then the matmul."""
+    inner, outer = two_groups[0].group_name, fake_pg.group_name
+
+    def fn(x, *ws):
+        for w in ws:
+            full = wait(F.all_gather_into_tensor(wait(F.all_gather_into_tensor(w, WORLD, inner)), WORLD, outer))
+            x = torch.tanh(x @ full.t() @ full)
+        return x
+
+    gm = trace(fn, (16, 16), *[(1, 16)] * 4)
+    overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None, max_in_flight=2))
+    overlapc.verify(gm)
+    pos = _positions(gm)
+    rows = overlapc.collectives(gm)
+    first_stage = [c for c in rows if c.group == inner]
+    second_stage = [c for c in rows if c.group == outer]
+    for lane in (first_stage, second_stage):   # issued in layer order
+        assert [pos[c.start] for c in lane] == sorted(pos[c.start] for c in lane)
+    mms = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default]
+    # every layer but the first gets compute between its second-stage start and wait
+    for c in second_stage[1:]:
+        assert any(pos[c.start] < pos[m] < pos[c.waits[0]] for m in mms), c.start.name
