@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+import operator
 import os
 import sys
 import warnings
@@ -138,6 +139,43 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
     def uuid(self) -> str:
         """Changes with the config and with overlapc's own source."""
         return hashlib.sha256(f"{dataclasses.astuple(self.cfg)!r} {rankcheck.source_hash()}".encode()).hexdigest()
+
+
+def save_seeded_ops_in_checkpoints(graph: fx.Graph) -> int:
+    """In a joint forward+backward graph that takes an opaque input (a DTensor's
+    DeviceMesh), mark the random-seeded ops (SDPA, dropout, ...) that activation
+    checkpointing would recompute as saved instead, with their getitems. Returns
+    how many ops it marked. Same values (the backward reads what the forward
+    computed); costs the memory of their outputs.
+
+    Why: torch 2.13's partitioners replay the RNG of a recomputed seeded op by
+    adding its RNG state to the forward's saved outputs after the saved opaque
+    objects, so AOTAutograd's runtime takes the DeviceMesh for a saved tensor
+    ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh").
+    HF gradient checkpointing with SDPA on a sharded model hits it."""
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    from torch._functorch.partitioners import must_recompute
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if not any(is_opaque_node(n) for n in graph.find_nodes(op="placeholder")):
+        return 0
+    marked = 0
+    for node in graph.nodes:
+        if must_recompute(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            for saved in (node, *(u for u in node.users if u.target is operator.getitem)):
+                saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked += 1
+    return marked
+
+
+class SaveSeededOps(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Inductor joint-graph pass running ``save_seeded_ops_in_checkpoints``."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        save_seeded_ops_in_checkpoints(graph)
+
+    def uuid(self) -> str:
+        return f"overlapc.SaveSeededOps {rankcheck.source_hash()}"
 
 
 _gloo_fix: list = []  # the torch.library.Library holding the kernel, once installed
@@ -318,6 +356,7 @@ def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None,
                input_names: list[str] | None = None, model: _Model | None = None) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import default_partition
 
     def compile_graph(gm, example_inputs, *args, **kwargs):
         if drop_dead_compute(gm):
@@ -325,9 +364,13 @@ def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None,
         _schedule_and_record(gm, cfg, sink)
         return make_boxed_func(gm.forward)
 
+    def partition(joint, *args, **kwargs):
+        save_seeded_ops_in_checkpoints(joint.graph)
+        return default_partition(joint, *args, **kwargs)
+
     return aot_autograd(fw_compiler=_named("fw", compile_graph, index, cfg, input_names, model),
                         bw_compiler=_named("bw", compile_graph, index, cfg, input_names, model),
-                        decompositions=decompositions)
+                        partition_fn=partition, decompositions=decompositions)
 
 
 def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None,
@@ -361,7 +404,9 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     patches = dict(list_mode_options(mode)) if mode else {}
     if cfg.enabled:
-        patches.update(INDUCTOR_PATCHES, post_grad_custom_post_pass=SchedulePass(cfg))
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
+        patches.update(INDUCTOR_PATCHES, post_grad_custom_post_pass=SchedulePass(cfg), joint_custom_pre_pass=[
+            *get_custom_graph_passes(torch._inductor.config.joint_custom_pre_pass), SaveSeededOps()])
         if cfg.dump_dir:
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
     inner = _named("fw", compile_fx_inner, index, cfg, names, model)
