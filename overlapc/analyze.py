@@ -508,11 +508,7 @@ def format_text(analysis: Analysis) -> str:
               "comm_ms", "est_ms", "exposed_ms", "est_exposed", "why")
     for step in analysis.steps:
         lines.append("")
-        lines.append(f"step {step.step}: {step.step_ms:.3f} ms; exposed communication {step.exposed_ms:.3f} ms; "
-                     f"issuing collectives {step.issue_ms:.3f} ms; {step.collectives} collectives (measured)")
-        for run in step.graphs:
-            lines.append(f"  {run.graph}: {run.measured_ms:.3f} ms measured, {run.estimated_ms:.3f} ms estimated; "
-                         f"exposed {run.exposed_ms:.3f} ms measured, {run.estimated_exposed_ms:.3f} ms estimated")
+        lines += _step_lines(step)
         table = [header]
         for m in analysis.collectives:
             if m.step != step.step:
@@ -524,6 +520,34 @@ def format_text(analysis: Analysis) -> str:
         widths = [max(len(line[i]) for line in table) for i in range(len(header))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
     return "\n".join(lines) + "\n"
+
+
+def comparison_text(analysis: Analysis) -> str:
+    """Per step and per graph run, estimated vs measured time and exposed communication. A
+    step's estimate is its graphs' simulated times: what runs outside them (optimizer,
+    Python, barriers) is measured, not estimated."""
+    return "\n".join(line for step in analysis.steps for line in _step_lines(step))
+
+
+def _step_lines(step: Step) -> list[str]:
+    inside = sum(r.measured_ms for r in step.graphs)
+    estimate = step.estimated_step_ms
+    lines = [f"step {step.step}: measured {step.step_ms:.1f} ms"
+             + (f" (graphs {inside:.1f} ms, outside them {step.step_ms - inside:.1f} ms)" if step.graphs else "")
+             + (f", estimated {estimate:.1f} ms ({_ratio(estimate, step.step_ms)} of the step, "
+                f"{_ratio(estimate, inside)} of its graphs)" if estimate is not None else "")
+             + f"; exposed communication measured {step.exposed_ms:.1f} ms"
+             + (f", estimated {step.estimated_exposed_ms:.1f} ms" if estimate is not None else "")
+             + f"; issuing {step.issue_ms:.1f} ms for {step.collectives} collectives"]
+    for run in step.graphs:
+        lines.append(f"  {run.graph}: measured {run.measured_ms:.1f} ms, estimated {run.estimated_ms:.1f} ms "
+                     f"({_ratio(run.estimated_ms, run.measured_ms)}); exposed communication measured "
+                     f"{run.exposed_ms:.1f} ms, estimated {run.estimated_exposed_ms:.1f} ms")
+    return lines
+
+
+def _ratio(estimate: float | None, measured: float) -> str:
+    return f"{estimate / measured:.2f}x" if estimate and measured else "-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

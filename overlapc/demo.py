@@ -121,7 +121,9 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
               f"inductor {timed['inductor'] * 1e3:.1f} ms "
               f"(ratio {timed['inductor'] / timed['overlapc']:.2f}x); "
               f"losses agree to {same:.1e} relative")
-        print(measured_text(trace, dump_dir))
+        from overlapc.analyze import analyze, comparison_text
+        print("\n== estimated vs measured (rank 0, profiled steps; `overlapc analyze`) ==")
+        print(comparison_text(analyze(trace, dump_dir)))
         print("Estimates use the profile calibrated above (quick sweep, noisy on shared cores); "
               "benchmarks/step_time.py shapes the link to show the overlap at realistic ratios.")
     dist.destroy_process_group()
@@ -141,33 +143,6 @@ def _profile(model, data, path: str) -> None:
             optimizer.zero_grad()
             dist.barrier()
             prof.step()
-
-
-def measured_text(trace: str, dump_dir: str) -> str:
-    """Estimated vs measured exposed communication and time, per graph and per step, of rank
-    0's profiled steps (``overlapc analyze``). A step's estimate is its graphs' simulated
-    times: what runs outside them (optimizer, Python, the barrier) is measured, not estimated."""
-    from overlapc.analyze import analyze
-
-    result = analyze(trace, dump_dir)
-    lines = ["", "== estimated vs measured (rank 0, profiled steps; `overlapc analyze`) =="]
-    for step in result.steps:
-        inside = sum(r.measured_ms for r in step.graphs)
-        estimate = step.estimated_step_ms or 0.0
-        lines.append(f"step {step.step}: measured {step.step_ms:.1f} ms (graphs {inside:.1f} ms, outside them "
-                     f"{step.step_ms - inside:.1f} ms), estimated {estimate:.1f} ms "
-                     f"({_ratio(estimate, step.step_ms)} of the step, {_ratio(estimate, inside)} of its graphs); "
-                     f"exposed communication measured {step.exposed_ms:.1f} ms, estimated "
-                     f"{step.estimated_exposed_ms or 0:.1f} ms")
-        for run in step.graphs:
-            lines.append(f"  {run.graph}: measured {run.measured_ms:.1f} ms, estimated {run.estimated_ms:.1f} ms "
-                         f"({_ratio(run.estimated_ms, run.measured_ms)}); exposed communication measured "
-                         f"{run.exposed_ms:.1f} ms, estimated {run.estimated_exposed_ms:.1f} ms")
-    return "\n".join(lines)
-
-
-def _ratio(estimate: float | None, measured: float) -> str:
-    return f"{estimate / measured:.2f}x" if estimate and measured else "-"
 
 
 def _count_collectives(path: str) -> int:

@@ -84,10 +84,9 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "step 1:" in text and "exposed communication" in text and "fw_0" in text
 
-    from overlapc.demo import measured_text   # what `make demo` prints from the same analysis
-    lines = measured_text(paths[0], dump).splitlines()
-    assert lines[2].startswith("step 1: measured ") and "estimated" in lines[2]
-    assert lines[3].startswith("  fw_0: measured ") and lines[4].startswith("  bw_0: measured ")
+    lines = analyze.comparison_text(analyze.analyze(paths[0], dump)).splitlines()   # what `make demo` prints
+    assert lines[0].startswith("step 1: measured ") and "estimated" in lines[0]
+    assert lines[1].startswith("  fw_0: measured ") and lines[2].startswith("  bw_0: measured ")
 
 
 def _args(trace, dump=None, fmt="text", profile=None):
