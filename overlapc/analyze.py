@@ -119,6 +119,9 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
+    """What ``analyze`` found: the trace's format ("cpu" or "cuda") and rank, its steps, and
+    every collective of every step in issue order."""
+
     trace: str
     format: str
     rank: int | None
@@ -222,16 +225,23 @@ def load_dump(folder: str, rank: int | None) -> list[_Graph]:
     if not os.path.isdir(base):
         raise ValueError(f"no dump folder {folder}")
     graphs = []
-    for name in sorted(os.listdir(base), key=lambda g: (g[:2] != "fw", g)):
+    def order(name: str):
+        prefix, _, number = name.partition("_")
+        return prefix != "fw", int(number) if number.isdigit() else 0, name
+
+    for name in sorted(os.listdir(base), key=order):
         path = os.path.join(base, name, "report.json")
         if not os.path.isfile(path):
             continue
-        with open(path, encoding="utf-8") as source:
-            document = json.load(source)
-        rows = sorted(document.get("collectives", []), key=lambda r: r["issue_after"])
-        waits = sorted((r["wait_after"], index) for index, r in enumerate(rows) if r.get("wait_after") is not None)
-        graphs.append(_Graph(name, rows, document.get("summary", {}), [r["kind"] for r in rows],
-                             [index for _, index in waits]))
+        try:
+            with open(path, encoding="utf-8") as source:
+                document = json.load(source)
+            rows = sorted(document.get("collectives", []), key=lambda r: r["issue_after"])
+            waits = sorted((r["wait_after"], i) for i, r in enumerate(rows) if r.get("wait_after") is not None)
+            graphs.append(_Graph(name, rows, document.get("summary", {}), [r["kind"] for r in rows],
+                                 [i for _, i in waits]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{path} is not an overlapc report.json: {error!r}") from None
     if not graphs:
         raise ValueError(f"{folder}: no <graph>/report.json found (write it with dump_dir= or overlapc dump)")
     return graphs

@@ -186,6 +186,10 @@ def test_bad_input(tmp_path, capsys):
     path.write_text(json.dumps(_cuda_trace()))
     assert analyze.run(_args(str(path), str(tmp_path / "nodump"))) == 2
     assert "no dump folder" in capsys.readouterr().err
+    (tmp_path / "bad" / "fw_0").mkdir(parents=True)
+    (tmp_path / "bad" / "fw_0" / "report.json").write_text('{"collectives": [{"kind": "all_gather"}]}')
+    assert analyze.run(_args(str(path), str(tmp_path / "bad"))) == 2
+    assert "is not an overlapc report.json" in capsys.readouterr().err
 
 
 def test_profile_reestimates_matched_collectives(tmp_path):
