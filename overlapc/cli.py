@@ -9,7 +9,7 @@ forward and backward through ``overlapc.backend.capture`` and works on the
 scheduled graphs ("fw_0", "bw_0", ...; ``--graph fw|bw|all`` selects). The
 schedule's options are ``--max-in-flight K|none``,
 ``--max-in-flight-bytes B|auto|none`` (B may end in KiB, MiB or GiB),
-``--bucket auto|module|B|none`` and ``--chunks N``. The estimates
+``--bucket auto|module|B|none`` and ``--chunks N|auto``. The estimates
 use ``--profile NAME|FILE`` (a built-in "device:link" name or a file written
 by ``overlapc calibrate``), else ``--device``/``--link`` (default h100 and
 nvlink: a plan for that machine, not a measurement of this one), with any of
@@ -49,7 +49,7 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
     {"schema": "overlapc.cli.report/1",
      "target": "examples/mlp.py:build", "world_size": 8, "rank": 0,
      "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | null,
-                "bucket": "auto" | "module" | int | null, "chunks": int, "enabled": bool},
+                "bucket": "auto" | "module" | int | null, "chunks": int | "auto", "enabled": bool},
      "profile": {"device": {"name", "tflops", "mem_gbps"},
                  "link": {"name", "gbps", "latency_us", "per_kind": [[kind, gbps, latency_us], ...]},
                  "name": "h100:nvlink" | profile file path, "source": where the numbers came from},
@@ -142,10 +142,13 @@ def _byte_limit(words: tuple[str, ...]):
     return parse
 
 
-def _chunks(text: str) -> int:
-    """--chunks: an int >= 1 (1 = off)."""
+def _chunks(text: str) -> int | str:
+    """--chunks: an int >= 1 (1 = off) or 'auto'."""
+    forms = "an int >= 1 (1 = off) or 'auto'"
+    if _word(text, ("auto",), forms) == "auto":
+        return "auto"
     if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 (1 = off), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
     return int(text)
 
 
@@ -167,8 +170,9 @@ def _parser() -> argparse.ArgumentParser:
                         metavar="auto|module|B|none",
                         help="merge collectives: up to the largest one (auto, the default), "
                         "one bucket per block, a byte target, or none")
-    common.add_argument("--chunks", type=_chunks, default=argparse.SUPPRESS, metavar="N",
-                        help="split critical-path collectives into N pipelined pieces (default 1: off)")
+    common.add_argument("--chunks", type=_chunks, default=argparse.SUPPRESS, metavar="N|auto",
+                        help="split critical-path collectives into N pipelined pieces, or auto: per "
+                        "pattern, the count the estimates put fastest (default 1: off)")
     common.add_argument("--profile", metavar="NAME|FILE", help="estimates from a built-in 'device:link' "
                         "profile or a file written by `overlapc calibrate` (beats --device/--link)")
     common.add_argument("--device", choices=sorted(costmodel.DEVICES), help="(default h100)")

@@ -326,7 +326,9 @@ def _target_file(tmp_path, text):
     ("bad byte budget", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "12 MB"],
      "--max-in-flight-bytes: expected 'auto', 'none' or a byte size >= 1"),
     ("bad chunks", lambda t: ["report", ALLGATHER, *WORLD, "--chunks", "0"],
-     "--chunks: expected an int >= 1 (1 = off), got '0'"),
+     "--chunks: expected an int >= 1 (1 = off) or 'auto', got '0'"),
+    ("misspelt chunks", lambda t: ["report", ALLGATHER, *WORLD, "--chunks", "atuo"],
+     "--chunks: expected an int >= 1 (1 = off) or 'auto', got 'atuo'; did you mean 'auto'?"),
 ])
 def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, make_argv, expected):
     code, out, err = run(capsys, *make_argv(tmp_path))
