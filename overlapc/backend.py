@@ -21,6 +21,13 @@ with ``reorder_for_peak_memory=False`` (that pass moves each all-gather back
 next to its wait) and ``reorder_for_compute_comm_overlap=False``. Everything
 else in Inductor is unchanged. The pass's ``uuid()`` carries the config, so
 Inductor's FX graph cache keys on it.
+
+Per graph, before it is compiled: the cross-rank check (``overlapc.rankcheck``,
+option ``check_ranks``), and one WARNING per compiled model whose graphs hold
+no collectives although its parameters are distributed (FSDP2, DDP, DTensor);
+a graph break in a DTensor-sharded model gets a WARNING too. Log records of
+the "overlapc" logger read "[rank R] fw_0: ..."; INFO on rank 0 only unless
+the logger is at DEBUG.
 """
 from __future__ import annotations
 

@@ -35,12 +35,18 @@ came from.
     overlapc demo [ARGS...]
         ``overlapc.demo.main(ARGS)``.
 
+The backward starts where ``overlapc.backend.backward_root`` says (the
+output's ``loss``, else the sum of its floating outputs); a progress line says
+from what, or why there is none.
+
 Output is deterministic: same target and flags, same bytes. Progress goes to
 stderr (``--quiet`` silences it). Bad input (missing file or function, a
+target that does not import: a syntax or import error, with its file:line, a
 function that does not return ``(model, inputs)``, world size < 1, rank
-outside [0, N), an output path that cannot be written, a bad flag) prints one
-line on stderr and exits 2; an exception raised inside the target's own code
-propagates with its traceback. If a default process group already exists
+outside [0, N), an output path that cannot be written, a bad flag value: the
+message lists the accepted forms, with "did you mean" for a misspelt word)
+prints one line on stderr and exits 2; any other exception raised inside the
+target's own code propagates with its traceback. If a default process group already exists
 (the CLI called in-process), it is used when its world size and rank match
 and left as it is; otherwise the CLI's fake group is destroyed on return.
 

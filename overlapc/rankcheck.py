@@ -83,7 +83,8 @@ def skeleton(gm: fx.GraphModule, input_names: list[str]) -> tuple[list[Step], li
     found = scan(nodes, {}, first_consumers=False)
     index = {c.start: i for i, c in enumerate(found)}
     waits = {w: index[c.start] for c in found for w in c.waits}
-    steps = [Step(c.kind, _group(c.group), c.nbytes, str(c.dtype).removeprefix("torch."),
+    groups = {name: _group(name) for name in sorted({c.group for c in found})}
+    steps = [Step(c.kind, groups[c.group], c.nbytes, str(c.dtype).removeprefix("torch."),
                   _source(c.start, input_names), module_path(c.start)) for c in found]
     events = []
     for node in nodes:
@@ -209,7 +210,6 @@ def _source(start: fx.Node, input_names: list[str]) -> str:
     return str(target) if target is not None else node.name
 
 
-@functools.lru_cache(maxsize=None)
 def _group(name: str) -> str:
     """A process group as every member describes it: size and rank pattern, not its local name."""
     dist = torch.distributed
