@@ -57,6 +57,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 
 SCHEMA = "overlapc.analyze/1"
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
@@ -536,7 +537,16 @@ def comparison_text(analysis: Analysis) -> str:
     """Per step and per graph run, estimated vs measured time and exposed communication. A
     step's estimate is its graphs' simulated times: what runs outside them (optimizer,
     Python, barriers) is measured, not estimated."""
-    return "\n".join(line for step in analysis.steps for line in _step_lines(step))
+    lines = [line for step in analysis.steps for line in _step_lines(step)]
+    timed = [s for s in analysis.steps if s.estimated_step_ms is not None]
+    if len(timed) > 1:
+        measured = statistics.median(s.step_ms for s in timed)
+        estimated = statistics.median(s.estimated_step_ms for s in timed)
+        lines.append(f"median of {len(timed)} steps: measured {measured:.1f} ms, estimated {estimated:.1f} ms "
+                     f"({_ratio(estimated, measured)}); exposed communication measured "
+                     f"{statistics.median(s.exposed_ms for s in timed):.1f} ms, estimated "
+                     f"{statistics.median(s.estimated_exposed_ms for s in timed):.1f} ms")
+    return "\n".join(lines)
 
 
 def _step_lines(step: Step) -> list[str]:

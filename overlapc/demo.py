@@ -7,11 +7,12 @@ from the same initial weights: under backend="overlapc" (default options unless
 flags say otherwise) and under plain Inductor. Rank 0 prints the loss per step,
 the schedule overlapc chose for the forward and backward graphs (from the
 backend's own artifacts: collectives per graph before -> after bucketing,
-estimates, peak memory), and the median step time of both. Then two more overlapc steps run under
-torch.profiler, and rank 0 prints, per graph and per step, the estimated and
-the measured time and exposed communication (``overlapc.analyze`` on its
-trace). ``--keep DIR`` keeps the profile, dumps and traces. A rank that dies or
-hangs ends the demo with a message instead of a hang.
+estimates, peak memory), and the median step time of both. Then three more
+overlapc steps run under torch.profiler, and rank 0 prints, per graph and per
+step, the estimated and the measured time and exposed communication
+(``overlapc.analyze`` on its trace). ``--keep DIR`` keeps the profile, dumps
+and traces. A rank that dies or hangs ends the demo with a message instead of
+a hang.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
             flush=True)
 
     trace = os.path.join(dump_dir, f"trace_rank{rank}.json")
-    say("[overlapc] profiling 2 steps (torch.profiler) ...", flush=True)
+    say("[overlapc] profiling 3 steps (torch.profiler) ...", flush=True)
     _profile(models["overlapc"], data, trace)
     dist.barrier()
     if rank == 0:
@@ -130,13 +131,13 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
 
 
 def _profile(model, data, path: str) -> None:
-    """Two training steps under torch.profiler (after one warm-up step), written to ``path``."""
+    """Three training steps under torch.profiler (after one warm-up step), written to ``path``."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=3, repeat=1),
                  on_trace_ready=lambda prof: prof.export_chrome_trace(path)) as prof:
-        for step in range(3):
+        for step in range(4):
             x, y = data[step % len(data)]
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
