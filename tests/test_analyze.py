@@ -87,6 +87,7 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
     lines = analyze.comparison_text(analyze.analyze(paths[0], dump)).splitlines()   # what `make demo` prints
     assert lines[0].startswith("step 1: measured ") and "estimated" in lines[0]
     assert lines[1].startswith("  fw_0: measured ") and lines[2].startswith("  bw_0: measured ")
+    assert lines[-1].startswith("median of 2 steps: measured ")
 
 
 def _args(trace, dump=None, fmt="text", profile=None):
