@@ -17,8 +17,8 @@ spanning the compute threads' events. Two formats:
   in it.
 * CUDA (NCCL; any trace with "kernel" events): kernels whose name starts with
   "nccl" are communication, every other kernel is compute. A kernel belongs to
-  the op whose launch (``cudaLaunchKernel``, same ``correlation``) it came from
-  and to that launch's step. Exposed = communication kernel time with no
+  the op whose launch (a "cuda_runtime" or "cuda_driver" event with the same
+  ``correlation``) it came from, and to that launch's step. Exposed = communication kernel time with no
   compute kernel running (the definition Holistic Trace Analysis uses); where
   several communication kernels run at once, the time is shared equally, so
   the collectives add up to the step's exposed time, which is the union of
@@ -395,7 +395,8 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
         raise ValueError(f"{path}: no communication ops found (profile with ProfilerActivity.CPU)")
     launches: dict = {}
     for e in spans:
-        if e.get("cat") == "cuda_runtime" and isinstance(e.get("args"), dict) and "correlation" in e["args"]:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and isinstance(e.get("args"), dict) \
+                and "correlation" in e["args"]:
             launches.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["args"]["correlation"]))
     ops: list[_Op] = []
     for thread, events in threads.items():

@@ -113,7 +113,9 @@ def _cuda_trace() -> dict:
         if kernel is not None:
             correlation[0] += 1
             kname, begin, length, stream = kernel
-            cpu.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid,
+            runtime = ("cuda_driver", "cuLaunchKernelEx") if kname.startswith("nccl") else \
+                ("cuda_runtime", "cudaLaunchKernel")   # NCCL launches through the driver API
+            cpu.append({"ph": "X", "cat": runtime[0], "name": runtime[1], "pid": 1, "tid": tid,
                         "ts": ts + 1, "dur": dur - 2, "args": {"correlation": correlation[0]}})
             events.append({"ph": "X", "cat": "kernel", "name": kname, "pid": 0, "tid": stream, "ts": begin,
                            "dur": length, "args": {"correlation": correlation[0], "stream": stream, "device": 0}})
