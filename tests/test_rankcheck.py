@@ -10,6 +10,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
@@ -220,3 +222,22 @@ def test_a_cache_hit_on_one_rank_neither_skips_nor_trips_the_check(tmp_path):
     for rank, third in enumerate((third0, third1)):
         assert f"overlapc (rank {rank}): rank 1 differs from rank 0 in graph fw_2" in third, third
         assert "1024 B float32 of shards.0 " in third and "1024 B float32 of shards.1 " in third
+
+
+_STEPS = st.lists(st.builds(_step, kind=st.sampled_from(["all_gather", "reduce_scatter"]),
+                            source=st.sampled_from(["a", "b", "c"]), nbytes=st.sampled_from([512, 1024])),
+                  min_size=1, max_size=6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(reference=_STEPS, other=_STEPS)
+def test_any_difference_fails_every_rank_at_the_first_differing_collective(reference, other):
+    results = _run_threads([reference, other])
+    if reference == other:
+        assert results == {0: None, 1: None}
+        return
+    first = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+    for rank in (0, 1):
+        text = results[rank]
+        assert text.startswith(f"overlapc (rank {rank}): rank 1 differs from rank 0 in graph fw_"), text
+        assert f"collective #{first} of {len(reference)} on rank 0" in text or f"(#{first}, on rank" in text, text
