@@ -170,6 +170,8 @@ class _Core:
         start stands where it does in the schedule it is compared with.
         When hi < lo, B is not gated: its chained waits stay at their targets."""
         s, spine = self.s, self.spine
+        if not any(i in s.wait_of_member for c in managed for i in s.bundle_inputs[c.start]):
+            return   # no start reads a wait: nothing is chained
         index = {node: i for i, node in enumerate(spine)}
         region_first = [0] + [index[b] + 1 for b in s.barriers]
         deadline: dict[fx.Node, int] = {}
