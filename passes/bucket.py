@@ -1,14 +1,15 @@
-"""Merge small all-gathers (reduce-scatters) into one collective per bucket.
+"""Merge small all-gathers (reduce-scatters, all-reduces) into one collective per bucket.
 
     notes = bucket_collectives(gm, bucket="auto" | "module" | byte_target)   # in place; the caller recompiles
 
-Who merges. Movable ``all_gather_into_tensor`` (``reduce_scatter_tensor``)
-starts with exactly one ``wait_tensor`` and static shapes, in *lanes* of the
+Who merges. Movable ``all_gather_into_tensor`` (``reduce_scatter_tensor``,
+``all_reduce``) starts with exactly one ``wait_tensor`` and static shapes, in *lanes* of the
 same barrier region, group, group size and dtype (and reduce op): nothing
 merges across a barrier, a group, a dtype (fp32 and bf16 go to separate
 buckets) or a reduce op. Within a lane, members are taken in order (all-gathers
-in consumer order, ``Structure.consumer_key``; reduce-scatters in the order
-their starts stand, which is the order their inputs become ready) and a bucket
+in consumer order, ``Structure.consumer_key``; reduce-scatters and
+all-reduces in the order their starts stand, which is the order their inputs
+become ready) and a bucket
 holds consecutive members. A bucket closes before a member when
 
 * ``bucket="module"``: the member belongs to another block. Its block is the
@@ -30,7 +31,7 @@ holds consecutive members. A bucket closes before a member when
   consumer), or the member's result or input is tied to another collective.
 
 A bucket of one member stays as it was. Bytes: the all-gather's output, the
-reduce-scatter's input.
+reduce-scatter's and all-reduce's input.
 
 Rewrite. All-gather: each member's input (with the cheap input chain the
 scheduler would move with it, casts included) is flattened (a contiguous copy
@@ -53,6 +54,12 @@ one reduce-scatter of the flattened buffer and one wait; member i's result is
 the slice [off, off+m_i*prod(rest)) viewed as (m_i, *rest) (a view, no copy).
 The bucket stands right after the last input it reads is ready.
 
+All-reduce (the gradients of a replicated model: in-graph DDP): each member's
+input flattened and ``cat`` into one buffer, one all-reduce and one wait,
+member i's result the slice [off, off+n_i) viewed in its shape (a view). An
+element's reduction is the same sum over the same ranks, so values agree within
+the rounding of the backend's reduction order. Standing like a reduce-scatter bucket.
+
 New nodes carry ``meta["val"]`` (fake tensors computed by the ops themselves)
 and the module stack of a member, so the memory tracker, the cost model and the
 report read them like any other node. The graph is rewritten in place
@@ -62,7 +69,7 @@ Returns one BucketNote per bucket, also appended to
 ``gm.meta["overlapc_buckets"]``. ValueError names the node, op and group when a
 collective's shapes contradict its group size.
 
-Left alone: coalesced and ``_out`` collectives, all-reduce and all-to-all,
+Left alone: coalesced and ``_out`` collectives, all-to-all,
 collectives with several waits or symbolic/unknown shapes, the pieces of a
 chunked collective (``passes/chunk/``'s notes name them), and collectives
 whose result feeds another collective's input chain directly.
@@ -95,7 +102,7 @@ F = torch.ops._c10d_functional
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 BUCKET_MODES = ("auto", "module")
-_OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+_OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor", "all_reduce": "all_reduce"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +144,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
             before_rewrite()
         rewrite = _Rewrite(gm, s)
         for kind, members in plans:
-            note = rewrite.all_gather(members) if kind == "all_gather" else rewrite.reduce_scatter(members)
+            note = getattr(rewrite, kind)(members)
             log.debug("overlapc: bucket %s (%s, group %s, %d bytes): %s", note.start, kind, note.group,
                       note.nbytes, ", ".join(note.members))
             notes.append(note)
@@ -185,7 +192,7 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
         members.sort(key=lambda m: s.pos[m.c.start])
     lanes: dict[tuple, list[_Member]] = {}
     for m in members:
-        reduce_op = _argument(m.c.start, 1, "reduce_op") if kind == "reduce_scatter" else ""
+        reduce_op = _argument(m.c.start, 1, "reduce_op") if kind != "all_gather" else ""
         key = (s.region_of(m.c.start), m.c.group, m.c.group_size, str(m.value.dtype), str(reduce_op))
         lanes.setdefault(key, []).append(m)
     return lanes
@@ -199,7 +206,7 @@ def _member(s: Structure, c: Collective) -> _Member | None:
     wait = c.waits[0]
     x = start.args[0] if start.args else start.kwargs.get("input")
     value, out = node_value(x) if isinstance(x, fx.Node) else None, node_value(start)
-    if not isinstance(c.group_size, int) or not _static(value) or not _static(out):
+    if not (isinstance(c.group_size, int) or c.kind == "all_reduce") or not _static(value) or not _static(out):
         return None
     _check_shapes(c, value, out)
     target = s.target[wait]
@@ -223,6 +230,8 @@ def _check_shapes(c: Collective, value: torch.Tensor, out: torch.Tensor) -> None
     world = c.group_size
     if c.kind == "all_gather":
         fits = out.numel() == world * value.numel() and out.dtype == value.dtype
+    elif c.kind == "all_reduce":
+        fits = out.shape == value.shape and out.dtype == value.dtype
     else:
         fits = value.dim() > 0 and value.shape[0] % world == 0 and out.numel() * world == value.numel()
     if not fits:
@@ -338,6 +347,23 @@ class _Rewrite:
             result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
             self._replace(m, result, anchor)
         return self._note("reduce_scatter", start, members)
+
+    def all_reduce(self, members: list[_Member]) -> BucketNote:
+        first = members[0]
+        anchor = self._issue_point(members)
+        self._move_input_chains(members, anchor)
+        flat = self._new(anchor, aten.cat.default, ([self._flat(m, anchor) for m in members], 0),
+                         like=first.c.start, input_chain=True)
+        start = self._new(anchor, F.all_reduce.default,
+                          (flat, _argument(first.c.start, 1, "reduce_op"), _argument(first.c.start, 2, "group_name")),
+                          like=first.c.start, name="all_reduce_bucket")
+        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
+        sizes = [m.value.numel() for m in members]
+        for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
+            piece = self._new(anchor, aten.slice.Tensor, (wait, 0, offset, offset + size), like=m.wait)
+            result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
+            self._replace(m, result, anchor)
+        return self._note("all_reduce", start, members)
 
     def finish(self) -> None:
         """Erase the replaced collectives and put every node at its key."""

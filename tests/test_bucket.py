@@ -21,12 +21,14 @@ from graphs import F, WORLD, Block, ag, trace, wait, random_inputs
 RANK = 3   # the rank the stand-ins pretend to be (not 0: a wrong block order shows)
 AG = F.all_gather_into_tensor.default
 RS = F.reduce_scatter_tensor.default
+AR = F.all_reduce.default
 
 
 class RankCollectives(fx.Interpreter):
     """Runs a graph with collectives replaced by local stand-ins for rank RANK.
 
-    Rank r's all-gather shard is x*(r+1)+r (gathered rank-major); rank r's
+    Rank r's all-gather shard is x*(r+1)+r (gathered rank-major), its all-reduce
+    input x*(r+1); rank r's
     reduce-scatter input is y with its blocks rotated by r, times r+1, so the
     reduced block RANK is sum over r of (r+1) * block (RANK+r) % W of y. Both act
     elementwise on each rank's block, which is what bucketing must preserve."""
@@ -39,6 +41,11 @@ class RankCollectives(fx.Interpreter):
             y, op, world = args[0], args[1], args[2]
             blocks = y.reshape(world, y.shape[0] // world, *y.shape[1:])
             reduced = sum(blocks[(RANK + r) % world] * (r + 1) for r in range(world))
+            return reduced / world if op == "avg" else reduced
+        if target == AR:
+            x, op = args[0], args[1]
+            world = 8
+            reduced = sum(x * (r + 1) for r in range(world))
             return reduced / world if op == "avg" else reduced
         if target == F.wait_tensor.default:
             return args[0].clone()
@@ -245,6 +252,28 @@ def test_reduce_scatter_bucket_waits_for_its_last_input_and_not_longer(fake_pg):
         return first, wait(F.reduce_scatter_tensor(h, "sum", WORLD, "0"))
     _, gm, notes = bucketed(needed_early, (16, 4), (16, 16))
     assert notes == [] and count(gm, RS) == 2
+
+
+def replicated_gradients(g1, g2, g3, g4, g5):
+    """In-graph DDP: each gradient all-reduced (averaged), one of them in a chain."""
+    out = [wait(F.all_reduce(g1 * 2, "avg", "0")),                  # (16, 16)
+           wait(F.all_reduce(g2 + 1, "avg", "0")),                  # (24, 5)
+           wait(F.all_reduce((g3 - 1).t(), "avg", "0")),            # non-contiguous (16, 8)
+           wait(F.all_reduce(g4 * 3, "sum", "0"))]                  # another reduce op: its own bucket
+    shard = wait(F.reduce_scatter_tensor(g5, "sum", WORLD, "0"))
+    out.append(wait(F.all_reduce(shard / 2, "avg", "0")))           # HSDP-style chain: stays out
+    return [o * 1 for o in out]
+
+
+def test_all_reduces_merge_with_the_same_values_and_chains_stay_out(fake_pg):
+    original, gm, notes = bucketed(replicated_gradients, (16, 16), (24, 5), (8, 16), (4, 4), (16, 4),
+                                   bucket=10 ** 6)
+    assert (count(original, AR), count(gm, AR)) == (5, 3)
+    assert [(n.kind, n.members, n.nbytes) for n in notes] == [
+        ("all_reduce", ("all_reduce", "all_reduce_1", "all_reduce_2"), 4 * (256 + 120 + 128))]
+    assert_same_values(original, gm)
+    overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None))
+    overlapc.verify(gm)
 
 
 # ------------------------------------------------------------------ modules, on a captured model
