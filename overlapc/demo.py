@@ -124,7 +124,12 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
               f"losses agree to {same:.1e} relative")
         from overlapc.analyze import analyze, comparison_text
         print("\n== estimated vs measured (rank 0, profiled steps; `overlapc analyze`) ==")
-        print(comparison_text(analyze(trace, dump_dir)))
+        measured = analyze(trace, dump_dir)
+        print(comparison_text(measured))
+        estimate = statistics.median(s.estimated_step_ms or 0.0 for s in measured.steps)
+        print(f"estimated step {estimate:.1f} ms = {estimate / (timed['overlapc'] * 1e3):.2f}x the timed median "
+              f"above ({timed['overlapc'] * 1e3:.1f} ms, not profiled); the profiled steps carry the profiler's "
+              f"own cost")
         print("Estimates use the profile calibrated above (quick sweep, noisy on shared cores); "
               "benchmarks/step_time.py shapes the link to show the overlap at realistic ratios.")
     dist.destroy_process_group()
