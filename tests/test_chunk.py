@@ -105,10 +105,10 @@ def test_tp_sp_every_pattern_is_pipelined_with_the_same_values(tp_graphs, chunks
     assert sum(1 for n in fw.graph.nodes if "scaled_dot_product" in str(n.target)) == chunks
     # the attention's reduce-scatter feeds the MLP's all-gather piece by piece through the
     # residual add and the norm (both cut along the batch); in the backward the MLP's
-    # pipeline cuts the sequence rows and the attention's the batch: not chained
+    # feeds the attention's (the MLP cuts the batch too, as the next gather needs)
     assert [n.fed_by for n in fw_notes] == ["", fw_notes[0].starts[1]]
-    assert [n.fed_by for n in bw_notes] == ["", ""]
-    for gm, feeder, fed in ((fw, fw_notes[0], fw_notes[1]),):
+    assert [n.fed_by for n in bw_notes] == ["", bw_notes[0].starts[1]]
+    for gm, feeder, fed in ((fw, fw_notes[0], fw_notes[1]), (bw, bw_notes[0], bw_notes[1])):
         pos = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         nodes = {n.name: n for n in gm.graph.nodes}
         gathers = [nodes[p] for p in fed.pieces if "all_gather" in p]
@@ -373,7 +373,7 @@ def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
     """Pieces pay a latency and a fixed cost per op each: a slow link with compute of
     the same order pipelines, a fast link with a large latency does not."""
     from overlapc import costmodel
-    from overlapc.passes.chunk.estimate import CANDIDATES, pipeline_ms
+    from overlapc.passes.chunk.estimate import CANDIDATES
     balanced = costmodel.profile("cpu", "ethernet", tflops=1e-5, link_gbps=0.002, latency_us=1.0)
     latency_bound = costmodel.profile("cpu", "ethernet", link_gbps=1000.0, latency_us=5000.0)
     for prof, pipelined in ((balanced, True), (latency_bound, False)):

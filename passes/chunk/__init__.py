@@ -39,7 +39,8 @@ batch-first [batch, seq, ...] activation's pieces are batch rows. Patterns:
   one pipeline and its note names both starts; without a reduce-scatter
   reachable through row-wise compute, all-gather -> views -> the matmuls that
   read the rows. A pipeline fed by an earlier one (below) is preferred, then
-  rows, then the batch of a sequence-first activation.
+  one cut along a dim the next all-gather of the group can cut too (so they
+  chain), then rows before the batch of a sequence-first activation.
 * ``matmul_reduce_scatter``: matmul -> views -> reduce-scatter; the matmul's
   row operand is copied piece by piece.
 * ``all_to_all_expert``: all_to_all_single -> row-wise expert compute ->

@@ -76,6 +76,7 @@ def choose(plans: dict[int, Plan], profile: costmodel.Profile) -> tuple[int, tup
     pieces) and 1 (the pattern left as it is, estimated on the smallest plan), ties
     to the fewer pieces; and every candidate's estimate in ms, by k."""
     base = plans[min(plans)]
-    estimates = [(1, pipeline_ms(base, 1, profile))] + [(k, pipeline_ms(p, k, profile)) for k, p in sorted(plans.items())]
+    estimates = [(1, pipeline_ms(base, 1, profile))]
+    estimates += [(k, pipeline_ms(plan, k, profile)) for k, plan in sorted(plans.items())]
     best = min(estimates, key=lambda e: (e[1], e[0]))[0]
     return best, tuple(estimates)

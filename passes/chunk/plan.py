@@ -108,7 +108,8 @@ class Planner:
             return Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink, layouts)
         shard = L.val(start.args[0])
         # pieces of the gathered rows (dim 0), else of a sequence-first activation's batch
-        # (dim 1), which flow through attention; a plan fed by an earlier pipeline first
+        # (dim 1), which flow through attention; a plan fed by an earlier pipeline first,
+        # then one whose dim the next all-gather can cut too
         dims = [d for d in (0, 1) if shard.dim() > (0 if d == 0 else 2) and shard.shape[d] % k == 0]
         plans = []
         for dim in dims:
@@ -124,7 +125,24 @@ class Planner:
             region, layouts = self._matmul_consumers(wait, world, k)
             plans.append(Plan(pattern, group, world, k, start, start.args[0], None, region, [], region[-1], layouts,
                               0, self._link(start, k, 0)))
+        if len(plans) > 1 and all(p.link is None for p in plans):   # cut what the next gather can cut
+            later = self._next_dims(plans[0].sink, group, world, k)
+            plans.sort(key=lambda p: p.dim not in later)
         return min(plans, key=lambda p: p.link is None)
+
+    def _next_dims(self, after: fx.Node, group: str, world: int, k: int) -> set[int]:
+        """The dims along which the next all-gather of ``group`` after ``after`` could
+        pipeline to a reduce-scatter: the dim this pipeline's pieces should take for
+        the two to chain (in a backward, the MLP's then the attention's)."""
+        for node in _after(after):
+            if collective_op(node) == "all_gather_into_tensor" and group_of(node) == group:
+                try:
+                    wait = L.one_wait(node)
+                except Skip:
+                    return set()
+                return {d for d in (0, 1)
+                        if self._region_to_sink(wait, "reduce_scatter_tensor", group, world, k, d)[1] is not None}
+        return set()
 
     def _link(self, start: fx.Node, k: int, dim: int) -> Link | None:
         """The row-wise compute by which an earlier reduce-scatter pipeline's result
