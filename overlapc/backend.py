@@ -470,8 +470,7 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
         try:
             root.backward()
         except Exception as error:   # noqa: BLE001 - reported to the caller with its reason
-            said = f"no backward: {said.removeprefix('backward from ')}'s backward raised " \
-                   f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            said = f"no backward: {said} raised {type(error).__name__}: {' '.join(str(error).split())[:300]}"
     if note is not None:
         note(said)
     torch._dynamo.reset()

@@ -255,6 +255,16 @@ class Plain:
     steps: int
 
 
+class Refuse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("this op has no backward")
+
+
 class Wrapped(torch.nn.Module):
     def __init__(self, kind):
         super().__init__()
@@ -268,6 +278,8 @@ class Wrapped(torch.nn.Module):
             return Plain(hidden=logits, steps=3)
         if self.kind == "dict":
             return {{"logits": logits, "count": torch.ones(2, dtype=torch.long)}}
+        if self.kind == "refuse":
+            return Refuse.apply(logits)
         return logits.argmax(-1)          # integers: nothing to differentiate
 
 
@@ -301,6 +313,11 @@ def test_no_backward_is_said_with_its_reason(tmp_path, capsys):
                                          "requires grad (output: torch.int64))"), err
     code, out, err = run(capsys, "report", f"{path}:build_ints", *WORLD, "--graph", "fw", "--quiet")
     assert code == 0 and "fw_0: 2 collectives" in out
+    path.write_text(path.read_text() + "\ndef build_refuse():\n    return build('refuse')\n")
+    code, out, err = run(capsys, "report", f"{path}:build_refuse", *WORLD, "--graph", "bw")
+    assert code == 2 and err.splitlines()[-1].endswith(
+        "produced no bw graph (no backward: backward from the sum of output raised RuntimeError: "
+        "this op has no backward)"), err
 
 
 def _target_file(tmp_path, text):
