@@ -89,8 +89,8 @@ def _nbytes(node: fx.Node) -> int:
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
         try:
-            return value.numel() * value.element_size()
-        except Exception:  # unbacked symbolic sizes
+            return int(value.numel() * value.element_size())
+        except Exception:  # unbacked symbolic sizes (data-dependent splits): counted 0
             return 0
     return tensor_nbytes(node_value(node)) or 0
 

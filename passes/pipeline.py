@@ -127,17 +127,17 @@ def _check_kept(s: Structure, order: list[fx.Node]) -> None:
 def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> PassResult:
     """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured.
     ``snapshot()`` runs before a rewrite first changes the graph."""
-    if cfg.chunks > 1:
+    if cfg.chunks != 1:
         from overlapc.passes.chunk import chunk_collectives
         snapshot()
-        chunk_collectives(gm, cfg.chunks)
+        chunk_collectives(gm, cfg.chunks, cfg.profile)
     s = None
     if cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives
         s = Structure(gm)
         if bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s):
             s = None   # the graph changed: the core needs a new one
-    if cfg.chunks > 1 or cfg.bucket is not None:
+    if cfg.chunks != 1 or cfg.bucket is not None:
         gm.meta["overlapc_unscheduled_order"] = [n.name for n in gm.graph.nodes]
     return _reorder(gm, lambda s: budget_for(s, cfg), s=s)
 
@@ -192,7 +192,7 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
         return gm
     original = list(gm.graph.nodes)
     gm.meta.pop("overlapc_unscheduled_order", None)
-    rewrites = cfg.chunks > 1 or cfg.bucket is not None
+    rewrites = cfg.chunks != 1 or cfg.bucket is not None
     saved: list[fx.Graph] = []   # a copy to roll back to, taken only when a rewrite changes the graph
 
     def snapshot() -> None:

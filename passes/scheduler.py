@@ -126,9 +126,8 @@ class _Core:
         # Readiness: a start may issue once every external input of its bundle is
         # placed (and, when gated, its chain point is reached). An input that is a
         # chained wait counts once that collective is issued (issuing the gated
-        # start places the wait first); any other wait's member counts once placed,
-        # and in "schedule" mode only after its spine target, so that the target
-        # stays the wait's first consumer.
+        # start places the wait first); any other wait's member counts once placed
+        # (at its spine target, or earlier when waited for room).
         self.missing: dict[fx.Node, int] = {}
         self.blocked_on: dict[fx.Node, list[fx.Node]] = {}
         self.ready: list[tuple[int, str]] = []              # other kinds, by position
@@ -173,7 +172,8 @@ class _Core:
         if not any(i in s.wait_of_member for c in managed for i in s.bundle_inputs[c.start]):
             return   # no start reads a wait: nothing is chained
         index = {node: i for i, node in enumerate(spine)}
-        region_first = [0] + [index[b] + 1 for b in s.barriers]
+        body = next((i for i, node in enumerate(spine) if node.op != "placeholder"), 0)
+        region_first = [body] + [index[b] + 1 for b in s.barriers]   # placeholders stay together
         deadline: dict[fx.Node, int] = {}
         for c in reversed(managed):   # downstream first
             ends = []
@@ -190,7 +190,7 @@ class _Core:
             for i in s.bundle_inputs[c.start]:
                 wait = s.wait_of_member.get(i)
                 if wait is None or i not in self.moving:
-                    lo = max(lo, index[i] + 1)
+                    lo = max(lo, index.get(i, -1) + 1)   # (a moving start's member: issued on demand)
                 elif s.coll_of_wait[wait].start in earliest and s.region_of(wait) == s.region_of(c.start):
                     chained.append(wait)
                     lo = max(lo, earliest[s.coll_of_wait[wait].start])

@@ -161,8 +161,6 @@ def test_overlapc_backend_chunks_option_is_wired(results, model):
             f"chunks=1 ran {counts[1][0]}: the chunks option had no effect")
 
 
-@pytest.mark.xfail(strict=True, reason="passes/memory.py _nbytes: `if nbytes:` guards on an unbacked "
-                   "byte count (GuardOnDataDependentSymNode); int() of it in the try would count 0")
 def test_dropless_moe_schedules_and_trains_under_the_overlapc_backend(results):
     for rank, per_rank in enumerate(results):
         eager, counts = per_rank[("moe_dropless", "overlapc")]
