@@ -287,6 +287,7 @@ class _Model:
 
 
 _models: "weakref.WeakKeyDictionary[torch.nn.Module, _Model]" = weakref.WeakKeyDictionary()
+_MODULE_CALLS = ("__call__", "_call_impl", "_wrapped_call_impl")
 
 
 def _compiled_model() -> _Model | None:
@@ -294,8 +295,9 @@ def _compiled_model() -> _Model | None:
     OptimizedModule's ``self``) and what makes its parameters distributed; None
     for a compiled function. Inspected once per model."""
     frame = sys._getframe(1)
-    while frame is not None and not isinstance(frame.f_locals.get("self"), torch._dynamo.eval_frame.OptimizedModule):
-        frame = frame.f_back
+    while frame is not None and not (frame.f_code.co_name in _MODULE_CALLS and isinstance(
+            frame.f_locals.get("self"), torch._dynamo.eval_frame.OptimizedModule)):
+        frame = frame.f_back   # only module-call frames have their locals read
     if frame is None:
         return None
     module = frame.f_locals["self"]._orig_mod
