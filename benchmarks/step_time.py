@@ -45,6 +45,8 @@ The DDP case (``--ddp``, on its own: a few minutes), same model, link and bounds
                  default options: every gradient all-reduced in the backward graph
   comm_only      an all-reduce of every gradient, back to back; edge_comm: the all-reduces of the
                  first block's gradients (embedding + block 0), the last the backward produces
+  forward_only   compute_only's forward alone; a gradient's all-reduce cannot start before the
+                 backward, so bound = max(compute_only + edge_comm, forward_only + comm_only)
   peak memory    as below; DDP's buckets (allocated when DDP is built) live before the step,
                  so DDP eager's peak does not count them
 
@@ -117,6 +119,7 @@ MODEL_VARIANTS = [
     "overlapc_unlimited",
 ]
 BOUND_VARIANTS = ["compute_only", "comm_only", "edge_comm", "concurrent"]
+DDP_BOUND_VARIANTS = ["forward_only"]  # gradients exist only in the backward: no all-reduce overlaps the forward
 OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket_module": {"bucket": "module"},
                     "overlapc_nobucket": {"bucket": None}, "overlapc_k2": {"max_in_flight": 2},
                     "overlapc_k3": {"max_in_flight": 3},
@@ -172,6 +175,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def variants_of(args) -> list[str]:
     return list(args.variants or (DDP_VARIANTS if args.ddp else MODEL_VARIANTS))
+
+
+def bounds_of(args) -> list[str]:
+    return BOUND_VARIANTS + (DDP_BOUND_VARIANTS if args.ddp else [])
 
 
 def config_of(args) -> dict:
@@ -506,6 +513,9 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
             return train_step(torch.compile(model, backend="inductor"), optimizer(model))
         if name in ("comm_only", "edge_comm"):
             return comm_step(name, cfg, world_size, ddp=args.ddp)
+        if name == "forward_only":
+            forward = torch.compile(fresh(), backend="inductor")
+            return lambda i: float(forward(*data[i]).detach())
         if name == "concurrent":
             return concurrent_step(steps["compute_only"], steps["comm_only"])
         model = overlapc.fsdp.shard(fresh(), mesh)
@@ -527,7 +537,7 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
     aliases = _same_config(names)
     say("measured once: " + ", ".join(f"{a} = {b} (same OverlapConfig)" for a, b in aliases.items())
         if aliases else "every overlapc variant has its own config")
-    names = [n for n in names if n not in aliases] + BOUND_VARIANTS
+    names = [n for n in names if n not in aliases] + bounds_of(args)
     steps, errors = {}, {}
     for name in names:
         try:
@@ -578,7 +588,7 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
 
     peak_bytes = {}
     for name in live:
-        if name in ("comm_only", "edge_comm", "concurrent"):
+        if name in ("comm_only", "edge_comm", "concurrent", "forward_only"):
             continue
         dist.barrier()
         peak_bytes[name] = profile_step(lambda: steps[name](rounds - 1))[0]
@@ -811,7 +821,8 @@ def report(args, per_rank: list[dict]) -> int:
     r0 = per_rank[0]
     measured = list(r0["times"])
     aliases = r0["aliases"]
-    names = [n for n in variants_of(args) + BOUND_VARIANTS if n in measured or n in aliases]
+    all_bounds = bounds_of(args)
+    names = [n for n in variants_of(args) + all_bounds if n in measured or n in aliases]
     errors = {}
     for res in per_rank:
         for k, v in res["errors"].items():
@@ -841,7 +852,7 @@ def report(args, per_rank: list[dict]) -> int:
             stats[alias] = dict(stats[target], same_as=target)
 
     # losses: every sharded variant equals fsdp2_eager (or the first that ran) step by step, per rank
-    sharded = [n for n in measured if n not in BOUND_VARIANTS and n not in errors]
+    sharded = [n for n in measured if n not in all_bounds and n not in errors]
     worst, worst_at = 0.0, None
     ref = sharded[0] if sharded else None
     for res in per_rank:
@@ -859,6 +870,9 @@ def report(args, per_rank: list[dict]) -> int:
         c, m, e, both = (stats[b]["median_s"] for b in BOUND_VARIANTS)
         bounds = {"compute_only_s": c, "comm_only_s": m, "edge_comm_s": e, "bound_s": max(c + e, m),
                   "concurrent_s": both}
+        if "forward_only" in stats:
+            f = stats["forward_only"]["median_s"]
+            bounds.update(forward_only_s=f, bound_s=max(c + e, f + m))
 
     print()
     if getattr(args, "failure", None):
@@ -883,7 +897,8 @@ def report(args, per_rank: list[dict]) -> int:
               + (f"{'same config as ' + s['same_as']:>13s}" if "same_as" in s
                  else f"{r0['compile_s'].get(name, float('nan')):13.1f}"))
     if bounds:
-        print(f"{'bound = max(compute+edge, comm)':28s} {bounds['bound_s']:9.3f}")
+        label = "bound = max(compute+edge, forward+comm)" if "forward_only_s" in bounds else "bound = max(compute+edge, comm)"
+        print(f"{label:28s} {bounds['bound_s']:9.3f}")
         print(f"{'concurrent / max(comp, comm)':28s} {bounds['concurrent_s'] / max(c, m):9.3f}  "
               "(compute and comm slowing each other down on this machine)")
     print()
@@ -955,9 +970,9 @@ def report(args, per_rank: list[dict]) -> int:
     if args.json:
         out = {"link": args.link, "config": config_of(args), "failure": getattr(args, "failure", None),
                "variants": {n: ({"error": errors[n]} if n in errors else stats[n])
-                            for n in names if n not in BOUND_VARIANTS},
+                            for n in names if n not in all_bounds},
                "bounds": bounds or {"error": {b: errors.get(b) for b in BOUND_VARIANTS}},
-               "bound_variants": {n: stats[n] for n in BOUND_VARIANTS if n in stats},
+               "bound_variants": {n: stats[n] for n in all_bounds if n in stats},
                "ratios": goals, "max_rel_loss_diff": worst,
                "first_step_s": r0["compile_s"], "n_params": r0["n_params"]}
         _write_json(args.json, out)
@@ -970,7 +985,8 @@ def report(args, per_rank: list[dict]) -> int:
 
 def _ddp_goals(stats: dict, bounds: dict) -> tuple[dict, list]:
     """The DDP case's ratios and (goal, met, detail) checks: overlapc_ddp against the
-    bound, both DDP variants and DDP eager's peak memory."""
+    bound, both DDP variants and DDP eager's peak memory. ``concurrent`` is a ratio
+    only: it overlaps the all-reduces with the forward too, which no DDP step can."""
     o = stats["overlapc_ddp"]["median_s"]
     goals = {"overlapc_ddp/bound": o / bounds["bound_s"], "overlapc_ddp/concurrent": o / bounds["concurrent_s"]}
     for name in ("ddp_eager", "ddp_inductor"):
@@ -989,8 +1005,6 @@ def _ddp_goals(stats: dict, bounds: dict) -> tuple[dict, list]:
     peak = goals.get("overlapc_ddp/ddp_eager peak")
     checks = [
         ("overlapc_ddp within 1.05x of bound", goals["overlapc_ddp/bound"] <= 1.05, f"{goals['overlapc_ddp/bound']:.3f}x"),
-        ("overlapc_ddp within 1.05x of concurrent (the bound as this machine runs it)",
-         goals["overlapc_ddp/concurrent"] <= 1.05, f"{goals['overlapc_ddp/concurrent']:.3f}x"),
         faster("ddp_eager"), faster("ddp_inductor"),
         ("overlapc_ddp peak memory <= ddp_eager's", peak is not None and peak <= 1.0,
          f"overlapc_ddp/ddp_eager {peak:.3f}x" if peak is not None else "not measured"),

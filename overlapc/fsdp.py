@@ -109,7 +109,8 @@ def shard(
       back to the parameter's dtype.
     - ``reshard_after_forward=True``: no gathered parameter is kept for
       backward by the forward of a module that owns parameters (and has no
-      such ancestor); the backward gathers again what it needs. In eager, the
+      such ancestor); the backward gathers again what it needs (with a shard
+      dim of size 1 nothing is gathered, so nothing is resharded). In eager, the
       forward runs under saved-tensor hooks that keep only the recipe (shard,
       view geometry) of a gathered parameter that autograd saves, and gather it
       again when backward unpacks it; nothing else changes (in-place ops,
@@ -144,7 +145,7 @@ def shard(
                 sharded[id(param)] = (_shard_param(param, layout, qualname), isinstance(param, DTensor))
             module._parameters[name], as_dtensor[name] = sharded[id(param)]
         covered = any(module_name.startswith(f"{outer}.") or outer == "" for outer in in_region)
-        resharded = reshard_after_forward and not covered
+        resharded = reshard_after_forward and not covered and layout.shard.size() > 1  # size 1: nothing gathered
         if resharded:
             in_region.add(module_name)
         _gather_on_read(module, as_dtensor, gather, resharded)
@@ -370,7 +371,8 @@ def _gathered_property(name: str, as_dtensor: bool) -> property:
 
 
 class _Gather:
-    """A parameter's shard -> its gathered value; differentiable, gradient reduce-scattered (avg) over dp."""
+    """A parameter's shard -> its gathered value; differentiable: the gradient is reduce-scattered
+    (avg) over the shard dim, then (HSDP) all-reduced (avg) over the replicate dim."""
 
     def __init__(self, layout: _Layout, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         self.layout = layout

@@ -82,7 +82,7 @@ def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_ti
 def test_ddp_case_judges_overlapc_ddp_against_both_ddp_variants(step_time, tmp_path):
     rank0 = {"ddp_eager": [2.5, 2.5, 2.5], "ddp_inductor": [2.0, 2.0, 2.0], "overlapc_ddp": [2.05, 2.1, 2.1],
              "compute_only": [1.9, 1.9, 1.9], "comm_only": [0.5, 0.5, 0.5], "edge_comm": [0.1, 0.1, 0.1],
-             "concurrent": [2.05, 2.05, 2.05]}
+             "concurrent": [2.05, 2.05, 2.05], "forward_only": [0.7, 0.7, 0.7]}
     out = tmp_path / "ddp.json"
     args = step_time.parse_args(["--ddp", "--steps", "3", "--json", str(out)])
     args.link = "test"
@@ -95,10 +95,16 @@ def test_ddp_case_judges_overlapc_ddp_against_both_ddp_variants(step_time, tmp_p
     result = json.loads(out.read_text())
     assert result["config"]["case"] == "ddp" and sorted(result["variants"]) == sorted(step_time.DDP_VARIANTS)
     met = result["ratios"]["met"]
-    assert result["ratios"]["overlapc_ddp/bound"] == pytest.approx(2.1 / 2.0)   # bound max(1.9 + 0.1, 0.5)
-    assert met["overlapc_ddp within 1.05x of bound"] is True                      # exactly 1.05
+    assert result["bounds"]["bound_s"] == pytest.approx(2.0)   # max(compute 1.9 + edge 0.1, forward 0.7 + comm 0.5)
+    assert met["overlapc_ddp within 1.05x of bound"] is True                      # 2.1 / 2.0
+    assert "forward_only" not in result["variants"] and "forward_only" in result["bound_variants"]
     assert met["overlapc_ddp at least as fast as ddp_eager"] is True
     assert met["overlapc_ddp at least as fast as ddp_inductor"] is False         # 2.0 vs 2.1
     assert met["overlapc_ddp peak memory <= ddp_eager's"] is True                # 95 <= 100
+    rank0["forward_only"] = [1.8, 1.8, 1.8]   # a slow forward: the all-reduces after it set the bound
+    assert step_time.report(args, per_rank) == 0
+    result = json.loads(out.read_text())
+    assert result["bounds"]["bound_s"] == pytest.approx(2.3)
+    assert result["ratios"]["overlapc_ddp/bound"] == pytest.approx(2.1 / 2.3)
     with pytest.raises(SystemExit):
         step_time.parse_args(["--ddp", "--variants", "overlapc"])               # an FSDP variant in the DDP case
