@@ -218,7 +218,7 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     finally:
         if collecting:
             gc.enable()
-    if not stats.collectives and not rewrites:
+    if not stats.collectives:   # nothing movable (a rewrite would have left movable collectives)
         return gm
     if recompile:
         gm.recompile()
