@@ -12,6 +12,11 @@ GPU, on meta.
 
 World size 8 is one node (H100 + NVLink: ``costmodel.profile("h100", "nvlink")``),
 64 is 8 nodes (H100 + 400 Gb/s InfiniBand per GPU: ``profile("h100", "ib")``).
+``--hsdp K`` adds, for each world size above 8, HSDP over K nodes: a
+("dp_replicate", "dp_shard") mesh of K x world/K, parameters sharded inside a
+node and replicated across nodes (gather and reduce-scatter over NVLink, the
+gradient all-reduce over InfiniBand: ``profile("h100",
+"dp_shard=nvlink,dp_replicate=ib")``).
 
 For each world size the forward and backward graphs are captured the way the
 backend builds them (``overlapc.backend.capture``: Dynamo, AOTAutograd with
@@ -74,9 +79,12 @@ def parse_args(argv=None):
     p.add_argument("--recapture", action="store_true", help="call capture() once per option set")
     p.add_argument("--check-capture", action="store_true",
                    help="check that schedule() on the captured graphs equals capture() with the options")
+    p.add_argument("--hsdp", type=int, default=None, metavar="K",
+                   help="also simulate HSDP over K nodes (K x world/K) for each world size above 8")
     p.add_argument("--json", default=None)
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child: one world size
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--replicate", type=int, default=None, help=argparse.SUPPRESS)  # child: HSDP nodes
     return p.parse_args(argv)
 
 
@@ -109,8 +117,13 @@ def one_world_size(args) -> dict:
 
     n = args.one
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    mesh = init_device_mesh("cpu", (n,))
-    link = LINK_OF.get(n, "ib")
+    if args.replicate:
+        mesh = init_device_mesh("cpu", (args.replicate, n // args.replicate),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+        link = "dp_shard=nvlink,dp_replicate=ib"
+    else:
+        mesh = init_device_mesh("cpu", (n,))
+        link = LINK_OF.get(n, "ib")
     profile = costmodel.profile("h100", link)
     model, inputs = _build(args, mesh)
 
@@ -176,7 +189,7 @@ def one_world_size(args) -> dict:
                     raise SystemExit("schedule() on a copy differs from capture() with the options")
         add_row(name, graphs)
         add_row(name, graphs, gemm_only=True)
-    return {"world_size": n, "link": link, "profile": repr(profile), "rows": rows, "rows_gemm_only": gemm_rows,
+    return {"world_size": n, "replicate": args.replicate, "link": link, "profile": repr(profile), "rows": rows, "rows_gemm_only": gemm_rows,
             "capture_s": capture_s, "graph_nodes": n_nodes,
             "check_capture": checked}
 
@@ -230,7 +243,10 @@ def main(argv=None) -> int:
         f"reshard_after_forward=True, meta device + fake process group")
     results = []
     import tempfile
-    for n in args.world_sizes:
+    runs = [(n, None) for n in args.world_sizes]
+    if args.hsdp:
+        runs += [(n, args.hsdp) for n in args.world_sizes if n > 8]
+    for n, replicate in runs:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             out = tmp.name
         child_argv = [a for a in argv if a not in ("--json",)]
@@ -240,6 +256,8 @@ def main(argv=None) -> int:
         log(f"world size {n}: capturing in a subprocess ...")
         t0 = time.perf_counter()
         cmd = [sys.executable, os.path.abspath(__file__), *child_argv, "--one", str(n), "--out", out]
+        if replicate:
+            cmd += ["--replicate", str(replicate)]
         if args.check_capture and n != args.world_sizes[0]:
             cmd.remove("--check-capture")
         proc = subprocess.run(cmd, timeout=3600)
@@ -255,8 +273,11 @@ def main(argv=None) -> int:
 
     print()
     for res in results:
-        print(f"world size {res['world_size']} ({'1 node, NVLink' if res['link'] == 'nvlink' else 'InfiniBand 400 Gb/s per GPU'}): "
-              f"{res['profile']}")
+        where = "1 node, NVLink" if res["link"] == "nvlink" else "InfiniBand 400 Gb/s per GPU"
+        if res.get("replicate"):
+            where = (f"HSDP {res['replicate']} nodes x {res['world_size'] // res['replicate']}: shard over NVLink, "
+                     "replicate over InfiniBand")
+        print(f"world size {res['world_size']} ({where}): {res['profile']}")
         print(f"  graphs: {res['graph_nodes']} nodes; capture {res['capture_s']:.0f} s")
         for key, title in (("rows", "compute = costmodel roofline of every node (default)"),
                            ("rows_gemm_only", "sensitivity: compute = GEMMs only (mm/bmm/addmm), "
@@ -280,16 +301,25 @@ def main(argv=None) -> int:
               f"{pct:.2f}% -> {'MET' if pct < 5 else 'NOT MET'}")
         pct_g = first["rows_gemm_only"][DEFAULT_ROW]["exposed_pct"]
         print(f"      (GEMM-only compute sensitivity: {pct_g:.2f}% -> {'MET' if pct_g < 5 else 'NOT MET'})")
-    far = next((r for r in results if r["world_size"] == 64), None)
+    far = next((r for r in results if r["world_size"] == 64 and not r.get("replicate")), None)
     if far is not None:
         row = far["rows"][DEFAULT_ROW]
         ratio = row["step_ms"] / row["bound_ms"]
         print(f"goal: world size 64, defaults, step within 1.15x of the simulated bound: "
               f"{ratio:.3f}x -> {'MET' if ratio <= 1.15 else 'NOT MET'}")
+    hsdp = next((r for r in results if r.get("replicate")), None)
+    if hsdp is not None:
+        row = hsdp["rows"][DEFAULT_ROW]
+        ratio = row["step_ms"] / row["bound_ms"]
+        print(f"goal: HSDP {hsdp['replicate']} x {hsdp['world_size'] // hsdp['replicate']}, defaults, step within "
+              f"1.05x of the simulated bound: {ratio:.3f}x -> {'MET' if ratio <= 1.05 else 'NOT MET'}")
+        if far is not None:
+            print(f"      HSDP step {row['step_ms']:.1f} ms vs FSDP over {far['world_size']} "
+                  f"{far['rows'][DEFAULT_ROW]['step_ms']:.1f} ms (defaults)")
     for res in results:
         original = res["rows"]["original order"]["peak_bytes"]
         default = res["rows"][DEFAULT_ROW]["peak_bytes"]
-        print(f"memory, world size {res['world_size']}: defaults peak {_gb(default)} vs original order "
+        print(f"memory, world size {res['world_size']}{' HSDP' if res.get('replicate') else ''}: defaults peak {_gb(default)} vs original order "
               f"{_gb(original)} ({default / original:.3f}x)")
     total = time.perf_counter() - t_start
     print(f"total time {total:.0f} s")
