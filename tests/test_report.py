@@ -299,3 +299,11 @@ def test_rows_and_summary_simulate_each_order_once(fake_pg, monkeypatch):
     assert report.summary(gm, before, **LAYER_COSTS)["collectives"] == 3
     report.rows(gm, before, **costs({"mm": 1}))
     assert len(calls) == 4   # other costs: simulated again
+
+
+def test_rewrites_text_prints_the_auto_chunk_choice_and_its_neighbours():
+    record = {"rewrite": "chunk", "pattern": "all_gather_matmul", "starts": ["ag"], "group": "0", "chunks": 4,
+              "applied": True, "reason": "", "pieces": ["p0", "p1", "p2", "p3"], "fed_by": "",
+              "estimates": [[1, 2.0], [2, 1.5], [4, 1.25], [8, 1.375]]}
+    text = report.rewrites_text({"rewrites": [record], "collectives": 4})
+    assert "split into 4: p0, p1, p2, p3; auto chose 4 of 1: 2.000ms, 2: 1.500ms, 4: 1.250ms, 8: 1.375ms" in text
