@@ -43,6 +43,7 @@ The DDP case (``--ddp``, on its own: a few minutes), same model, link and bounds
                  graph at bucket boundaries so the hooks overlap the backward
   overlapc_ddp   overlapc.fsdp.shard on a (dp_replicate N, dp_shard 1) mesh + backend="overlapc",
                  default options: every gradient all-reduced in the backward graph
+  overlapc_ddp_unlimited  ... no count limit, no byte budget
   comm_only      an all-reduce of every gradient, back to back; edge_comm: the all-reduces of the
                  first block's gradients (embedding + block 0), the last the backward produces
   forward_only   compute_only's forward alone; a gradient's all-reduce cannot start before the
@@ -111,7 +112,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-DDP_VARIANTS = ["ddp_eager", "ddp_inductor", "overlapc_ddp"]
+DDP_VARIANTS = ["ddp_eager", "ddp_inductor", "overlapc_ddp", "overlapc_ddp_unlimited"]
 MODEL_VARIANTS = [
     "fsdp2_eager", "inductor", "inductor_pinned", "inductor_reorder", "inductor_overlap_scheduler",
     "overlapc", "overlapc_bucket_module", "overlapc_nobucket", "overlapc_k2", "overlapc_k3",
@@ -126,7 +127,7 @@ OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket_module": {"bucket": "module
                     "overlapc_count_none": {"max_in_flight": None},
                     "overlapc_count_only": {"max_in_flight": 2, "max_in_flight_bytes": None},
                     "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None},
-                    "overlapc_ddp": {}}
+                    "overlapc_ddp": {}, "overlapc_ddp_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None}}
 INDUCTOR_OPTIONS = {"inductor": None, "inductor_pinned": {"reorder_for_peak_memory": False},
                     "inductor_reorder": {"reorder_for_compute_comm_overlap": True}}
 LOSS_RTOL = 1e-3
@@ -496,7 +497,7 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
             model = DDP(fresh(), bucket_cap_mb=25)
             step = model if name == "ddp_eager" else torch.compile(model, backend="inductor")
             return train_step(step, optimizer(model))
-        if name == "overlapc_ddp":
+        if name.startswith("overlapc_ddp"):
             replicate = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
             model = overlapc.fsdp.shard(fresh(), replicate)
             options = {**OVERLAPC_OPTIONS[name], "profile": profile_path, "dump_dir": os.path.join(args.scratch, name)}
