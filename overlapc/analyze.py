@@ -162,13 +162,9 @@ def _is_wait(name: str) -> bool:
 
 def load_trace(path: str) -> dict:
     """The trace document; ValueError when it is not a Chrome trace."""
-    try:
-        with open(path, encoding="utf-8") as source:
-            document = json.load(source)
-    except OSError as error:
-        raise ValueError(f"cannot read trace {path}: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"trace {path} is not JSON: {error}") from None
+    from overlapc.costmodel import read_json
+
+    document = read_json(path, "trace")
     if isinstance(document, list):
         document = {"traceEvents": document}
     if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):

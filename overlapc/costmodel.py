@@ -282,17 +282,23 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
     return Profile(device, link, name, source)
 
 
+def read_json(path: str, what: str):
+    """The parsed JSON file at ``path``; ValueError naming ``what`` ("profile",
+    "trace") and the path when it cannot be read or parsed."""
+    try:
+        with open(path, encoding="utf-8") as source:
+            return json.load(source)
+    except OSError as error:
+        raise ValueError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{what} {path} is not JSON: {error}") from None
+
+
 def load_profile(path: "str | os.PathLike") -> Profile:
     """The Profile in a file written by ``overlapc calibrate``; ValueError when it cannot be
     read or does not follow the schema."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as source:
-            document = json.load(source)
-    except OSError as error:
-        raise ValueError(f"cannot read profile {path}: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"profile {path} is not JSON: {error}") from None
+    document = read_json(path, "profile")
     measured = document.get("measured") if isinstance(document, dict) else None
     how = ""
     if isinstance(measured, dict):

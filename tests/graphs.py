@@ -54,3 +54,16 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         return x + self.down(self.activation(self.up(self.norm(x))))
+
+
+class Encoder(torch.nn.Module):
+    """A small transformer encoder layer and a linear head: the model the
+    end-to-end gloo tests shard and train."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(self.block(x))

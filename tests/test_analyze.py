@@ -13,18 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from graphs import Encoder
 from multiproc import init_gloo, run_ranks
 from overlapc import analyze, costmodel
-
-
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
-        self.head = torch.nn.Linear(32, 8)
-
-    def forward(self, x):
-        return self.head(self.block(x))
 
 
 def _profiled_rank(rank, world_size, port, folder):
@@ -36,7 +27,7 @@ def _profiled_rank(rank, world_size, port, folder):
     init_gloo(rank, world_size, port)
     mesh = dist.device_mesh.init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
-    model = overlapc.fsdp.shard(Model(), mesh)
+    model = overlapc.fsdp.shard(Encoder(), mesh)
     compiled = torch.compile(model, backend="overlapc",
                              options={"inner": "aot_eager", "dump_dir": os.path.join(folder, "dump")})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

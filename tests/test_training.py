@@ -10,19 +10,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from graphs import Encoder
 from multiproc import init_gloo, run_ranks
 
 STEPS = 3
-
-
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
-        self.head = torch.nn.Linear(32, 8)
-
-    def forward(self, x):
-        return self.head(self.block(x))
 
 
 def _train(model, rank, compile_options=None, backend="overlapc"):
@@ -45,7 +36,7 @@ def _train(model, rank, compile_options=None, backend="overlapc"):
 def _fresh(mesh, **shard_kwargs):
     import overlapc.fsdp
     torch.manual_seed(0)
-    return overlapc.fsdp.shard(Model(), mesh, **shard_kwargs)
+    return overlapc.fsdp.shard(Encoder(), mesh, **shard_kwargs)
 
 
 def _job_fp32(rank, world_size, port):
@@ -59,7 +50,7 @@ def _job_fp32(rank, world_size, port):
         model = _fresh(mesh, reshard_after_forward=reshard)
         result[f"overlapc_reshard_{reshard}"] = _train(model, rank, {"on_error": "raise", "inner": inner})
     torch.manual_seed(0)
-    reference = Model()
+    reference = Encoder()
     fully_shard(reference.block, mesh=mesh)
     fully_shard(reference, mesh=mesh)
     result["fsdp2"] = _train(reference, rank)
@@ -168,11 +159,11 @@ def _job_says_when_overlap_is_off(rank, world_size, port):
     options = {"inner": "aot_eager"}
     said = {}
     torch.manual_seed(0)
-    fsdp2 = Model()
+    fsdp2 = Encoder()
     fully_shard(fsdp2.block, mesh=mesh)
     fully_shard(fsdp2, mesh=mesh)
     torch.manual_seed(0)
-    models = {"fsdp2": fsdp2, "ddp": torch.nn.parallel.DistributedDataParallel(Model()),
+    models = {"fsdp2": fsdp2, "ddp": torch.nn.parallel.DistributedDataParallel(Encoder()),
               "simple_fsdp": _fresh(mesh), "broken": overlapc.fsdp.shard(_Broken(), mesh)}
     for name, model in models.items():
         records.lines.clear()
@@ -191,10 +182,10 @@ def test_says_once_when_overlap_is_off_and_names_graph_breaks():
             assert all(not w for w in warnings_.values()) and not infos, said   # summaries on rank 0 only
             continue
         assert len(warnings_["fsdp2"]) == 1 and len(warnings_["ddp"]) == 1, warnings_
-        assert warnings_["fsdp2"][0].startswith("[rank 0] fw_") and "nothing to schedule in FSDPModel: graph fw_" \
+        assert warnings_["fsdp2"][0].startswith("[rank 0] fw_") and "nothing to schedule in FSDPEncoder: graph fw_" \
             in warnings_["fsdp2"][0] and "(2 FSDP2 fully_shard module(s) ((root), block))" in warnings_["fsdp2"][0]
         assert "overlapc.fsdp.shard(model, mesh)" in warnings_["fsdp2"][0]
-        assert "nothing to schedule in DistributedDataParallel(Model): graph fw_" in warnings_["ddp"][0]
+        assert "nothing to schedule in DistributedDataParallel(Encoder): graph fw_" in warnings_["ddp"][0]
         assert "(DDP replicas)" in warnings_["ddp"][0] and "dp_replicate" in warnings_["ddp"][0]
         assert warnings_["simple_fsdp"] == []
         assert len(warnings_["broken"]) == 1 and "graph break in _Broken after graph " in warnings_["broken"][0]
