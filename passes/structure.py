@@ -149,7 +149,8 @@ class Structure:
                 continue
             seen.add(node)
             if (node.op in ("placeholder", "get_attr", "output")
-                    or not (is_cheap(node) or node.meta.get("overlapc_input_chain") or self._on_a_wait(node))
+                    or not (is_cheap(node) or node.meta.get("overlapc_input_chain")
+                            or computes_on_waits(node, self.wait_of_member.__contains__))
                     or node in self.wait_of_member or node in self.coll_of_start
                     or self.region_of(node) != region
                     or barrier_reason(node) is not None
@@ -160,29 +161,6 @@ class Structure:
                 by_name[i.name] = i
                 heapq.heappush(heap, (-self.pos[i], i.name))
         return sorted(chain, key=self.pos.__getitem__)
-
-    def _on_a_wait(self, node: fx.Node) -> bool:
-        """Whether ``node`` computes on a collective's result alone: every input is
-        a wait's bundle member, a placeholder, an attribute or a cheap node over
-        those, at least one a wait's. Such a node (HSDP's averaging between the
-        reduce-scatter and the all-reduce, a matmul of the result with a weight)
-        may join the input chain of the start it alone feeds: it adds no
-        dependency on other compute."""
-        found, frontier, seen = False, list(node._input_nodes), set()
-        while frontier:
-            i = frontier.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            if i in self.wait_of_member:
-                found = True
-            elif i.op in ("placeholder", "get_attr"):
-                continue
-            elif is_cheap(i) and barrier_reason(i) is None:
-                frontier.extend(i._input_nodes)
-            else:
-                return False
-        return found
 
     def _external_inputs(self, members: list[fx.Node]) -> list[fx.Node]:
         """Nodes the members read that are not members themselves, in graph order."""
@@ -236,17 +214,44 @@ def held_bytes(c: Collective) -> int:
     return inputs
 
 
+def computes_on_waits(node: fx.Node, is_wait) -> bool:
+    """Whether ``node`` computes on collectives' results alone: every input is a
+    wait (``is_wait``), a placeholder, an attribute or a cheap node over those, at
+    least one a wait. Such a node (HSDP's averaging between the reduce-scatter and
+    the all-reduce, a matmul of the result with a weight) may join the input
+    chain of the start it alone feeds: it adds no dependency on other compute."""
+    found, frontier, seen = False, list(node._input_nodes), set()
+    while frontier:
+        i = frontier.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        if is_wait(i):
+            found = True
+        elif i.op in ("placeholder", "get_attr"):
+            continue
+        elif is_cheap(i) and barrier_reason(i) is None:
+            frontier.extend(i._input_nodes)
+        else:
+            return False
+    return found
+
+
 def _reads_a_wait(start: fx.Node) -> bool:
-    """Whether ``start`` reads a wait's result, directly or through cheap nodes."""
+    """Whether ``start`` reads a wait's result through what may join its input
+    chain (cheap nodes; compute on collectives' results alone that feeds only
+    the chain)."""
+    is_wait = lambda n: role(n)[1]   # noqa: E731
     frontier, seen = list(start._input_nodes), set()
     while frontier:
         node = frontier.pop()
         if node in seen:
             continue
         seen.add(node)
-        if role(node)[1]:
+        if is_wait(node):
             return True
-        if is_cheap(node):
+        if is_cheap(node) or (node.op == "call_function" and computes_on_waits(node, is_wait)
+                              and all(u is start or u in seen for u in node.users)):
             frontier.extend(node._input_nodes)
     return False
 
