@@ -42,15 +42,13 @@ def _check_graph(gm) -> None:
 @dataclasses.dataclass(frozen=True)
 class PassResult:
     """What one run of the core did: how many movable collectives it placed,
-    whether it reordered the graph, what the invariant check measured on the
-    result (None when nothing was movable or only waits moved), and why each
-    start and wait stands where it is (node name -> ``scheduler.REASONS`` key;
-    also in each node's ``meta["overlapc_reason"]``)."""
+    whether it reordered the graph, and what the invariant check measured on the
+    result (None when nothing was movable or only waits moved). Why each start
+    and wait stands where it is is in its ``meta["overlapc_reason"]``."""
 
     collectives: int
     modified: bool
     peaks: Peaks | None = None
-    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
@@ -104,7 +102,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     peaks = None if mode == "sink" else invariants.check(s, order, budget, reference=s.nodes)
     for node, reason in reasons.items():
         node.meta["overlapc_reason"] = reason
-    return PassResult(len(s.movable), order != s.nodes, peaks, {node.name: reason for node, reason in reasons.items()})
+    return PassResult(len(s.movable), order != s.nodes, peaks)
 
 
 def _check_kept(s: Structure, order: list[fx.Node]) -> None:

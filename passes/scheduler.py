@@ -211,7 +211,7 @@ class _Core:
         """What ``reader``'s readiness waits for: for a chained wait's member read
         by its gated start, the start of the wait's collective, else ``node``."""
         wait = self.s.wait_of_member.get(node)
-        if wait in self.chained and node in self.moving and reader in self.gate:
+        if wait in self.chained and reader in self.gate:
             return self.s.coll_of_wait[wait].start
         return node
 
