@@ -108,7 +108,7 @@ class Emitter:
         args = tree_map(arg, node.args)
         kwargs = tree_map(arg, dict(node.kwargs))
         dim = layout[0]
-        if node.target in L.VIEWS:
+        if node.target in L.VIEWS or node.target is aten.expand.default:   # sizes: a piece's
             args = (args[0], [d // self.k if q == dim else d for q, d in enumerate(out.shape)], *args[2:])
         if node.target is aten.split.Tensor and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % out.dim() == dim:
             args = (args[0], args[1] // self.k, *args[2:])   # a rank block's piece

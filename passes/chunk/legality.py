@@ -22,7 +22,12 @@ aten = torch.ops.aten
 
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 PERMUTES = {aten.permute.default, aten.transpose.int, aten.t.default}
-COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default}
+COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default, aten._conj.default,
+          aten.view_as_real.default}   # view_as_real: a trailing dim of 2 added, the rows stay
+# ops that add, drop or broadcast other dims than the rows (rotary embeddings as complex
+# products, grouped-query attention's repeated k/v heads and its backward)
+RESHAPES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
+            aten.select.int, aten.view_as_complex.default}
 MATMULS = {aten.mm.default, aten.addmm.default}
 # reductions whose dims are args[1]: row-wise when dim 0 is not among them (norm statistics)
 ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.var_mean.correction, aten.var.correction,
@@ -218,6 +223,14 @@ def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
                                   else False)
         if not keepdim:
             p -= sum(1 for d in dims if d % src.dim() < p)
+    elif target in RESHAPES:
+        if node.args[0] not in layouts or len(args) != 1:
+            raise Skip(why)
+        p = _reshaped_dim(node, src, out, p)
+    elif target is aten.stack.default:
+        if any(a not in layouts for a in args):
+            raise Skip(f"{node.name} ({opname(node)}) joins pipelined rows with others")
+        p += _dim(node, 1, out.dim()) <= p
     elif target in PERMUTES:
         if target is aten.permute.default:
             order = [d % out.dim() for d in node.args[1]]
@@ -272,6 +285,31 @@ def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
         raise Skip(why)
     rows(node, b, k, p)
     return p, b
+
+
+def _reshaped_dim(node: fx.Node, src: torch.Tensor, out: torch.Tensor, p: int) -> int:
+    """Where the rows (dim ``p`` of ``src``) are in the output of a RESHAPES ``node``;
+    Skip when it selects, squeezes or broadcasts along them."""
+    target = node.target
+    if target is aten.unsqueeze.default:
+        return p + (_dim(node, 1, out.dim()) <= p)
+    if target in (aten.squeeze.dim, aten.squeeze.dims):
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        gone = [d % src.dim() for d in dims if src.shape[d] == 1]   # squeeze leaves other dims
+        return p - sum(1 for d in gone if d < p)
+    if target is aten.expand.default:
+        lead = out.dim() - src.dim()
+        if out.shape[p + lead] != src.shape[p]:
+            raise Skip(f"{node.name} ({opname(node)}) broadcasts along the rows")
+        return p + lead
+    if target is aten.select.int:
+        d = _dim(node, 1, src.dim())
+        if d == p:
+            raise Skip(f"{node.name} ({opname(node)}) selects a row")
+        return p - (d < p)
+    if p == src.dim() - 1:   # view_as_complex folds the last dim
+        raise Skip(f"{node.name} ({opname(node)}) folds the rows into complex numbers")
+    return p
 
 
 def check_no_feedback(region, wait, depends) -> None:
