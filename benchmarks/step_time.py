@@ -592,7 +592,8 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         if name in ("comm_only", "edge_comm", "concurrent", "forward_only"):
             continue
         dist.barrier()
-        peak_bytes[name] = profile_step(lambda: steps[name](rounds - 1))[0]
+        trace = os.path.join(args.scratch, name, f"trace_rank{rank}.json") if name in OVERLAPC_OPTIONS else None
+        peak_bytes[name] = profile_step(lambda: steps[name](rounds - 1), trace)[0]
     say("peak memory per variant (rank 0): " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in peak_bytes.items()))
     estimates = _estimates(args.scratch, rank, [n for n in live if n in OVERLAPC_OPTIONS]) if rank == 0 else {}
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
@@ -603,14 +604,17 @@ _COLLECTIVE_EVENTS = {f"_c10d_functional::{op}" for op in
                       ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
 
 
-def profile_step(step) -> tuple[int, int]:
+def profile_step(step, trace: str | None = None) -> tuple[int, int]:
     """(peak bytes, functional collectives started) of one call of ``step``, from
     torch.profiler's CPU events (profile_memory): allocations and frees of this
     process in time order, summed; the peak of that sum. A TorchDispatchMode
-    would not do: with one active, the compiled function runs eagerly."""
+    would not do: with one active, the compiled function runs eagerly. ``trace``:
+    also write the profile there as a Chrome trace (for ``overlapc.analyze``)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    if trace:
+        prof.export_chrome_trace(trace)
     live = peak = collectives = 0
     for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
         name = event.name()
@@ -623,10 +627,13 @@ def profile_step(step) -> tuple[int, int]:
 
 
 def _estimates(scratch: str, rank: int, variants: list[str]) -> dict:
-    """variant -> {"ms": estimated step, "graphs": how many}, from the reports the
-    backend dumped while compiling (``dump_dir``): the sum of the graphs' simulated
-    step times in the scheduled order; "inductor_pinned" gets the unscheduled order
-    of the first variant that neither buckets nor chunks (the same graphs)."""
+    """variant -> {"ms": estimated step, "graphs": how many, "exposed_ms": estimated exposed
+    communication, "measured_exposed_ms": measured}, from the reports the backend dumped
+    while compiling (``dump_dir``): the sums over the graphs of their simulated step and
+    exposed times in the scheduled order; the measurement is ``overlapc.analyze`` of the
+    variant's profiled (untimed) step, when its trace is there. "inductor_pinned" gets the
+    unscheduled order of the first variant that neither buckets nor chunks (the same graphs)."""
+    from overlapc.analyze import analyze
     from overlapc.config import OverlapConfig
 
     def graphs(name):
@@ -641,7 +648,11 @@ def _estimates(scratch: str, rank: int, variants: list[str]) -> dict:
     for name in variants:
         summaries = graphs(name)
         if summaries:
-            out[name] = {"ms": sum(s["step_ms_after"] for s in summaries), "graphs": len(summaries)}
+            out[name] = {"ms": sum(s["step_ms_after"] for s in summaries), "graphs": len(summaries),
+                         "exposed_ms": sum(s["exposed_ms_after"] for s in summaries)}
+            trace = os.path.join(scratch, name, f"trace_rank{rank}.json")
+            if os.path.isfile(trace):
+                out[name]["measured_exposed_ms"] = analyze(trace, os.path.join(scratch, name)).steps[0].exposed_ms
             cfg = OverlapConfig.from_options(OVERLAPC_OPTIONS[name])
             if "inductor_pinned" not in out and cfg.bucket is None and cfg.chunks == 1:
                 out["inductor_pinned"] = {"ms": sum(s["step_ms_before"] for s in summaries),
@@ -846,6 +857,9 @@ def report(args, per_rank: list[dict]) -> int:
         if estimate is not None:
             stats[name]["estimate_s"] = estimate["ms"] / 1e3
             stats[name]["estimate_graphs"] = estimate["graphs"]
+            for key in ("exposed_ms", "measured_exposed_ms"):
+                if key in estimate:
+                    stats[name][f"estimate_{key}" if key == "exposed_ms" else key] = estimate[key]
     for alias, target in aliases.items():
         if target in errors:
             errors[alias] = errors[target]
@@ -884,7 +898,7 @@ def report(args, per_rank: list[dict]) -> int:
     print(f"params: {r0['n_params'] / 1e6:.2f} M; step time = slowest rank, {counted} timed steps per variant")
     print()
     print(f"{'variant':28s} {'median s':>9s} {'p25 s':>8s} {'p75 s':>8s} {'/bound':>7s} {'peak MiB':>9s} "
-          f"{'est s':>7s} {'est/meas':>8s} {'first step s':>13s}")
+          f"{'est s':>7s} {'est/meas':>8s} {'exposed ms':>10s} {'est exp ms':>10s} {'first step s':>13s}")
     for name in names:
         if name in errors:
             print(f"{name:28s} ERROR: {errors[name].splitlines()[0][:150]}")
@@ -894,7 +908,9 @@ def report(args, per_rank: list[dict]) -> int:
         peak = f"{s['peak_bytes'] / 2**20:9.1f}" if "peak_bytes" in s else f"{'-':>9s}"
         est = (f"{s['estimate_s']:7.3f} {s['estimate_s'] / s['median_s']:8.2f}" if "estimate_s" in s
                else f"{'-':>7s} {'-':>8s}")
-        print(f"{name:28s} {s['median_s']:9.3f} {s['p25_s']:8.3f} {s['p75_s']:8.3f} {ratio:>7s} {peak} {est} "
+        exposed = " ".join(f"{s[k]:10.1f}" if k in s else f"{'-':>10s}"
+                           for k in ("measured_exposed_ms", "estimate_exposed_ms"))
+        print(f"{name:28s} {s['median_s']:9.3f} {s['p25_s']:8.3f} {s['p75_s']:8.3f} {ratio:>7s} {peak} {est} {exposed} "
               + (f"{'same config as ' + s['same_as']:>13s}" if "same_as" in s
                  else f"{r0['compile_s'].get(name, float('nan')):13.1f}"))
     if bounds:

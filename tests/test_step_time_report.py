@@ -53,7 +53,8 @@ def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_ti
     mib = 2 ** 20
     peaks0 = {"fsdp2_eager": 100 * mib, "inductor": 80 * mib, "overlapc": 90 * mib, "overlapc_unlimited": 150 * mib}
     peaks1 = dict(peaks0, overlapc=86 * mib, inductor=85 * mib)  # the larger rank counts: 90 vs 85
-    estimates = {"overlapc": {"ms": 1900.0, "graphs": 2}, "overlapc_unlimited": {"ms": 1600.0, "graphs": 2}}
+    estimates = {"overlapc": {"ms": 1900.0, "graphs": 2, "exposed_ms": 120.0, "measured_exposed_ms": 150.0},
+                 "overlapc_unlimited": {"ms": 1600.0, "graphs": 2}}
     assert step_time.report(args, [_rank(rank0, 0, aliases, peaks0, estimates),
                                    _rank(rank1, 1, aliases, peaks1, {})]) == 0
 
@@ -76,7 +77,24 @@ def test_report_uses_the_slower_rank_copies_aliases_and_judges_the_goals(step_ti
     assert met["overlapc peak memory <= fsdp2_eager's"] is True        # 90 <= 100
     assert met["estimates within 20% of measured"] is True             # 1.9 / 2.1 and 1.6 / 1.8: -10%, -11%
     assert met["estimates rank the variants as measured"] is True      # unlimited < overlapc both ways
-    assert "same config as overlapc" in capsys.readouterr().out
+    assert (overlapc["measured_exposed_ms"], overlapc["estimate_exposed_ms"]) == (150.0, 120.0)
+    printed = capsys.readouterr().out
+    assert "same config as overlapc" in printed
+    assert next(line for line in printed.splitlines() if line.startswith("overlapc ")).split()[8:10] == [
+        "150.0", "120.0"]   # measured and estimated exposed communication, beside the estimate
+
+
+def test_estimates_carry_the_measured_exposed_communication(step_time, tmp_path):
+    # a variant's dump (two graphs) and the trace of its profiled step, as rank_main leaves them
+    from test_analyze import _cuda_dump, _cuda_trace
+
+    _cuda_dump(tmp_path / "overlapc" / "rank0")
+    (tmp_path / "overlapc" / "trace_rank0.json").write_text(json.dumps(_cuda_trace()))
+    _cuda_dump(tmp_path / "overlapc_k2" / "rank0")   # no trace: no measurement
+    got = step_time._estimates(str(tmp_path), 0, ["overlapc", "overlapc_k2"])
+    assert got["overlapc"] == {"ms": 0.5, "graphs": 2, "exposed_ms": 0.2,
+                               "measured_exposed_ms": pytest.approx(0.22)}
+    assert got["overlapc_k2"] == {"ms": 0.5, "graphs": 2, "exposed_ms": 0.2}
 
 
 def test_ddp_case_judges_overlapc_ddp_against_both_ddp_variants(step_time, tmp_path):
