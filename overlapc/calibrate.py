@@ -15,9 +15,14 @@ rank 0 writes the file):
 * compute (rank 0): the median time of a square fp32 matmul (FLOP/s) and of a
   large copy (bytes read + written per second), in the costmodel's roofline
   convention, and of a small op (the fixed cost per op, ``device.kernel_us``).
-* issue: the time the calling thread spends in one collective's start call
-  (``measure_issue``); the median over kinds is ``link.issue_us``, which the
-  simulator charges to the compute stream per collective.
+* issue: the compute time one collective costs the thread that issues it
+  while it computes (``measure_issue``): every rank runs a block of matmuls
+  with a collective issued before each slot of it (waited after the block)
+  and the same block without them; the difference per collective, per kind at
+  two sizes, is fitted as ``link.issue_us`` + full bytes / ``link.issue_gbps``,
+  which the simulator charges to the compute stream per collective. On a CPU
+  backend this is the start call plus the CPU time the collective's own
+  threads take from compute; on a GPU it is the launch alone.
 
 With one process (``world_size == 1``) only compute is measured; the link is
 the built-in one named by ``link``, recorded as such.
@@ -142,28 +147,92 @@ def _collective(kind: str, nbytes: int, world_size: int, group_name: str, device
     return lambda: torch.ops._c10d_functional.wait_tensor(start())
 
 
-def measure_issue(device: torch.device, repeats: int = 20) -> dict:
-    """{kind: us}: median time the calling thread spends issuing one small collective
-    (the start call alone; each is waited after the clock stops). Every rank calls this;
-    each time is the slowest rank's median."""
+ISSUE_SIZES = (4 << 10, 1 << 20)   # full buffer bytes
+ISSUE_SLOTS = 8                      # collectives per timed block, one before each slot of matmuls
+
+
+def measure_issue(device: torch.device, collectives: dict, quick: bool = False) -> dict:
+    """{kind: [(full bytes, us), ...]}: the compute time one collective issued during compute
+    costs its caller, at each of ``ISSUE_SIZES``. Per kind and size: a block of
+    ``ISSUE_SLOTS`` slots of 256^2 matmuls, each slot at least 1.5x the collective's measured
+    time (``collectives``, from ``measure_collectives``) so compute covers it, timed with a
+    collective issued before every slot (all waited after the block, outside the clock) and
+    without, in pairs; us = the median over pairs of (with - without) / slots, the slowest
+    rank's. Every rank calls this."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
     group_name = dist.group.WORLD.group_name
-    result = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.randn(256, 256, device=device)
+    b = torch.randn(256, 256, device=device)
+    torch.mm(a, b)
+    mm_ms = torch.tensor([_median_ms(lambda: torch.mm(a, b), 5, sync)], dtype=torch.float64)
+    dist.all_reduce(mm_ms, op=dist.ReduceOp.MAX)
+    repeats = 2 * QUICK_REPEATS + 1 if quick else REPEATS
+    result: dict[str, list[tuple[int, float]]] = {}
     for kind in KINDS:
-        start = _start(kind, QUICK_SWEEP[0], world_size, group_name, device)
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            begin = time.perf_counter()
-            work = start()
-            times.append((time.perf_counter() - begin) * 1e6)
-            torch.ops._c10d_functional.wait_tensor(work)
-        us = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(us, op=dist.ReduceOp.MAX)
-        result[kind] = float(us.item())
+        for nbytes in ISSUE_SIZES:
+            start = _start(kind, nbytes, world_size, group_name, device)
+            torch.ops._c10d_functional.wait_tensor(start())
+            comm_ms = _interpolate(collectives[kind], nbytes)
+            per_slot = max(1, int(1.5 * comm_ms / float(mm_ms.item())) + 1)
+
+            def block(issue: bool) -> float:
+                works = []
+                dist.barrier()
+                begin = time.perf_counter()
+                for _ in range(ISSUE_SLOTS):
+                    if issue:
+                        works.append(start())
+                    for _ in range(per_slot):
+                        torch.mm(a, b)
+                sync()
+                elapsed = time.perf_counter() - begin
+                for work in works:
+                    torch.ops._c10d_functional.wait_tensor(work)
+                return elapsed * 1e3
+
+            block(True)
+            # paired and interleaved, so drifts in the machine's load hit both alike
+            extra = statistics.median(block(True) - block(False) for _ in range(repeats))
+            us = torch.tensor([extra / ISSUE_SLOTS * 1e3], dtype=torch.float64)
+            dist.all_reduce(us, op=dist.ReduceOp.MAX)
+            numel = max(world_size, nbytes // 4 // world_size * world_size)
+            result.setdefault(kind, []).append((numel * 4, max(0.0, float(us.item()))))
     return result
+
+
+def _interpolate(samples: list[tuple[int, float]], nbytes: int) -> float:
+    """ms at ``nbytes`` on the line through the two samples around it (the nearest two at the ends)."""
+    samples = sorted(samples)
+    if len(samples) == 1:
+        return samples[0][1]
+    at = min(max(1, next((i for i, (b, _) in enumerate(samples) if b >= nbytes), len(samples) - 1)),
+             len(samples) - 1)
+    (b0, m0), (b1, m1) = samples[at - 1], samples[at]
+    return max(m0 + (m1 - m0) * (nbytes - b0) / (b1 - b0), 0.0) if b1 != b0 else m1
+
+
+def fit_issue(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(issue_us, issue_gbps) with ``issue_us + bytes / issue_gbps`` fitting ``samples`` ((full
+    bytes, us), ...) by least squares, both >= 0: issue_gbps 0 (no per-byte part, issue_us
+    their mean) when the fitted slope is not positive, a line through the origin when the
+    intercept would be negative."""
+    if not samples:
+        return 0.0, 0.0
+    n = len(samples)
+    mean_x = sum(x for x, _ in samples) / n
+    mean_y = sum(y for _, y in samples) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in samples)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in samples) / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        return max(mean_y, 0.0), 0.0
+    intercept = mean_y - slope * mean_x
+    if intercept < 0:
+        intercept, slope = 0.0, sum(x * y for x, y in samples) / sum(x * x for x, _ in samples)
+    # us = intercept + bytes * slope;  issue_ms = issue_us * 1e-3 + bytes / (gbps * 1e9) * 1e3
+    return intercept, 1e-3 / slope
 
 
 def measure_collectives(device: torch.device, quick: bool = False, say=lambda message: None) -> dict:
@@ -196,7 +265,8 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
              device: torch.device, fallback_link: str = "ethernet", quick: bool = False,
              issue: dict | None = None) -> dict:
     """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements;
-    ``issue`` ({kind: us}, ``measure_issue``) gives the link's ``issue_us`` (their median)."""
+    ``issue`` ({kind: [(bytes, us), ...]}, ``measure_issue``) gives the link's ``issue_us``
+    and ``issue_gbps`` (``fit_issue`` over every kind's samples)."""
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
@@ -222,10 +292,12 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
                             for b, ms in samples]}
             pooled += [(b * ring, ms) for b, ms in samples]   # already in ring units: fit with ring 1
         gbps, latency_us = fit(pooled, "broadcast", world_size)
+        issue_us, issue_gbps = fit_issue([sample for kind in sorted(issue or {}) for sample in issue[kind]])
         doc["link"] = {"name": backend, "gbps": gbps, "latency_us": latency_us,
-                       "issue_us": statistics.median(issue.values()) if issue else 0.0}
+                       "issue_us": issue_us, "issue_gbps": issue_gbps}
         if issue:
-            measured["issue_us"] = issue
+            measured["issue"] = {kind: [{"bytes": b, "us": us} for b, us in samples]
+                                 for kind, samples in sorted(issue.items())}
     doc["measured"] = measured
     return doc
 
@@ -244,7 +316,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     collectives = measure_collectives(device, quick, say if rank == 0 else (lambda m: None)) \
         if world_size > 1 else None
-    issue = measure_issue(device) if world_size > 1 else None
+    issue = measure_issue(device, collectives, quick) if world_size > 1 else None
     compute = measure_compute(device, quick) if rank == 0 else None
     if grouped and world_size > 1:
         shared = [compute]
@@ -253,8 +325,14 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
     if rank == 0:
         say(f"compute: {compute['tflops']:.3g} TFLOP/s (matmul {compute['matmul']['n']}^2), "
             f"{compute['mem_gbps']:.3g} GB/s (copy), {compute['kernel_us']:.3g} us per small op"
-            + (f"; issuing a collective {statistics.median(issue.values()):.3g} us" if issue else ""))
+)
     doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue)
+    if rank == 0 and issue:
+        link = doc["link"]
+        say(f"issuing a collective during compute costs it {link['issue_us']:.3g} us"
+            + (f" + bytes / {link['issue_gbps']:.3g} GB/s" if link["issue_gbps"] else "")
+            + " (" + ", ".join(f"{kind} {b >> 10} KiB {us:.0f} us" for kind in sorted(issue)
+                               for b, us in issue[kind]) + ")")
     if rank == 0 and out:
         write(doc, out)
     return doc

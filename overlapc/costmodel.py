@@ -26,7 +26,8 @@ Profile file ("overlapc.profile/1")::
      "device": {"name": str, "tflops": float > 0, "mem_gbps": float > 0,
                 "kernel_us": float >= 0},              # optional (0): fixed cost per op
      "link": {"name": str, "gbps": float > 0, "latency_us": float >= 0,
-              "issue_us": float >= 0},                 # optional (0): compute-stream time per collective
+              "issue_us": float >= 0,                  # optional (0): compute-stream time per collective
+              "issue_gbps": float >= 0},               # optional (0: none): ... plus full bytes / this
      "collectives": {<kind>: {"gbps": float > 0, "latency_us": float >= 0,
                               "samples": [{"bytes": int, "ms": float, "fit_ms": float}, ...]}, ...},
      "measured": {...}}   # how it was measured (free form; see overlapc.calibrate)
@@ -87,15 +88,23 @@ class LinkProfile:
     """A collective link: achieved bus bandwidth per GPU (GB/s) and per-collective latency (us).
 
     ``per_kind``: ((kind, gbps, latency_us), ...) measured per collective kind
-    (sorted by kind); kinds not listed use ``gbps`` and ``latency_us``. ``issue_us``: the
-    time the compute stream spends issuing one collective (on a CPU the caller's thread
-    enqueues the work; 0 for the built-in GPU links, where a launch costs the GPU nothing)."""
+    (sorted by kind); kinds not listed use ``gbps`` and ``latency_us``. ``issue_us`` and
+    ``issue_gbps``: the compute stream's time per collective, ``issue_us`` plus its full bytes
+    / ``issue_gbps`` (0: no per-byte part). On a CPU backend the caller's thread enqueues the
+    work and the collective's own threads take CPU time from compute; 0 for the built-in GPU
+    links, where a launch costs the GPU nothing."""
 
     name: str
     gbps: float
     latency_us: float
     per_kind: tuple[tuple[str, float, float], ...] = ()
     issue_us: float = 0.0
+    issue_gbps: float = 0.0
+
+    def issue_ms(self, nbytes: int | None) -> float:
+        """The compute stream's time for issuing one collective of ``nbytes`` full bytes (ms)."""
+        per_byte = (nbytes or 0) / (self.issue_gbps * 1e9) * 1e3 if self.issue_gbps > 0 else 0.0
+        return self.issue_us * 1e-3 + per_byte
 
     def for_kind(self, kind: str) -> tuple[float, float]:
         """(gbps, latency_us) for collectives of ``kind``."""
@@ -276,7 +285,8 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
                              _number(f"{where}: collectives.{kind}.latency_us", numbers["latency_us"], 0, False)))
         link = LinkProfile(str(lnk["name"]), _number(f"{where}: link.gbps", lnk["gbps"], 0, True),
                            _number(f"{where}: link.latency_us", lnk["latency_us"], 0, False), tuple(per_kind),
-                           _number(f"{where}: link.issue_us", lnk.get("issue_us", 0.0), 0, False))
+                           _number(f"{where}: link.issue_us", lnk.get("issue_us", 0.0), 0, False),
+                           _number(f"{where}: link.issue_gbps", lnk.get("issue_gbps", 0.0), 0, False))
     except (KeyError, TypeError) as error:
         raise ValueError(f"{where}: missing or malformed field {error} (schema {PROFILE_SCHEMA})") from None
     return Profile(device, link, name, source)

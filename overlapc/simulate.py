@@ -6,11 +6,12 @@ Nodes are walked in program order:
 * a compute node runs on the compute stream from the stream's current time for
   its estimated cost (the stream executes in order, so its inputs are ready:
   any collective result it reads was waited before it);
-* a collective start is issued at the compute stream's current time; issuing
-  keeps the compute stream busy for the link's ``issue_us`` (0 on the built-in
-  links; a calibrated CPU profile measures it: gloo enqueues on the caller's
-  thread), and the collective runs on its group's stream from then, once the
-  previous collective of that group has finished (issue order within a group);
+* a collective start is issued at the compute stream's current time and runs
+  on its group's stream from then, once the previous collective of that group
+  has finished (issue order within a group); issuing keeps the compute stream
+  busy for the link's ``issue_ms`` of its bytes (0 on the built-in links; a
+  calibrated CPU profile measures it: gloo enqueues on the caller's thread and
+  its threads take CPU time from compute while the collective runs);
 * a wait blocks the compute stream until its collective ends; the time the
   stream stalls is that collective's *exposed* time.
 
@@ -146,8 +147,8 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
         c = of_start.get(node)
         if c is not None:
             issue = now
-            now += profile.link_for(c.group).issue_us * 1e-3
-            begin = max(now, group_free.get(c.group, 0.0))
+            now += profile.link_for(c.group).issue_ms(costmodel.collective_bytes(c))
+            begin = max(issue, group_free.get(c.group, 0.0))
             end = begin + comm_ms(c)
             group_free[c.group] = end
             issued[node] = [issue, begin, end, 0.0]

@@ -1,7 +1,6 @@
 """overlapc calibrate: the fit, the profile file, and its use by the report (2 real gloo ranks)."""
 import json
 import os
-import statistics
 import types
 
 import pytest
@@ -34,6 +33,19 @@ def test_fit_keeps_latency_non_negative_and_bandwidth_positive():
                                                              / ((1 << 9) ** 2 + (1 << 19) ** 2)))
 
 
+def test_fit_issue_recovers_a_line_and_never_goes_negative():
+    link = costmodel.LinkProfile("x", gbps=1.0, latency_us=0.0, issue_us=300.0, issue_gbps=0.5)
+    samples = [(b, link.issue_ms(b) * 1e3) for b in (4096, 1 << 20)]
+    assert calibrate.fit_issue(samples) == pytest.approx((300.0, 0.5))
+    # a cost that falls with size (noise): no per-byte part, the mean as the fixed part
+    assert calibrate.fit_issue([(4096, 900.0), (1 << 20, 500.0)]) == (700.0, 0.0)
+    # a line that would cross zero above 0 bytes: through the origin instead
+    us, gbps = calibrate.fit_issue([(1 << 20, 100.0), (2 << 20, 400.0)])
+    assert us == 0.0 and gbps == pytest.approx(1e-3 / ((1 << 20) * 100.0 + (2 << 20) * 400.0)
+                                               * ((1 << 20) ** 2 + (2 << 20) ** 2))
+    assert calibrate.fit_issue([]) == (0.0, 0.0)
+
+
 def test_compute_only_profile_records_the_builtin_link(tmp_path):
     # one process: compute only, even where a default process group exists (the fake one here)
     doc = calibrate.run_local(1, str(tmp_path / "p.json"), quick=True, fallback_link="ib")
@@ -52,10 +64,15 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert doc["schema"] == costmodel.PROFILE_SCHEMA
     assert doc["measured"]["world_size"] == 2 and doc["measured"]["backend"] == "gloo"
     assert sorted(doc["collectives"]) == sorted(calibrate.KINDS)
-    # fixed costs: one small op, and issuing one collective (the median over kinds)
+    # fixed costs: one small op, and a collective issued during compute (fitted over kinds and sizes)
     assert 0 < doc["device"]["kernel_us"] < 1000 and doc["measured"]["compute"]["small_op"]["us"] > 0
-    assert sorted(doc["measured"]["issue_us"]) == sorted(calibrate.KINDS)
-    assert doc["link"]["issue_us"] == pytest.approx(statistics.median(doc["measured"]["issue_us"].values()))
+    issue = doc["measured"]["issue"]
+    assert sorted(issue) == sorted(calibrate.KINDS)
+    assert all([s["bytes"] for s in issue[k]] == list(calibrate.ISSUE_SIZES) for k in issue)
+    assert all(s["us"] >= 0 for k in issue for s in issue[k])
+    assert (doc["link"]["issue_us"], doc["link"]["issue_gbps"]) == pytest.approx(
+        calibrate.fit_issue([(s["bytes"], s["us"]) for k in sorted(issue) for s in issue[k]]))
+    assert doc["link"]["issue_us"] > 0    # issuing and running a collective costs its caller time
     for kind, entry in doc["collectives"].items():
         assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
         assert all(s["ms"] > 0 for s in entry["samples"])
@@ -63,7 +80,8 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
         for s in entry["samples"]:   # collective_ms with the fitted numbers gives the fitted times
             assert costmodel.collective_ms(stand_in(kind, s["bytes"], 2), link) == pytest.approx(s["fit_ms"])
     profile = costmodel.load_profile(path)
-    assert (profile.device.kernel_us, profile.link.issue_us) == (doc["device"]["kernel_us"], doc["link"]["issue_us"])
+    assert (profile.device.kernel_us, profile.link.issue_us, profile.link.issue_gbps) == (
+        doc["device"]["kernel_us"], doc["link"]["issue_us"], doc["link"]["issue_gbps"])
     assert dict((k, (g, l)) for k, g, l in profile.link.per_kind) == {
         k: (e["gbps"], e["latency_us"]) for k, e in doc["collectives"].items()}
 

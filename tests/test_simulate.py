@@ -241,17 +241,22 @@ def test_link_per_mesh_dim_and_group_labels(fake_pg):
 def test_fixed_costs_per_op_and_per_issue(fake_pg):
     gm = trace(gather_between_compute, (8, 8), (1, 8))
     device = costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0, kernel_us=50.0)
-    link = costmodel.LinkProfile("l", gbps=1.0, latency_us=0.0, issue_us=300.0)
+    link = costmodel.LinkProfile("l", gbps=1.0, latency_us=0.0, issue_us=300.0, issue_gbps=0.001)
     mm = next(n for n in gm.graph.nodes if n.name == "mm")
     view = next(n for n in gm.graph.nodes if n.op == "placeholder")
     flops, moved = costmodel.node_cost(mm)
     assert costmodel.compute_ms(mm, device) == pytest.approx(max(flops / 1e12, moved / 1e9) * 1e3 + 0.05)
     assert costmodel.compute_ms(view, device) == 0.0   # no work, no fixed cost
-    base = simulate(gm, costmodel.Profile(device, dataclasses.replace(link, issue_us=0.0)))
+    base = simulate(gm, costmodel.Profile(device, dataclasses.replace(link, issue_us=0.0, issue_gbps=0.0)))
     issued = simulate(gm, costmodel.Profile(device, link))
-    assert issued.step_ms == pytest.approx(base.step_ms + 0.3)   # the issue holds the compute stream
     t = issued.collectives["all_gather_into_tensor"]
-    assert t.start_ms == pytest.approx(t.issue_ms + 0.3)
+    nbytes = costmodel.collective_bytes(t.collective)
+    cost = 0.3 + nbytes / 1e6 * 1e3    # issue_us + full bytes / issue_gbps, in ms
+    assert link.issue_ms(nbytes) == pytest.approx(cost) and nbytes > 0
+    # the issue holds the compute stream; the collective runs from the moment it is issued
+    assert t.start_ms == t.issue_ms == base.collectives["all_gather_into_tensor"].issue_ms
+    assert issued.step_ms == pytest.approx(base.step_ms + cost - (base.collectives["all_gather_into_tensor"].exposed_ms
+                                                                  - t.exposed_ms))
 
 
 def test_old_profile_files_load_without_fixed_costs(tmp_path):
@@ -260,7 +265,7 @@ def test_old_profile_files_load_without_fixed_costs(tmp_path):
                                 "device": {"name": "cpu", "tflops": 0.1, "mem_gbps": 10.0},
                                 "link": {"name": "gloo", "gbps": 1.0, "latency_us": 100.0}, "collectives": {}}))
     p = costmodel.load_profile(path)
-    assert (p.device.kernel_us, p.link.issue_us) == (0.0, 0.0)
+    assert (p.device.kernel_us, p.link.issue_us, p.link.issue_gbps) == (0.0, 0.0, 0.0)
     doc = json.loads(path.read_text())
     doc["device"]["kernel_us"] = -1
     path.write_text(json.dumps(doc))
