@@ -89,7 +89,7 @@ from overlapc.collectives import Collective, module_path, node_value, real_consu
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
 
-__all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives"]
+__all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives", "merge_duplicates"]
 
 log = logging.getLogger("overlapc")
 aten = torch.ops.aten
@@ -117,6 +117,76 @@ class BucketNote:
     nbytes: int
     members: tuple[str, ...]
     modules: tuple[str, ...]
+
+
+def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None) -> list[tuple[str, ...]]:
+    """Make identical collectives one, in place: starts of the same op with the same
+    arguments (the same input nodes, group and sizes), each read by exactly one
+    ``wait_tensor``, with no other collective of their group and no barrier between
+    them. DTensor emits them when several modules ask for the same redistribution
+    (``ColwiseParallel(input_layouts=Shard(1))`` on q, k and v each gathers the same
+    activation). The same parameter gathered again later (tied weights, FSDP's
+    re-gather) is not merged: other collectives of its group stand between, and
+    merging would hold the gathered result all that time. The first start is kept;
+    its wait moves to just before the first of the merged waits and takes their
+    users; the others are erased. Every rank traces the same graph, so every rank
+    merges the same collectives. Returns the merged starts' names, each group
+    first-kept, in graph order (also appended to ``gm.meta["overlapc_duplicates"]``).
+    ``before_rewrite``: as for ``bucket_collectives``."""
+    from overlapc.collectives import collective_op, group_of, role, wait_nodes
+    runs: list[list[fx.Node]] = []
+    open_run: dict[tuple, list[fx.Node]] = {}   # identical starts so far, by their arguments
+    last: dict[str, fx.Node] = {}                # the latest start of each group
+    for node in gm.graph.nodes:
+        if role(node)[2] is not None:
+            open_run.clear()
+            last.clear()
+            continue
+        if collective_op(node) is None:
+            continue
+        group = group_of(node)
+        waits = wait_nodes(node)
+        if len(waits) == 1 and waits[0].args[0] is node and len(node.users) == 1:
+            key = (node.target, _key(node.args), _key(node.kwargs))
+            run = open_run.get(key)
+            if run is not None and run[-1] is last.get(group):
+                run.append(node)
+            else:
+                open_run[key] = run = [node]
+                runs.append(run)
+        last[group] = node
+    merged = [run for run in runs if len(run) > 1]   # graph order of their first start
+    if merged and before_rewrite is not None:
+        before_rewrite()
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for kept, *others in merged:
+        wait = wait_nodes(kept)[0]
+        waits = [wait_nodes(other)[0] for other in others]
+        first = min(waits, key=position.__getitem__)
+        if position[first] < position[wait]:
+            first.prepend(wait)
+        for other, other_wait in zip(others, waits):
+            other_wait.replace_all_uses_with(wait)
+            gm.graph.erase_node(other_wait)
+            gm.graph.erase_node(other)
+    names = [tuple(n.name for n in run) for run in merged]
+    if merged:
+        gm.graph.lint()
+        log.info("overlapc: merged %d identical collectives into %d: %s",
+                 sum(len(n) - 1 for n in names), len(names), "; ".join(", ".join(n) for n in names))
+    gm.meta.setdefault("overlapc_duplicates", []).extend(names)
+    return names
+
+
+def _key(value):
+    """A hashable form of a node's arguments: nodes by identity, lists as tuples."""
+    if isinstance(value, fx.Node):
+        return ("node", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _key(v)) for k, v in value.items())
+    return (type(value).__name__, repr(value))
 
 
 def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",

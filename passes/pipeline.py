@@ -125,6 +125,9 @@ def _check_kept(s: Structure, order: list[fx.Node]) -> None:
 def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> PassResult:
     """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured.
     ``snapshot()`` runs before a rewrite first changes the graph."""
+    if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
+        from overlapc.passes.bucket import merge_duplicates
+        merge_duplicates(gm, before_rewrite=snapshot)
     if cfg.chunks != 1:
         from overlapc.passes.chunk import chunk_collectives
         snapshot()
@@ -146,7 +149,7 @@ def unscheduled_order(gm: fx.GraphModule, before: list[str]) -> list[str]:
     return gm.meta.get("overlapc_unscheduled_order", before)
 
 
-_REWRITE_NOTES = ("overlapc_buckets", "overlapc_chunks")
+_REWRITE_NOTES = ("overlapc_duplicates", "overlapc_buckets", "overlapc_chunks")
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], notes: dict) -> None:

@@ -545,3 +545,54 @@ def test_a_failure_after_bucketing_restores_names_notes_and_order(fake_pg, monke
     assert "overlapc_buckets" not in gm.meta and "overlapc_unscheduled_order" not in gm.meta
     assert pipeline.unscheduled_order(gm, names) == names
     gm.graph.lint()
+
+
+# ------------------------------------------------------------------ identical collectives
+
+
+def test_identical_gathers_of_one_activation_become_one(fake_pg):
+    """DTensor gathers the same activation once per ColwiseParallel(input_layouts=Shard)
+    projection: the three all-gathers become one, its wait before the first consumer."""
+    from overlapc.passes.bucket import merge_duplicates
+
+    def qkv(x, wq, wk, wv):
+        return [wait(ag(x)) @ w for w in (wq, wk, wv)]
+    gm = trace(qkv, (4, 16), (16, 8), (16, 8), (16, 8))
+    original = copy.deepcopy(gm)
+    merged = merge_duplicates(gm)
+    assert merged == [("all_gather_into_tensor", "all_gather_into_tensor_1", "all_gather_into_tensor_2")]
+    assert gm.meta["overlapc_duplicates"] == merged
+    assert count(gm, AG) == 1 and count(gm, F.wait_tensor.default) == 1
+    gm.recompile()
+    assert_same_values(original, gm)
+    names = [n.name for n in gm.graph.nodes]
+    first_mm = next(n.name for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    assert names.index("wait_tensor") < names.index(first_mm)
+    scheduled = copy.deepcopy(original)
+    overlapc.schedule(scheduled, overlapc.OverlapConfig(on_error="raise"))
+    assert count(scheduled, AG) == 1
+    overlapc.verify(scheduled)
+    assert_same_values(original, scheduled)
+
+
+def test_regathers_across_other_collectives_barriers_or_groups_stay(fake_pg, two_groups):
+    """The same shard gathered again after other collectives of its group (FSDP's
+    re-gather, tied weights) or a barrier, or gathered in another group, is not merged:
+    merging would hold the gathered result from the first use to the last."""
+    from overlapc.passes.bucket import merge_duplicates
+    other = two_groups[0].group_name
+
+    def regather(x, w, z, y):
+        a = x @ wait(ag(w)).t()
+        b = a @ wait(ag(y)).t()                     # another collective of the group
+        c = b @ wait(ag(w)).t()
+        torch.ops.aten.add_(z, 1)                   # a barrier
+        d = c @ wait(ag(w)).t()
+        e = wait(F.all_gather_into_tensor(w, WORLD, other)).sum()   # another group
+        return d + e + wait(ag(w)).sum(), z
+    gm = trace(regather, (4, 16), (2, 16), (2,), (2, 16))
+    # only the last two gathers of w in group "0" stand together (the other group's is
+    # not of that group): they merge, the others stay
+    merged = merge_duplicates(gm)
+    assert merged == [("all_gather_into_tensor_3", "all_gather_into_tensor_5")], merged
+    assert count(gm, AG) == 5

@@ -174,3 +174,23 @@ def test_torchtitan_llama_trains_equal_to_eager_with_chunks():
         assert out[1, "collectives"] == 8, out
         assert out[2, "collectives"] == 16 and out[4, "collectives"] == 32, out
         assert out["auto", "collectives"] > 8, out
+
+
+def test_per_projection_gathers_merge_and_attention_is_one_pipeline(fake_pg):
+    """ColwiseParallel(input_layouts=Shard(1)) on q, k and v each (examples/fsdp_tp.py)
+    gathers the same activation three times: overlapc.schedule merges them first, so
+    that attention is one pipeline from the gather to the reduce-scatter."""
+    import overlapc
+    from overlapc.backend import capture
+    if os.path.join(ROOT, "examples") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import fsdp_tp
+    model, inputs = fsdp_tp.build(tp=2, depth=2)
+    fw = {r.name: r.gm for r in capture(model, inputs, {"enabled": False})}["fw_0"]
+    gm = copy.deepcopy(fw)
+    overlapc.schedule(gm, overlapc.OverlapConfig(chunks=2, on_error="raise"))
+    overlapc.verify(gm)
+    assert [len(run) for run in gm.meta["overlapc_duplicates"]] == [3, 3]   # q, k, v per block
+    tp = [n for n in gm.meta["overlapc_chunks"] if n.applied and len(n.starts) == 2]
+    assert len(tp) == 4, gm.meta["overlapc_chunks"]   # attention and MLP of both blocks, whole
+    same_values(fw, gm)
