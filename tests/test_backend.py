@@ -313,3 +313,39 @@ def test_log_lines_name_rank_and_graph_and_other_ranks_stay_quiet_below_debug(fa
             compile_and_run(GatheredMLP(), {"inner": "aot_eager"})
         said = [r.getMessage() for r in caplog.records if r.name == "overlapc" and "moved" in r.getMessage()]
         assert [m.removeprefix("[rank 1] ")[:3] for m in said] == expected, said
+
+
+class SequenceParallelMLP(torch.nn.Module):
+    """All-gather the sequence shard, up, gelu, down, reduce-scatter (TP+SP's MLP)."""
+
+    def __init__(self, width=64, hidden=128):
+        super().__init__()
+        self.up = torch.nn.Parameter(torch.randn(width, hidden) * 0.1)
+        self.down = torch.nn.Parameter(torch.randn(hidden, width) * 0.1)
+
+    def forward(self, x):
+        full = fc.all_gather_tensor_autograd(x, 0, dist.group.WORLD)
+        y = torch.nn.functional.gelu(full @ self.up) @ self.down
+        return fc.reduce_scatter_tensor_autograd(y, "sum", 0, dist.group.WORLD)
+
+
+def test_inductor_code_keeps_the_chunk_pipeline_order(fake_pg):
+    """chunks=2 through Inductor: the generated forward issues piece 1's all-gather
+    before piece 0's compute and waits it only after that compute, and piece 0's
+    reduce-scatter goes out before piece 1's compute (Inductor keeps the pipeline)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(SequenceParallelMLP(), backend="overlapc",
+                             options={"chunks": 2, "on_error": "raise"})
+    x = torch.randn(16, 64)
+    _, (forward, _backward) = run_and_get_code(lambda: compiled(x).sum().backward())
+    events = collective_events(forward)
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("issue") == 2 and kinds.count("rs") == 2, events
+    gathers = [buf for kind, buf in events if kind == "issue"]
+    scatters = [i for i, (kind, _) in enumerate(events) if kind == "rs"]
+    second_issue = events.index(("issue", gathers[1]))
+    first_wait, second_wait = events.index(("wait", gathers[0])), events.index(("wait", gathers[1]))
+    compute_0 = [i for i in range(first_wait, second_wait) if kinds[i] == "compute"]
+    assert second_issue < first_wait and compute_0, events      # piece 1 in flight over piece 0's compute
+    assert scatters[0] < second_wait, events                    # piece 0's reduce-scatter overlaps piece 1
+    assert any(kinds[i] == "compute" for i in range(scatters[0], scatters[1])), events
