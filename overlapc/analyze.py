@@ -47,7 +47,10 @@ JSON schema ("overlapc.analyze/1")::
      "collectives": [{<Measured fields>}, ...]}
 
 Estimated step/exposed of a step: the sum over its matched graphs of their
-``step_ms_after`` / ``exposed_ms_after`` (null when none matched). Times in ms.
+``step_ms_after`` / ``exposed_ms_after`` (null when none matched). Times in ms;
+``*_at_ms`` and ``begin_ms`` from the start of the step (a step's from the
+first step's). ``timeline`` (``--timeline FILE``) draws measured and estimated
+spans side by side as a Chrome trace.
 """
 from __future__ import annotations
 
@@ -88,6 +91,11 @@ class Measured:
     exposed_ms: float
     estimated_ms: float | None
     estimated_exposed_ms: float | None
+    issued_at_ms: float | None = None    # when its start op began, from its step's start
+    ran_at_ms: float | None = None       # when it began running (gloo worker span, NCCL kernel)
+    waited_at_ms: float | None = None    # when its first wait began
+    estimated_start_ms: float | None = None   # the dump's simulated run, from its graph's start
+    estimated_end_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +109,7 @@ class GraphRun:
     exposed_ms: float
     estimated_ms: float
     estimated_exposed_ms: float
+    begin_ms: float = 0.0    # from its step's start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +125,7 @@ class Step:
     estimated_step_ms: float | None
     estimated_exposed_ms: float | None
     graphs: list[GraphRun]
+    begin_ms: float = 0.0    # from the first step's start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,19 +312,19 @@ def _match(step: int, ops: list[_Op], regions: list[tuple], graphs: list[_Graph]
     return sorted(found, key=lambda c: (c.start or c.waits[0]).begin)
 
 
-def _cpu_durations(spans: list[dict], workers: set, found: list[_Collective]) -> list[float | None]:
-    """The gloo worker span of each collective: the first free one beginning after its start."""
+def _cpu_runs(spans: list[dict], workers: set, found: list[_Collective]) -> list[tuple | None]:
+    """The gloo worker span (begin, end) of each collective: the first free one beginning
+    after its start."""
     free = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans
                   if (e.get("pid"), e.get("tid")) in workers and str(e.get("name", "")).startswith("gloo:"))
-    result: list[float | None] = [None] * len(found)
+    result: list[tuple | None] = [None] * len(found)
     for index in sorted(range(len(found)), key=lambda i: found[i].start.begin if found[i].start else 0):
         start = found[index].start
         if start is None:
             continue
         at = bisect.bisect_left(free, (start.begin, float("-inf")))
         if at < len(free):
-            begin, end = free.pop(at)
-            result[index] = (end - begin) / 1e3
+            result[index] = free.pop(at)
     return result
 
 
@@ -425,22 +435,28 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
         shares = _shared_exposure(comm, compute)
         exposed = [0.0] * len(found)
         durations: list[float | None] = [None] * len(found)
+        ran: list[float | None] = [None] * len(found)
         for (begin, end, index, _), share in zip(comm, shares):
             if index is not None:
                 exposed[index] += share / 1e3
                 durations[index] = (durations[index] or 0.0) + (end - begin) / 1e3
+                ran[index] = begin if ran[index] is None else min(ran[index], begin)
         for number, *_ in steps:
             step_exposed[number] = _minus([(b, e) for b, e, _, s in comm if s == number], compute) / 1e3
     else:
-        durations = _cpu_durations(spans, workers, found)
+        runs_on_workers = _cpu_runs(spans, workers, found)
+        durations = [None if r is None else (r[1] - r[0]) / 1e3 for r in runs_on_workers]
+        ran = [None if r is None else r[0] for r in runs_on_workers]
         exposed = [sum(w.end - w.begin for w in c.waits) / 1e3 for c in found]
         for number, begin, end in steps:
             step_exposed[number] = _length([(op.begin, op.end) for op in ops
                                             if op.kind is None and begin <= op.begin < end]) / 1e3
 
     estimate = _estimator(profile, info)
+    step_begin = {number: begin for number, begin, _ in steps}
+    since = lambda t, c: None if t is None else (t - step_begin[c.step]) / 1e3  # noqa: E731
     measured = []
-    for c, duration, stalled in zip(found, durations, exposed):
+    for c, duration, stalled, began in zip(found, durations, exposed, ran):
         row, head = c.row, c.start or c.waits[0]
         measured.append(Measured(
             step=c.step, graph=c.graph.name if c.graph else "", order=c.order,
@@ -449,7 +465,11 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             module=row.get("module") or "" if row else "", reason=_reason(row) if row else "",
             issue_ms=(c.start.end - c.start.begin) / 1e3 if c.start else 0.0, duration_ms=duration,
             exposed_ms=stalled, estimated_ms=estimate(row) if row else None,
-            estimated_exposed_ms=row.get("exposed_ms") if row else None))
+            estimated_exposed_ms=row.get("exposed_ms") if row else None,
+            issued_at_ms=since(c.start.begin if c.start else None, c), ran_at_ms=since(began, c),
+            waited_at_ms=since(c.waits[0].begin if c.waits else None, c),
+            estimated_start_ms=row.get("start_ms") if row else None,
+            estimated_end_ms=row.get("end_ms") if row else None))
     run_exposed = [0.0] * len(runs)
     for c, stalled in zip(found, exposed):
         if c.run is not None:
@@ -457,7 +477,8 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
     result = []
     for number, begin, end in steps:
         ran = [GraphRun(graph.name, (stop - start) / 1e3, run_exposed[index],
-                        graph.summary.get("step_ms_after", 0.0), graph.summary.get("exposed_ms_after", 0.0))
+                        graph.summary.get("step_ms_after", 0.0), graph.summary.get("exposed_ms_after", 0.0),
+                        (start - begin) / 1e3)
                for index, (graph, start, stop) in enumerate(runs) if begin <= start < end]
         rows = [m for m in measured if m.step == number]
         result.append(Step(
@@ -465,7 +486,7 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             issue_ms=sum(m.issue_ms for m in rows), collectives=len(rows),
             estimated_step_ms=sum(r.estimated_ms for r in ran) if ran else None,
             estimated_exposed_ms=sum(r.estimated_exposed_ms for r in ran) if ran else None,
-            graphs=ran))
+            graphs=ran, begin_ms=(begin - steps[0][1]) / 1e3))
     return Analysis(path, "cuda" if cuda else "cpu", rank, dump, result, measured)
 
 
@@ -501,6 +522,71 @@ def to_json(analysis: Analysis) -> dict:
     return {"schema": SCHEMA, "trace": analysis.trace, "format": analysis.format, "rank": analysis.rank,
             "dump": analysis.dump, "steps": [dataclasses.asdict(s) for s in analysis.steps],
             "collectives": [dataclasses.asdict(m) for m in analysis.collectives]}
+
+
+TIMELINE_SCHEMA = "overlapc.analyze.timeline/1"
+
+
+def timeline(analysis: Analysis) -> dict:
+    """A Chrome trace (open in ui.perfetto.dev) with the measured spans beside the estimated ones.
+
+    Process 1 "measured (rank R)": thread 0 "compute" holds each step, each graph run, each
+    collective's start op (cat "issue") and its wait (cat "exposed", at its first wait, as
+    long as the measured exposed time); thread 1 "communication" each collective as it ran
+    (cat "comm"). Process 2 "estimated" holds the dump's simulation of each graph run, placed
+    at the run's measured start: the run as long as its estimated step (cat "graph"), each
+    collective from its simulated start to end (thread 1) and its estimated exposed time
+    ending when it ends (thread 0). ts and dur in microseconds from the first step's start;
+    args name the collective, graph and step. Schema "overlapc.analyze.timeline/1"."""
+    rank = "?" if analysis.rank is None else analysis.rank
+    events = []
+    for pid, label in ((1, f"measured (rank {rank})"), (2, "estimated")):
+        events += [{"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": label}},
+                   {"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}},
+                   {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
+                   {"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "communication"}}]
+
+    def span(pid, tid, cat, name, begin_ms, dur_ms, args):
+        events.append({"ph": "X", "pid": pid, "tid": tid, "cat": cat, "name": name,
+                       "ts": round(begin_ms * 1e3, 3), "dur": round(max(dur_ms, 0.0) * 1e3, 3), "args": args})
+
+    for step in analysis.steps:
+        at = step.begin_ms
+        span(1, 0, "step", f"step {step.step}", at, step.step_ms, {"step": step.step})
+        for run in step.graphs:
+            args = {"graph": run.graph, "step": step.step}
+            span(1, 0, "graph", run.graph, at + run.begin_ms, run.measured_ms, args)
+            span(2, 0, "graph", run.graph, at + run.begin_ms, run.estimated_ms, args)
+        for m in analysis.collectives:
+            if m.step != step.step:
+                continue
+            args = {"collective": m.name, "kind": m.kind, "graph": m.graph, "step": m.step}
+            if m.issued_at_ms is not None:
+                span(1, 0, "issue", f"issue {m.name}", at + m.issued_at_ms, m.issue_ms, args)
+            if m.waited_at_ms is not None and m.exposed_ms > 0:
+                span(1, 0, "exposed", f"wait {m.name}", at + m.waited_at_ms, m.exposed_ms, args)
+            if m.ran_at_ms is not None and m.duration_ms is not None:
+                span(1, 1, "comm", m.name, at + m.ran_at_ms, m.duration_ms, args)
+            run = _run_of(step, m)
+            if run is None or m.estimated_start_ms is None or m.estimated_end_ms is None:
+                continue
+            origin = at + run.begin_ms
+            span(2, 1, "comm", m.name, origin + m.estimated_start_ms, m.estimated_end_ms - m.estimated_start_ms, args)
+            if m.estimated_exposed_ms:
+                span(2, 0, "exposed", f"wait {m.name}", origin + m.estimated_end_ms - m.estimated_exposed_ms,
+                     m.estimated_exposed_ms, args)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"schema": TIMELINE_SCHEMA, "trace": analysis.trace, "dump": analysis.dump,
+                          "rank": analysis.rank}}
+
+
+def _run_of(step: Step, m: Measured) -> GraphRun | None:
+    """The run of ``m``'s graph in ``step`` during which it was issued (or first waited)."""
+    when = m.issued_at_ms if m.issued_at_ms is not None else m.waited_at_ms
+    for run in step.graphs:
+        if run.graph == m.graph and when is not None and run.begin_ms <= when <= run.begin_ms + run.measured_ms:
+            return run
+    return None
 
 
 def _num(value: float | None, digits: int = 3) -> str:
@@ -575,6 +661,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", metavar="NAME|FILE", help="re-estimate each matched collective's time "
                         "with this profile ('device:link' or a file from `overlapc calibrate`)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--timeline", metavar="FILE", help="also write a Chrome trace (ui.perfetto.dev) "
+                        "with the measured spans beside the estimated ones")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -583,8 +671,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = analyze(args.trace, args.dump, args.profile)
+        if getattr(args, "timeline", None):
+            with open(args.timeline, "w", encoding="utf-8", newline="\n") as out:
+                json.dump(timeline(result), out)
     except ValueError as error:
         print(f"overlapc analyze: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"overlapc analyze: error: cannot write {args.timeline}: {error.strerror or error}", file=sys.stderr)
         return 2
     sys.stdout.write(json.dumps(to_json(result), indent=2) + "\n" if args.format == "json"
                      else format_text(result))

@@ -85,7 +85,8 @@ issue_after, wait_after (positions; a wait position is the collective's first
 wait, null when it has none), moved (bool, see "Moved"), compute_nodes and
 compute_ms (between issue and first wait, after), comm_ms, exposed_ms_before,
 exposed_ms (after), verdict ("hidden" | "exposed"), reason (inferred, "" when
-hidden), issue_reason and wait_reason (recorded, "" when none).
+hidden), issue_reason and wait_reason (recorded, "" when none), start_ms and
+end_ms (when it runs in the simulated order after, ms from the graph's start).
 
 Summary keys: collectives, moved, hidden_before, hidden_after,
 exposed_ms_before, exposed_ms_after, peak_in_flight_bytes_before,
@@ -148,6 +149,8 @@ class Row:
     reason: str
     issue_reason: str
     wait_reason: str
+    start_ms: float
+    end_ms: float
 
     @property
     def why(self) -> str:
@@ -235,6 +238,7 @@ def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, c
             verdict=verdict, reason=reason,
             issue_reason=str(c.start.meta.get(REASON_KEY, "")),
             wait_reason=str(c.waits[0].meta.get(REASON_KEY, "")) if c.waits else "",
+            start_ms=timed_after.start_ms, end_ms=timed_after.end_ms,
         ))
     summary = _summary(rows, timeline_before, timeline_after, profile)
     summary["peak_bytes_before"] = timeline_before.peak_bytes

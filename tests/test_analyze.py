@@ -75,18 +75,24 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "step 1:" in text and "exposed communication" in text and "fw_0" in text
 
+    events = analyze.timeline(analyze.analyze(paths[0], dump))["traceEvents"]
+    for pid in (1, 2):   # every matched collective measured and estimated, once per step
+        assert sum(1 for e in events if e["ph"] == "X" and e["pid"] == pid and e["cat"] == "comm"
+                   and e["args"]["graph"]) == 2 * sum(len(expected[g]) for g in expected)
+
     lines = analyze.comparison_text(analyze.analyze(paths[0], dump)).splitlines()   # what `make demo` prints
     assert lines[0].startswith("step 1: measured ") and "estimated" in lines[0]
     assert lines[1].startswith("  fw_0: measured ") and lines[2].startswith("  bw_0: measured ")
     assert lines[-1].startswith("median of 2 steps: measured ")
 
 
-def _args(trace, dump=None, fmt="text", profile=None):
+def _args(trace, dump=None, fmt="text", profile=None, timeline=None):
     import argparse
     parser = argparse.ArgumentParser()
     analyze.add_arguments(parser)
     return parser.parse_args([trace, *(["--dump", dump] if dump else []), "--format", fmt,
-                              *(["--profile", profile] if profile else [])])
+                              *(["--profile", profile] if profile else []),
+                              *(["--timeline", timeline] if timeline else [])])
 
 
 # -- a synthetic CUDA-format trace -----------------------------------------------------------------
@@ -138,7 +144,8 @@ def _cuda_dump(folder):
             "collectives": [{"name": n, "kind": k, "group": "0" if k != "all_reduce" else "1", "nbytes": 1 << 20,
                              "module": "layers.0", "issue_after": i, "wait_after": w, "comm_ms": 0.1,
                              "exposed_ms": 0.05, "reason": "", "issue_reason": "inputs ready",
-                             "wait_reason": "before consumer"} for n, k, i, w in rows]}))
+                             "wait_reason": "before consumer", "start_ms": 0.01 * i, "end_ms": 0.01 * i + 0.1}
+                            for n, k, i, w in rows]}))
 
 
 def test_cuda_format_trace(tmp_path):
@@ -158,6 +165,32 @@ def test_cuda_format_trace(tmp_path):
     assert step.exposed_ms == pytest.approx(0.22)
     assert sum(m.exposed_ms for m in result.collectives) == pytest.approx(step.exposed_ms, rel=0.10)
     assert (step.estimated_step_ms, step.estimated_exposed_ms) == (0.5, 0.2)
+
+
+def test_timeline_puts_measured_spans_beside_the_estimated_ones(tmp_path):
+    _cuda_dump(tmp_path / "dump")
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_cuda_trace()))
+    out = tmp_path / "timeline.json"
+    assert analyze.run(_args(str(path), str(tmp_path / "dump"), timeline=str(out))) == 0
+    document = json.loads(out.read_text())
+    assert document["otherData"]["schema"] == analyze.TIMELINE_SCHEMA
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {(1, 0): "compute", (1, 1): "communication", (2, 0): "compute", (2, 1): "communication"}
+    spans = {(e["pid"], e["cat"], e["name"]): (e["ts"], e["dur"]) for e in document["traceEvents"] if e["ph"] == "X"}
+    # measured: the graph run, the start op, the wait, the NCCL kernel (us from the step's start)
+    assert spans[1, "graph", "fw_0"] == (10, 45) and spans[1, "graph", "bw_0"] == (58, 42)
+    assert spans[1, "issue", "issue all_gather_into_tensor"] == (20, 10)
+    assert spans[1, "comm", "all_gather_into_tensor"] == (40, 200)
+    assert spans[1, "exposed", "wait all_gather_into_tensor"] == (45, pytest.approx(100))
+    assert spans[1, "comm", "all_reduce"] == (400, 100)
+    # estimated: each run as long as its estimate, placed at the measured run's start; the
+    # collectives where the dump's simulation runs them (start_ms, end_ms), exposure at their end
+    assert spans[2, "graph", "fw_0"] == (10, 250) and spans[2, "graph", "bw_0"] == (58, 250)
+    assert spans[2, "comm", "all_gather_into_tensor"] == (20, 100)         # 10 + 0.01 ms, 0.1 ms long
+    assert spans[2, "comm", "all_reduce"] == (pytest.approx(78), pytest.approx(100))   # 58 + 0.02 ms
+    assert spans[2, "exposed", "wait all_gather_into_tensor"] == (pytest.approx(70), 50)   # ends at 120 us
+    assert analyze.run(_args(str(path), str(tmp_path / "dump"), timeline=str(tmp_path / "no" / "t.json"))) == 2
 
 
 def test_cuda_trace_without_dump_lists_ops_by_kind():
