@@ -616,15 +616,16 @@ def format_text(analysis: Analysis) -> str:
     return "\n".join(lines) + "\n"
 
 
-def comparison_text(analysis: Analysis) -> str:
+def comparison_text(analysis: Analysis, outside_ms: float | None = None) -> str:
     """Per step and per graph run, estimated vs measured time and exposed communication. A
-    step's estimate is its graphs' simulated times: what runs outside them (optimizer,
-    Python, barriers) is measured, not estimated."""
-    lines = [line for step in analysis.steps for line in _step_lines(step)]
+    step's estimate is its graphs' simulated times plus ``outside_ms``, the caller's
+    estimate of what runs outside them (optimizer, Python, barriers; e.g.
+    ``costmodel.outside_ms``), when given."""
+    lines = [line for step in analysis.steps for line in _step_lines(step, outside_ms)]
     timed = [s for s in analysis.steps if s.estimated_step_ms is not None]
     if len(timed) > 1:
         measured = statistics.median(s.step_ms for s in timed)
-        estimated = statistics.median(s.estimated_step_ms for s in timed)
+        estimated = statistics.median(s.estimated_step_ms + (outside_ms or 0.0) for s in timed)
         lines.append(f"median of {len(timed)} steps: measured {measured:.1f} ms, estimated {estimated:.1f} ms "
                      f"({_ratio(estimated, measured)}); exposed communication measured "
                      f"{statistics.median(s.exposed_ms for s in timed):.1f} ms, estimated "
@@ -632,13 +633,15 @@ def comparison_text(analysis: Analysis) -> str:
     return "\n".join(lines)
 
 
-def _step_lines(step: Step) -> list[str]:
+def _step_lines(step: Step, outside_ms: float | None = None) -> list[str]:
     inside = sum(r.measured_ms for r in step.graphs)
-    estimate = step.estimated_step_ms
+    graphs = step.estimated_step_ms
+    estimate = None if graphs is None else graphs + (outside_ms or 0.0)
+    split = "" if outside_ms is None or graphs is None else f" = graphs {graphs:.1f} + outside {outside_ms:.1f}"
     lines = [f"step {step.step}: measured {step.step_ms:.1f} ms"
              + (f" (graphs {inside:.1f} ms, outside them {step.step_ms - inside:.1f} ms)" if step.graphs else "")
-             + (f", estimated {estimate:.1f} ms ({_ratio(estimate, step.step_ms)} of the step, "
-                f"{_ratio(estimate, inside)} of its graphs)" if estimate is not None else "")
+             + (f", estimated {estimate:.1f} ms{split} ({_ratio(estimate, step.step_ms)} of the step, "
+                f"{_ratio(graphs, inside)} of its graphs)" if estimate is not None else "")
              + f"; exposed communication measured {step.exposed_ms:.1f} ms"
              + (f", estimated {step.estimated_exposed_ms:.1f} ms" if estimate is not None else "")
              + f"; issuing {step.issue_ms:.1f} ms for {step.collectives} collectives"]

@@ -15,6 +15,9 @@ rank 0 writes the file):
 * compute (rank 0): the median time of a square fp32 matmul (FLOP/s) and of a
   large copy (bytes read + written per second), in the costmodel's roofline
   convention, and of a small op (the fixed cost per op, ``device.kernel_us``).
+* a training step outside its compiled graphs (``measure_step``, every rank):
+  ``device.step_us`` per step and ``device.param_us`` per parameter (the
+  optimizer), which ``costmodel.outside_ms`` adds to the graphs' estimates.
 * issue: the compute time one collective costs the thread that issues it
   while it computes (``measure_issue``): every rank runs a block of matmuls
   with a collective issued before each slot of it (waited after the block)
@@ -120,6 +123,56 @@ def measure_compute(device: torch.device, quick: bool = False) -> dict:
     return {"tflops": 2 * n ** 3 / (mm_ms * 1e-3) / 1e12, "mem_gbps": moved / (copy_ms * 1e-3) / 1e9,
             "kernel_us": op_us, "matmul": {"n": n, "dtype": "float32", "ms": mm_ms},
             "copy": {"bytes": moved, "ms": copy_ms}, "small_op": {"op": "add, 1 element", "us": op_us}}
+
+
+def measure_step(device: torch.device, quick: bool = False, grouped: bool = False) -> dict:
+    """{"step_us", "param_us", "step": {...}}: what a training step costs outside its
+    compiled graphs. ``param_us``: an SGD step (torch.optim.SGD's default implementation)
+    per parameter, timed on 32 one-element-per-rank parameters, DTensors sharded over the
+    default group when ``grouped`` (overlapc.fsdp's parameters are). ``step_us``: one step of
+    a compiled 8x8 linear layer (backend "aot_eager": Dynamo's guards, AOTAutograd's runtime,
+    the autograd engine, an MSE loss, SGD, zero_grad), less its 2 parameters' ``param_us``:
+    the fixed part. Medians; with ``grouped`` every rank calls this and the slowest rank's
+    numbers count."""
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    repeats = 10 if quick else 30
+    count = 32
+    if grouped:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        params = [torch.nn.Parameter(distribute_tensor(torch.zeros(dist.get_world_size(), device=device), mesh,
+                                                       [Shard(0)])) for _ in range(count)]
+    else:
+        params = [torch.nn.Parameter(torch.zeros(1, device=device)) for _ in range(count)]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    optimizer.step()
+    param_us = _median_ms(optimizer.step, repeats, sync) * 1e3 / count
+
+    model = torch.nn.Linear(8, 8).to(device)
+    compiled = torch.compile(model, backend="aot_eager")
+    tiny = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+
+    def train_step():
+        torch.nn.functional.mse_loss(compiled(x), y).backward()
+        tiny.step()
+        tiny.zero_grad()
+
+    for _ in range(3):   # the first compiles
+        train_step()
+    step_ms = _median_ms(train_step, repeats, sync)
+    numbers = torch.tensor([param_us, step_ms], dtype=torch.float64)
+    if grouped:
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
+    param_us, step_ms = (float(v) for v in numbers)
+    return {"step_us": max(0.0, step_ms * 1e3 - 2 * param_us), "param_us": param_us,
+            "step": {"tiny_step_ms": step_ms, "optimizer_params": count,
+                     "dtensor": grouped, "backend": "aot_eager"}}
 
 
 def _start(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
@@ -270,11 +323,13 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
-                "quick": quick, "compute": {k: compute[k] for k in ("matmul", "copy", "small_op") if k in compute}}
+                "quick": quick,
+                "compute": {k: compute[k] for k in ("matmul", "copy", "small_op", "step") if k in compute}}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     doc = {"schema": costmodel.PROFILE_SCHEMA,
            "device": {"name": device_name, "tflops": compute["tflops"], "mem_gbps": compute["mem_gbps"],
-                      "kernel_us": compute.get("kernel_us", 0.0)}}
+                      "kernel_us": compute.get("kernel_us", 0.0), "step_us": compute.get("step_us", 0.0),
+                      "param_us": compute.get("param_us", 0.0)}}
     if not collectives:
         link = costmodel.LINKS[fallback_link]
         doc["link"] = {"name": link.name, "gbps": link.gbps, "latency_us": link.latency_us}
@@ -318,14 +373,17 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
         if world_size > 1 else None
     issue = measure_issue(device, collectives, quick) if world_size > 1 else None
     compute = measure_compute(device, quick) if rank == 0 else None
+    step = measure_step(device, quick, grouped and world_size > 1)
     if grouped and world_size > 1:
         shared = [compute]
         dist.broadcast_object_list(shared, src=0)
         compute = shared[0]
+    compute = {**compute, **step}
     if rank == 0:
         say(f"compute: {compute['tflops']:.3g} TFLOP/s (matmul {compute['matmul']['n']}^2), "
-            f"{compute['mem_gbps']:.3g} GB/s (copy), {compute['kernel_us']:.3g} us per small op"
-)
+            f"{compute['mem_gbps']:.3g} GB/s (copy), {compute['kernel_us']:.3g} us per small op; "
+            f"a training step outside its graphs {compute['step_us']:.3g} us + {compute['param_us']:.3g} us "
+            f"per parameter")
     doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue)
     if rank == 0 and issue:
         link = doc["link"]

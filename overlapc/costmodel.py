@@ -24,7 +24,9 @@ Profile file ("overlapc.profile/1")::
 
     {"schema": "overlapc.profile/1",
      "device": {"name": str, "tflops": float > 0, "mem_gbps": float > 0,
-                "kernel_us": float >= 0},              # optional (0): fixed cost per op
+                "kernel_us": float >= 0,               # optional (0): fixed cost per op
+                "step_us": float >= 0,                 # optional (0): a step outside its graphs ...
+                "param_us": float >= 0},               # optional (0): ... plus this per parameter
      "link": {"name": str, "gbps": float > 0, "latency_us": float >= 0,
               "issue_us": float >= 0,                  # optional (0): compute-stream time per collective
               "issue_gbps": float >= 0},               # optional (0: none): ... plus full bytes / this
@@ -75,12 +77,16 @@ class DeviceProfile:
     """An accelerator: achieved dense FLOP rate (TFLOP/s), memory bandwidth (GB/s), and
     ``kernel_us``, the fixed cost of running one op (dispatch, launch), added to every
     compute node that moves bytes or does FLOPs (0 for the built-in GPUs: their launches
-    overlap the running kernels)."""
+    overlap the running kernels). ``step_us`` and ``param_us``: the host's time per
+    training step outside its compiled graphs, fixed and per parameter (``outside_ms``;
+    0 for the built-in devices)."""
 
     name: str
     tflops: float
     mem_gbps: float
     kernel_us: float = 0.0
+    step_us: float = 0.0
+    param_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +284,9 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
         dev, lnk = document["device"], document["link"]
         device = DeviceProfile(str(dev["name"]), _number(f"{where}: device.tflops", dev["tflops"], 0, True),
                                _number(f"{where}: device.mem_gbps", dev["mem_gbps"], 0, True),
-                               _number(f"{where}: device.kernel_us", dev.get("kernel_us", 0.0), 0, False))
+                               _number(f"{where}: device.kernel_us", dev.get("kernel_us", 0.0), 0, False),
+                               _number(f"{where}: device.step_us", dev.get("step_us", 0.0), 0, False),
+                               _number(f"{where}: device.param_us", dev.get("param_us", 0.0), 0, False))
         per_kind = []
         for kind, numbers in sorted((document.get("collectives") or {}).items()):
             per_kind.append((str(kind), _number(f"{where}: collectives.{kind}.gbps", numbers["gbps"], 0, True),
@@ -491,6 +499,14 @@ def compute_ms(node: fx.Node, device: DeviceProfile) -> float:
     if not (flops or moved):
         return 0.0
     return max(flops / (device.tflops * 1e12), moved / (device.mem_gbps * 1e9)) * 1e3 + device.kernel_us * 1e-3
+
+
+def outside_ms(parameters: int, device: DeviceProfile) -> float:
+    """Estimate of a training step's time outside its compiled graphs (guards, runtime
+    wrappers, the autograd engine, the loss, an SGD step and zero_grad) with ``parameters``
+    parameter tensors, in ms: ``step_us + parameters x param_us`` (``overlapc calibrate``
+    measures both)."""
+    return (device.step_us + parameters * device.param_us) * 1e-3
 
 
 # -- communication -------------------------------------------------------------------------------

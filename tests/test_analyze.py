@@ -84,6 +84,10 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
     assert lines[0].startswith("step 1: measured ") and "estimated" in lines[0]
     assert lines[1].startswith("  fw_0: measured ") and lines[2].startswith("  bw_0: measured ")
     assert lines[-1].startswith("median of 2 steps: measured ")
+    analysis = analyze.analyze(paths[0], dump)
+    with_outside = analyze.comparison_text(analysis, outside_ms=1.5).splitlines()
+    graphs = analysis.steps[0].estimated_step_ms
+    assert f"estimated {graphs + 1.5:.1f} ms = graphs {graphs:.1f} + outside 1.5 " in with_outside[0]
 
 
 def _args(trace, dump=None, fmt="text", profile=None, timeline=None):

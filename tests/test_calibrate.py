@@ -73,6 +73,9 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert (doc["link"]["issue_us"], doc["link"]["issue_gbps"]) == pytest.approx(
         calibrate.fit_issue([(s["bytes"], s["us"]) for k in sorted(issue) for s in issue[k]]))
     assert doc["link"]["issue_us"] > 0    # issuing and running a collective costs its caller time
+    # a training step outside its graphs: fixed and per (DTensor) parameter
+    assert doc["device"]["step_us"] > 0 and doc["device"]["param_us"] > 0
+    assert doc["measured"]["compute"]["step"]["dtensor"] is True
     for kind, entry in doc["collectives"].items():
         assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
         assert all(s["ms"] > 0 for s in entry["samples"])
@@ -82,6 +85,8 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     profile = costmodel.load_profile(path)
     assert (profile.device.kernel_us, profile.link.issue_us, profile.link.issue_gbps) == (
         doc["device"]["kernel_us"], doc["link"]["issue_us"], doc["link"]["issue_gbps"])
+    assert costmodel.outside_ms(10, profile.device) == pytest.approx(
+        (doc["device"]["step_us"] + 10 * doc["device"]["param_us"]) * 1e-3)
     assert dict((k, (g, l)) for k, g, l in profile.link.per_kind) == {
         k: (e["gbps"], e["latency_us"]) for k, e in doc["collectives"].items()}
 

@@ -266,6 +266,7 @@ def test_old_profile_files_load_without_fixed_costs(tmp_path):
                                 "link": {"name": "gloo", "gbps": 1.0, "latency_us": 100.0}, "collectives": {}}))
     p = costmodel.load_profile(path)
     assert (p.device.kernel_us, p.link.issue_us, p.link.issue_gbps) == (0.0, 0.0, 0.0)
+    assert (p.device.step_us, p.device.param_us, costmodel.outside_ms(100, p.device)) == (0.0, 0.0, 0.0)
     doc = json.loads(path.read_text())
     doc["device"]["kernel_us"] = -1
     path.write_text(json.dumps(doc))
