@@ -307,3 +307,71 @@ def test_rewrites_text_prints_the_auto_chunk_choice_and_its_neighbours():
               "estimates": [[1, 2.0], [2, 1.5], [4, 1.25], [8, 1.375]]}
     text = report.rewrites_text({"rewrites": [record], "collectives": 4})
     assert "split into 4: p0, p1, p2, p3; auto chose 4 of 1: 2.000ms, 2: 1.500ms, 4: 1.250ms, 8: 1.375ms" in text
+
+
+def consumer_order(a, w2):
+    y = torch.mm(a, a)
+    g1 = F.wait_tensor(F.all_gather_into_tensor(y[:1], 8, "0"))   # its input comes late, its consumer first
+    z = torch.mm(y, g1)
+    return torch.mm(z, F.wait_tensor(F.all_gather_into_tensor(w2, 8, "0")))   # ready at the top
+
+
+def two_reduces_out(a, b):
+    r1 = F.reduce_scatter_tensor(torch.mm(a, a), "sum", 8, "0")
+    r2 = F.reduce_scatter_tensor(torch.mm(b, b), "sum", 8, "0")
+    return F.wait_tensor(r1), F.wait_tensor(r2)
+
+
+def reduce_into_barrier(a, x):
+    r = F.reduce_scatter_tensor(torch.mm(a, a), "sum", 8, "0")
+    y = torch.mm(a, a.t())
+    x = torch.ops.aten.add_(x, F.wait_tensor(r))   # mutates an input: a barrier, nothing moves across it
+    return torch.mm(x, y)
+
+
+def chained(group):
+    def fn(a):
+        r = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(a, a), "sum", 8, "0"))
+        y = torch.mm(a, a.t())
+        s = F.wait_tensor(F.all_reduce(r, "sum", group))   # reads the reduce-scatter's result
+        return torch.mm(s, y)
+    return fn
+
+
+def test_each_recorded_reason_arises_and_the_rows_show_it(fake_pg, two_groups):
+    from overlapc.passes import sink_waits
+    from overlapc.passes.scheduler import REASONS
+
+    gather_bytes = 8 * 8 * 4 + 8 * 4   # an all-gather holds its output and its input
+    cases = [  # (graph, shapes, how it is scheduled, reasons its rows must show)
+        (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], {"max_in_flight": 1},
+         {"count bound", "before consumer"}),
+        (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], {"max_in_flight": None, "max_in_flight_bytes": gather_bytes},
+         {"byte budget"}),
+        (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], {"max_in_flight": None, "max_in_flight_bytes": 1},
+         {"forced by consumer"}),
+        (consumer_order, [(8, 8), (1, 8)], {"max_in_flight": None}, {"consumer order"}),
+        (two_reduces_out, [(8, 8), (8, 8)], {"max_in_flight": 1},
+         {"inputs ready", "early for room", "before output"}),
+        (reduce_into_barrier, [(8, 8), (1, 8)], {}, {"before barrier"}),
+        (chained(two_groups[0].group_name), [(8, 8)], {}, {"chain point", "before chained start"}),
+        (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], "sink", {"not moved"}),
+    ]
+    seen = set()
+    for fn, shapes, how, expected in cases:
+        gm = make_fx(fn)(*(torch.randn(s) for s in shapes))
+        before = [n.name for n in gm.graph.nodes]
+        if how == "sink":
+            sink_waits(gm)
+        else:
+            overlapc.schedule(gm, overlapc.OverlapConfig(**{"max_in_flight_bytes": None, "bucket": None, **how},
+                                                         on_error="raise"))
+        rows = report.rows(gm, before)
+        shown = {r.issue_reason for r in rows} | {r.wait_reason for r in rows}
+        assert expected <= shown, (fn.__name__, how, shown)
+        table = report.format_table(rows)
+        assert all(f"{r.issue_reason}; {r.wait_reason}" in table for r in rows if r.issue_reason and r.wait_reason)
+        seen |= shown
+    # every reason the scheduler records, but "serial" (the serial reference order the
+    # memory headroom is measured on; never the order a graph is given)
+    assert seen - {""} == set(REASONS) - {"serial"}
