@@ -251,14 +251,62 @@ class Emitter:
         rather than when the pipeline stalls on it."""
         nodes = list(self.graph.nodes)
         key = {n: self.keys.get(n, (len(nodes), 0, 0, 0, 0)) for n in nodes}
+        pipeline = {n: key[n][:2] for n in nodes if key[n][1] == -1}
         for node in reversed(_topological(nodes, key)):
             if key[node][1] == 0:
                 key[node] = min([key[node], *(key[u] for u in node.users)])
+        _defer_off_path(nodes, key, pipeline)
         order = _topological(nodes, key)
         outputs = [n for n in order if n.op == "output"]
         order = [n for n in order if n.op == "placeholder"] + \
             [n for n in order if n.op not in ("placeholder", "output")] + outputs
         apply_order(self.gm, order)
+
+
+def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
+    """Give a graph node that reads a pipeline's result (a weight gradient of a
+    reassembled activation gradient) a key just after the second collective start
+    of the next pipeline, when that pipeline's first start does not depend on it:
+    the next pipeline's first pieces are then in flight while it computes, instead
+    of the link idling until it is done. ``pipeline``: the pipelines' nodes and their
+    key prefix (anchor index, -1), one per pipeline (a fed one shares its feeder's)."""
+    starts: dict[tuple, list[fx.Node]] = {}
+    for node, prefix in pipeline.items():
+        group = starts.setdefault(prefix, [])
+        if collective_op(node) is not None:
+            group.append(node)
+    prefixes = sorted(p for p, group in starts.items() if group)
+    if len(prefixes) < 2:
+        return
+    for p in prefixes:
+        starts[p].sort(key=key.__getitem__)
+    ancestors: dict[tuple, set] = {}
+    for node in nodes:
+        if node in pipeline:
+            continue
+        read = [pipeline[i] for i in node._input_nodes if i in pipeline]
+        if not read:
+            continue
+        later = [p for p in prefixes if p > max(read)]
+        if not later:
+            continue
+        q = later[0]
+        if q not in ancestors:
+            ancestors[q] = _ancestors(starts[q][0])
+        if node in ancestors[q]:
+            continue
+        mark = starts[q][min(1, len(starts[q]) - 1)]
+        key[node] = max(key[node], (*key[mark][:-1], key[mark][-1] + 0.5))
+
+
+def _ancestors(node: fx.Node) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        for i in stack.pop()._input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return seen
 
 
 def _topological(nodes: list[fx.Node], key: dict) -> list[fx.Node]:
