@@ -85,9 +85,13 @@ Estimates: before compiling, the ranks run ``overlapc calibrate``'s quick
 sweep on this link (overlapc.calibrate.run_in_group) and every overlapc
 variant compiles with options profile=<that file> and dump_dir; the
 estimated step of a variant is the sum of its graphs' simulated step times
-(report.json, step_ms_after), and inductor_pinned's is the same graphs'
-unscheduled order (step_ms_before of an overlapc variant that does not
-rewrite the graph). The table prints estimate / measured.
+(report.json, step_ms_after) plus the calibrated time outside them
+(``costmodel.outside_ms`` for the model's parameter tensors), and
+inductor_pinned's is the same graphs' unscheduled order (step_ms_before of an
+overlapc variant that does not rewrite the graph) plus the same. The table
+prints estimate / measured, and each overlapc variant's exposed communication:
+measured by ``overlapc.analyze`` on the trace of its profiled (untimed) step,
+and estimated (the graphs' exposed_ms_after).
 
 Every multi-process part notices a dead rank and reports it (no hangs): the
 worker watches every rank's process sentinel with a deadline, gloo has a
@@ -595,7 +599,8 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         trace = os.path.join(args.scratch, name, f"trace_rank{rank}.json") if name in OVERLAPC_OPTIONS else None
         peak_bytes[name] = profile_step(lambda: steps[name](rounds - 1), trace)[0]
     say("peak memory per variant (rank 0): " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in peak_bytes.items()))
-    estimates = _estimates(args.scratch, rank, [n for n in live if n in OVERLAPC_OPTIONS]) if rank == 0 else {}
+    estimates = _estimates(args.scratch, rank, [n for n in live if n in OVERLAPC_OPTIONS],
+                           sum(1 for _ in reference.parameters())) if rank == 0 else {}
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
             "n_params": n_params, "aliases": aliases, "peak_bytes": peak_bytes, "estimates": estimates}
 
@@ -626,15 +631,22 @@ def profile_step(step, trace: str | None = None) -> tuple[int, int]:
     return peak, collectives
 
 
-def _estimates(scratch: str, rank: int, variants: list[str]) -> dict:
-    """variant -> {"ms": estimated step, "graphs": how many, "exposed_ms": estimated exposed
-    communication, "measured_exposed_ms": measured}, from the reports the backend dumped
-    while compiling (``dump_dir``): the sums over the graphs of their simulated step and
-    exposed times in the scheduled order; the measurement is ``overlapc.analyze`` of the
-    variant's profiled (untimed) step, when its trace is there. "inductor_pinned" gets the
-    unscheduled order of the first variant that neither buckets nor chunks (the same graphs)."""
+def _estimates(scratch: str, rank: int, variants: list[str], parameters: int = 0) -> dict:
+    """variant -> {"ms": estimated step, "graphs": how many, "outside_ms", "exposed_ms":
+    estimated exposed communication, "measured_exposed_ms": measured}, from the reports the
+    backend dumped while compiling (``dump_dir``): the sums over the graphs of their
+    simulated step and exposed times in the scheduled order, the step adding
+    ``costmodel.outside_ms(parameters)`` with the calibrated profile (``scratch``/profile.json;
+    0 without one); the measurement is ``overlapc.analyze`` of the variant's profiled
+    (untimed) step, when its trace is there. "inductor_pinned" gets the unscheduled order of
+    the first variant that neither buckets nor chunks (the same graphs)."""
+    from overlapc import costmodel
     from overlapc.analyze import analyze
     from overlapc.config import OverlapConfig
+
+    profile = os.path.join(scratch, "profile.json")
+    outside = costmodel.outside_ms(parameters, costmodel.load_profile(profile).device) \
+        if os.path.isfile(profile) else 0.0
 
     def graphs(name):
         folder = os.path.join(scratch, name, f"rank{rank}")
@@ -648,14 +660,14 @@ def _estimates(scratch: str, rank: int, variants: list[str]) -> dict:
     for name in variants:
         summaries = graphs(name)
         if summaries:
-            out[name] = {"ms": sum(s["step_ms_after"] for s in summaries), "graphs": len(summaries),
-                         "exposed_ms": sum(s["exposed_ms_after"] for s in summaries)}
+            out[name] = {"ms": sum(s["step_ms_after"] for s in summaries) + outside, "graphs": len(summaries),
+                         "outside_ms": outside, "exposed_ms": sum(s["exposed_ms_after"] for s in summaries)}
             trace = os.path.join(scratch, name, f"trace_rank{rank}.json")
             if os.path.isfile(trace):
                 out[name]["measured_exposed_ms"] = analyze(trace, os.path.join(scratch, name)).steps[0].exposed_ms
             cfg = OverlapConfig.from_options(OVERLAPC_OPTIONS[name])
             if "inductor_pinned" not in out and cfg.bucket is None and cfg.chunks == 1:
-                out["inductor_pinned"] = {"ms": sum(s["step_ms_before"] for s in summaries),
+                out["inductor_pinned"] = {"ms": sum(s["step_ms_before"] for s in summaries) + outside,
                                           "graphs": len(summaries), "from": name}
     return out
 

@@ -91,10 +91,17 @@ def test_estimates_carry_the_measured_exposed_communication(step_time, tmp_path)
     _cuda_dump(tmp_path / "overlapc" / "rank0")
     (tmp_path / "overlapc" / "trace_rank0.json").write_text(json.dumps(_cuda_trace()))
     _cuda_dump(tmp_path / "overlapc_k2" / "rank0")   # no trace: no measurement
-    got = step_time._estimates(str(tmp_path), 0, ["overlapc", "overlapc_k2"])
-    assert got["overlapc"] == {"ms": 0.5, "graphs": 2, "exposed_ms": 0.2,
+    got = step_time._estimates(str(tmp_path), 0, ["overlapc", "overlapc_k2"], parameters=10)
+    assert got["overlapc"] == {"ms": 0.5, "graphs": 2, "outside_ms": 0.0, "exposed_ms": 0.2,
                                "measured_exposed_ms": pytest.approx(0.22)}
-    assert got["overlapc_k2"] == {"ms": 0.5, "graphs": 2, "exposed_ms": 0.2}
+    assert got["overlapc_k2"] == {"ms": 0.5, "graphs": 2, "outside_ms": 0.0, "exposed_ms": 0.2}
+    # with the run's calibrated profile: the time outside the graphs, for 10 parameter tensors
+    (tmp_path / "profile.json").write_text(json.dumps({
+        "schema": "overlapc.profile/1", "device": {"name": "cpu", "tflops": 0.1, "mem_gbps": 10.0,
+                                                   "step_us": 500.0, "param_us": 20.0},
+        "link": {"name": "gloo", "gbps": 1.0, "latency_us": 100.0}, "collectives": {}}))
+    got = step_time._estimates(str(tmp_path), 0, ["overlapc"], parameters=10)["overlapc"]
+    assert (got["outside_ms"], got["ms"]) == (pytest.approx(0.7), pytest.approx(1.2))
 
 
 def test_ddp_case_judges_overlapc_ddp_against_both_ddp_variants(step_time, tmp_path):
