@@ -110,6 +110,14 @@ class GraphRun:
     estimated_ms: float
     estimated_exposed_ms: float
     begin_ms: float = 0.0    # from its step's start
+    issue_ms: float = 0.0    # its collectives' start ops
+    estimated_issue_ms: float | None = None     # the dump's issue_ms_after
+    estimated_compute_ms: float | None = None   # the dump's compute_ms
+
+    @property
+    def rest_ms(self) -> float:
+        """Measured time neither issuing nor waiting: compute and the code around it."""
+        return self.measured_ms - self.exposed_ms - self.issue_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,15 +478,17 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             waited_at_ms=since(c.waits[0].begin if c.waits else None, c),
             estimated_start_ms=row.get("start_ms") if row else None,
             estimated_end_ms=row.get("end_ms") if row else None))
-    run_exposed = [0.0] * len(runs)
+    run_exposed, run_issue = [0.0] * len(runs), [0.0] * len(runs)
     for c, stalled in zip(found, exposed):
         if c.run is not None:
             run_exposed[c.run] += stalled
+            run_issue[c.run] += (c.start.end - c.start.begin) / 1e3 if c.start else 0.0
     result = []
     for number, begin, end in steps:
         ran = [GraphRun(graph.name, (stop - start) / 1e3, run_exposed[index],
                         graph.summary.get("step_ms_after", 0.0), graph.summary.get("exposed_ms_after", 0.0),
-                        (start - begin) / 1e3)
+                        (start - begin) / 1e3, run_issue[index], graph.summary.get("issue_ms_after"),
+                        graph.summary.get("compute_ms"))
                for index, (graph, start, stop) in enumerate(runs) if begin <= start < end]
         rows = [m for m in measured if m.step == number]
         result.append(Step(
@@ -646,9 +656,12 @@ def _step_lines(step: Step, outside_ms: float | None = None) -> list[str]:
              + (f", estimated {step.estimated_exposed_ms:.1f} ms" if estimate is not None else "")
              + f"; issuing {step.issue_ms:.1f} ms for {step.collectives} collectives"]
     for run in step.graphs:
+        parts = [f"exposed communication measured {run.exposed_ms:.1f} ms, estimated {run.estimated_exposed_ms:.1f} ms"]
+        if run.estimated_issue_ms is not None and run.estimated_compute_ms is not None:
+            parts += [f"issuing {run.issue_ms:.1f} / {run.estimated_issue_ms:.1f}",
+                      f"compute (the rest) {run.rest_ms:.1f} / {run.estimated_compute_ms:.1f}"]
         lines.append(f"  {run.graph}: measured {run.measured_ms:.1f} ms, estimated {run.estimated_ms:.1f} ms "
-                     f"({_ratio(run.estimated_ms, run.measured_ms)}); exposed communication measured "
-                     f"{run.exposed_ms:.1f} ms, estimated {run.estimated_exposed_ms:.1f} ms")
+                     f"({_ratio(run.estimated_ms, run.measured_ms)}); " + "; ".join(parts))
     return lines
 
 

@@ -98,8 +98,10 @@ KINDS order: {kind: {"count_before", "count_after", "bytes_before",
 "bytes_after"}}: the most collectives of that kind of one group issued and not
 yet waited, and the most bytes they held), rewrites (``rewrites()``: one dict
 per bucket or chunked pattern),
-step_ms_before, step_ms_after, device, link, profile (its name) and
-profile_source (where its numbers came from).
+step_ms_before, step_ms_after, compute_ms (the compute nodes' estimated time,
+the same in both orders), issue_ms_after (the compute stream's time issuing
+collectives after: step = compute + issue + exposed), device, link, profile
+(its name) and profile_source (where its numbers came from).
 """
 from __future__ import annotations
 
@@ -329,6 +331,7 @@ def _reason(c: Collective, info: Structure, count: list[int], gather_waits: dict
 
 
 def _summary(rows: list[Row], before: Timeline, after: Timeline, profile) -> dict:
+    compute = sum(end - start for start, end in after.compute.values())
     return {
         "collectives": len(rows),
         "moved": sum(1 for r in rows if r.moved),
@@ -340,6 +343,8 @@ def _summary(rows: list[Row], before: Timeline, after: Timeline, profile) -> dic
         "peak_in_flight_bytes_after": after.peak_in_flight_bytes,
         "step_ms_before": before.step_ms,
         "step_ms_after": after.step_ms,
+        "compute_ms": compute,
+        "issue_ms_after": max(0.0, after.step_ms - compute - after.exposed_ms),
         "device": profile.device.name,
         "link": profile.link.name,
         "profile": profile.name,

@@ -62,6 +62,11 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
             assert [r.graph for r in step.graphs] == ["fw_0", "bw_0"] and step.estimated_step_ms > 0
             assert all(0 < r.exposed_ms < r.measured_ms < step.step_ms for r in step.graphs)
             assert sum(r.exposed_ms for r in step.graphs) == pytest.approx(sum(m.exposed_ms for m in rows))
+            for run in step.graphs:   # where the time went, measured and estimated
+                assert run.issue_ms == pytest.approx(sum(m.issue_ms for m in rows if m.graph == run.graph))
+                assert run.rest_ms == pytest.approx(run.measured_ms - run.exposed_ms - run.issue_ms)
+                assert run.estimated_ms == pytest.approx(
+                    run.estimated_compute_ms + run.estimated_issue_ms + run.estimated_exposed_ms)
             assert all(m.module and m.reason and m.duration_ms > 0 and m.issue_ms > 0 for m in rows)
             assert 0 < step.exposed_ms < step.step_ms
             assert sum(m.exposed_ms for m in rows) == pytest.approx(step.exposed_ms, rel=0.10)
@@ -83,6 +88,7 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
     lines = analyze.comparison_text(analyze.analyze(paths[0], dump)).splitlines()   # what `make demo` prints
     assert lines[0].startswith("step 1: measured ") and "estimated" in lines[0]
     assert lines[1].startswith("  fw_0: measured ") and lines[2].startswith("  bw_0: measured ")
+    assert "issuing " in lines[1] and "compute (the rest) " in lines[1]
     assert lines[-1].startswith("median of 2 steps: measured ")
     analysis = analyze.analyze(paths[0], dump)
     with_outside = analyze.comparison_text(analysis, outside_ms=1.5).splitlines()
