@@ -31,14 +31,14 @@ slowest rank's step:
                these DTensor graphs costs ~45 s per variant). --path pass: an
                AOTAutograd backend that runs chunk_collectives(gm, k) alone.
                chunks1 = the same compile without chunking.
-  chunks_auto  chunks="auto" with the profile calibrated at the start of the run
-               (overlapc calibrate's quick sweep on this link): per pattern, the
-               count the estimator puts fastest. --path overlapc: an AOTAutograd
-               backend running drop_dead_compute, chunk_collectives(gm, "auto",
-               profile) and overlapc.schedule(gm) with default options (what
-               backend="overlapc" does, until its pipeline passes "auto" on).
-  compute_only the chunks1 graphs with every collective replaced by a local op of
-               the same shape (no communication)
+  chunks_auto  options={"chunks": "auto", "profile": <file>} through the same
+               backend (--path pass: the pass alone), the profile calibrated at the
+               start of the run (overlapc calibrate's quick sweep on this link, rank
+               0's numbers on every rank): per pattern, the count the estimator puts
+               fastest.
+  compute_only the chunks1 graphs (the same AOTAutograd graphs, no decompositions)
+               with every collective replaced by a local op of the same shape (no
+               communication)
   comm_only    the chunks1 graphs' collectives alone, same sizes, issued and
                waited one after the other
   concurrent   compute_only on the main thread while a second thread runs comm_only:
@@ -66,6 +66,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -202,18 +203,15 @@ def rank_entry(rank, world, port, argd, conn) -> None:
 # ------------------------------------------------------------------ in each rank
 
 
-def chunk_backend(chunks, notes: list, specs: list | None = None, local: bool = False, profile=None,
-                  schedule: bool = False, on_error: str = "raise"):
-    """AOTAutograd backend: drop_dead_compute and chunk_collectives(gm, chunks, profile)
-    on forward and backward (what backend="overlapc" does before scheduling), then
-    overlapc.schedule when ``schedule``; eager execution. ``specs`` collects each
-    collective (op, input shape, dtype, other args) in graph order; ``local``
-    replaces collectives by local ops."""
+def chunk_backend(chunks, notes: list, specs: list | None = None, local: bool = False, profile=None):
+    """AOTAutograd backend (no decompositions, as backend="overlapc" with
+    inner="aot_eager" compiles): drop_dead_compute and chunk_collectives(gm, chunks,
+    profile) on forward and backward, then eager execution, unscheduled. ``specs``
+    collects each collective (op, input shape, dtype, other args) in graph order;
+    ``local`` replaces collectives by local ops."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
-    from torch._inductor.decomposition import select_decomp_table
 
-    import overlapc
     from overlapc.backend import drop_dead_compute
     from overlapc.collectives import collective_op, is_wait, node_value
     from overlapc.passes.chunk import chunk_collectives
@@ -221,8 +219,6 @@ def chunk_backend(chunks, notes: list, specs: list | None = None, local: bool = 
     def compile_graph(gm, example_inputs):
         drop_dead_compute(gm)
         notes.extend(chunk_collectives(gm, chunks, profile))
-        if schedule:
-            overlapc.schedule(gm, overlapc.OverlapConfig(on_error=on_error))
         for node in gm.graph.nodes:
             op = collective_op(node)
             if op is not None and specs is not None:
@@ -235,8 +231,7 @@ def chunk_backend(chunks, notes: list, specs: list | None = None, local: bool = 
         gm.recompile()
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
-                        decompositions=select_decomp_table())
+    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)
 
 
 def _identity(x):
@@ -288,8 +283,13 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
         "moe_dropless": lambda: moe_dropless.build(dim=args.dim, hidden=args.moe_hidden, tokens=args.tokens,
                                                    depth=args.moe_depth),
     }
+    _record_chunk_notes()
     say("calibrating this link and the compute (overlapc calibrate, quick sweep) ...")
-    profile = costmodel.profile_from_json(calibrate.run_in_group(None, quick=True), source="tp_moe calibration")
+    shared = [calibrate.run_in_group(None, quick=True)]
+    dist.broadcast_object_list(shared, src=0)   # one profile: every rank must choose the same counts
+    profile_path = os.path.join(tempfile.mkdtemp(prefix="tp_moe_profile_"), "profile.json")
+    calibrate.write(shared[0], profile_path)
+    profile = costmodel.load_profile(profile_path)
     out = {"times": {}, "losses": {}, "peak_bytes": {}, "notes": {}, "profile": repr(profile)}
     for name in args.models:
         steps, notes = {}, {}
@@ -311,22 +311,28 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
                 fn = model
             elif variant == "compute_only":
                 fn = torch.compile(model, backend=chunk_backend(1, [], specs, local=True))
-            elif variant == "chunks_auto":
-                notes[variant] = []
-                fn = torch.compile(model, backend=chunk_backend("auto", notes[variant], profile=profile,
-                                                                schedule=args.path == "overlapc", on_error=on_error))
             elif args.path == "overlapc":
-                fn = torch.compile(model, backend="overlapc", options={
-                    "chunks": int(variant[len("chunks"):]), "inner": "aot_eager", "on_error": on_error})
+                chunks = variant[len("chunks"):].lstrip("_")
+                options = {"chunks": chunks if chunks == "auto" else int(chunks), "inner": "aot_eager",
+                           "on_error": on_error}
+                if chunks == "auto":
+                    options["profile"] = profile_path
+                    notes[variant] = []
+                fn = torch.compile(model, backend="overlapc", options=options)
             else:
+                chunks = variant[len("chunks"):].lstrip("_")
                 notes[variant] = []
-                fn = torch.compile(model, backend=chunk_backend(int(variant[len("chunks"):]), notes[variant]))
+                fn = torch.compile(model, backend=chunk_backend(chunks if chunks == "auto" else int(chunks),
+                                                                notes[variant], profile=profile))
             steps[variant] = _train_step(model, fn, x0)
         for variant in variants:          # compiles, then warm-up
             t0 = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
+                if args.path == "overlapc" and variant == "chunks_auto":
+                    _NOTES_INTO.append(notes[variant])
                 out["losses"][f"{name}/{variant}"] = steps[variant]()
+                _NOTES_INTO.clear()
             out.setdefault("fallbacks", {})[f"{name}/{variant}"] = [
                 str(w.message)[:300] for w in caught if "overlapc left the graph unscheduled" in str(w.message)]
             say(f"{name}/{variant}: first step {time.perf_counter() - t0:.1f} s")
@@ -352,6 +358,23 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
         out["collectives_per_step"] = out.get("collectives_per_step", {})
         out["collectives_per_step"][name] = len(specs)
     return out
+
+
+_NOTES_INTO: list = []   # the note list of the backend="overlapc" compile in progress
+
+
+def _record_chunk_notes() -> None:
+    """Have the chunk pass, as backend="overlapc" calls it, also hand its notes to
+    ``_NOTES_INTO`` (the report prints chunks="auto"'s choices and estimates)."""
+    import overlapc.passes.chunk as chunk
+    original = chunk.chunk_collectives
+
+    def recording(gm, chunks, profile=None):
+        notes = original(gm, chunks, profile)
+        for sink in _NOTES_INTO:
+            sink.extend(notes)
+        return notes
+    chunk.chunk_collectives = recording
 
 
 def _train_step(model, fn, x0):
@@ -397,8 +420,8 @@ def config_of(args) -> dict:
 
 def _path_text(args) -> str:
     if args.path == "overlapc":
-        return ('backend="overlapc", options chunks=k, inner="aot_eager" (chunk_collectives, then the '
-                "scheduler with default options); graphs run eagerly, no Inductor")
+        return ('backend="overlapc", options chunks=k or "auto" (with the calibrated profile), inner="aot_eager" '
+                "(chunk_collectives, then the scheduler with default options); graphs run eagerly, no Inductor")
     return ("AOTAutograd backend calling chunk_collectives alone (no scheduler); graphs run eagerly, "
             "in the order the pass emits")
 

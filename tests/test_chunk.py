@@ -441,5 +441,13 @@ def test_pipeline_estimate_overlaps_pieces(fake_pg):
     assert compute > 8 * link
     assert pipeline_ms(plan, 1, prof) == pytest.approx(2 * link + compute)
     assert pipeline_ms(plan, 4, prof) == pytest.approx(compute + 2 * link / 4)
+    # issuing a piece costs the compute stream issue_us + its bytes / issue_gbps (the
+    # calibrated cost of a collective beside compute): the pieces issued after compute
+    # starts (2 gathers, 3 scatters; the others wait on the link anyway) add it
+    import dataclasses
+    issuing = dataclasses.replace(prof, link=dataclasses.replace(prof.link, issue_us=0.5, issue_gbps=400.0))
+    issue = issuing.link.issue_ms(64 * WORLD * 256 * 4 / 4)
+    assert 0 < 2 * issue < link / 4
+    assert pipeline_ms(plan, 4, issuing) == pytest.approx(compute + 2 * link / 4 + 5 * issue)
     with pytest.raises(ValueError, match="auto"):
         chunk_collectives(gm, "best")

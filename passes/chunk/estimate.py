@@ -6,8 +6,10 @@
 The model replays the emitted order on two streams: the compute stream runs the
 region's nodes piece by piece (``compute_ms`` of each node on the full rows,
 its roofline part divided by k, its fixed per-op cost ``kernel_us`` paid once a
-piece) and issues the collectives (``issue_us`` each); the link runs them one
-at a time in issue order (latency + bytes/k x ring factor / bandwidth). Order,
+piece) and issues the collectives (``LinkProfile.issue_ms`` of a piece's bytes:
+the calibrated compute time one collective costs its caller, ``issue_us`` a
+piece plus bytes / ``issue_gbps``); the link runs them one at a time in issue
+order (latency + bytes/k x ring factor / bandwidth). Order,
 as emitted: source 0; then for each piece i: source i+1, wait and compute i,
 sink i, wait for sink i-1; wait for the last sink. A pipeline fed by an
 earlier one (``Plan.link``) has its first source in flight while the feeder
@@ -25,13 +27,15 @@ _KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "redu
           "all_to_all_single": "all_to_all"}
 
 
-def _comm_ms(start, k: int, link: costmodel.LinkProfile, world: int) -> float:
-    """One of ``k`` pieces of collective ``start``: latency + its share of the full bytes."""
+def _comm_ms(start, k: int, link: costmodel.LinkProfile, world: int) -> tuple[float, float]:
+    """One of ``k`` pieces of collective ``start``: (its time on the link, latency + its
+    share of the full bytes; the compute stream's time to issue it)."""
     kind = _KINDS[collective_op(start)]
     full = L.val(start if kind == "all_gather" else start.args[0])
     gbps, latency_us = link.for_kind(kind)
     nbytes = full.numel() * full.element_size() / k
-    return latency_us * 1e-3 + nbytes * costmodel.ring_factor(kind, world) / (gbps * 1e9) * 1e3
+    return (latency_us * 1e-3 + nbytes * costmodel.ring_factor(kind, world) / (gbps * 1e9) * 1e3,
+            link.issue_ms(nbytes))
 
 
 def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
@@ -44,16 +48,15 @@ def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
         ms = costmodel.compute_ms(node, device)
         if ms > 0:
             piece += (ms - fixed) / k + fixed
-    issue = link.issue_us * 1e-3
     source = _comm_ms(plan.source, k, link, plan.world) if plan.source is not None else None
     sink = _comm_ms(plan.sink, k, link, plan.world) if plan.sink is not None else None
     t = busy = 0.0            # compute stream clock; the link is busy until ``busy``
     source_done, sink_done = [], []
 
-    def issue_on_link(duration: float) -> float:
+    def issue_on_link(comm: tuple[float, float]) -> float:
         nonlocal t, busy
-        busy = max(t, busy) + duration
-        t += issue
+        busy = max(t, busy) + comm[0]
+        t += comm[1]
         return busy
 
     if source is not None:
