@@ -44,7 +44,11 @@ batch-first [batch, seq, ...] activation's pieces are batch rows. Patterns:
 * ``matmul_reduce_scatter``: matmul -> views -> reduce-scatter; the matmul's
   row operand is copied piece by piece.
 * ``all_to_all_expert``: all_to_all_single -> row-wise expert compute ->
-  all_to_all_single of the same group (MoE dispatch / combine).
+  all_to_all_single of the same group (MoE dispatch / combine). With split
+  sizes known only at run time (dropless MoE: a count exchange, then ``tolist()``),
+  ``ragged`` cuts every rank block into token ranges instead: piece i of a block
+  of s rows is its rows [s*i//k, s*(i+1)//k), the same rule on the receiving side.
+  The count exchange itself is reported, not pipelined.
 
 Chained pipelines: when an all-gather's input is row-wise compute of an earlier
 reduce-scatter pipeline's result (the residual add and norm between attention
@@ -71,10 +75,13 @@ the estimator puts fastest (``estimate``), 1 leaving the pattern alone.
 
 Code: ``legality`` (row-wise checks, layouts), ``plan`` (finding patterns and
 chaining them into Plans), ``emit`` (pieces, reassembly, order), ``estimate``
-(a pipeline's time for k pieces); this module drives them.
+(a pipeline's time for k pieces), ``ragged`` (all-to-alls with data-dependent
+splits: plan, pieces through the same Emitter, estimate assuming balanced
+routing); this module drives them.
 
 Left alone, with a ChunkNote saying why: a dim that does not divide, unknown
-or symbolic shapes, unequal or data-dependent all-to-all splits (dropless MoE), a start without exactly one
+or symbolic shapes (outside ``ragged``), unequal constant all-to-all splits, a
+count exchange, a start without exactly one
 wait, compute that is not row-wise, an intermediate whose other users feed the
 pipeline back, a barrier between the collectives.
 """
@@ -127,6 +134,7 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
     ``overlapc.costmodel.resolve`` takes) estimates fastest. Returns one note per
     pattern found, applied or not, and appends them to ``gm.meta["overlapc_chunks"]``.
     chunks == 1 changes nothing and returns []."""
+    from overlapc.passes.chunk import ragged
     from overlapc.passes.chunk.emit import Emitter
     from overlapc.passes.chunk.legality import Skip
     from overlapc.passes.chunk.plan import PATTERNS, Planner
@@ -148,9 +156,15 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
                 continue
             pattern, group = PATTERNS[collective_op(start)], group_of(start)
             k, estimates = chunks, ()
+            exchange = ragged.count_exchange(start)
+            if exchange is not None:
+                done.add(start)
+                notes.append(ChunkNote(pattern, (start.name,), group, k if not auto else 1, False, exchange))
+                continue
+            uneven = ragged.is_ragged(start)
             try:
                 if auto:
-                    k, estimates, plan = _choose(planner, start, prof)
+                    k, estimates, plan = _choose_ragged(start, prof) if uneven else _choose(planner, start, prof)
                     if k == 1:
                         done.update(plan.starts)
                         notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, 1, False,
@@ -158,8 +172,8 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
                                                estimates=estimates))
                         continue
                 else:
-                    plan = planner.plan(start, k)
-                pieces = emitter.emit(plan)
+                    plan = ragged.plan_ragged(start, k) if uneven else planner.plan(start, k)
+                pieces = ragged.emit_ragged(emitter, plan) if uneven else emitter.emit(plan)
             except Skip as skip:
                 emitter.discard()
                 done.add(start)
@@ -192,3 +206,13 @@ def _choose(planner, start: fx.Node, prof):
         raise first
     k, estimates = choose(plans, prof)
     return k, estimates, plans[k if k > 1 else min(plans)]
+
+
+def _choose_ragged(start: fx.Node, prof):
+    """_choose for an all-to-all with data-dependent splits (``ragged``): every count
+    cuts (empty pieces are allowed), estimated assuming balanced routing."""
+    from overlapc.passes.chunk import ragged
+    from overlapc.passes.chunk.estimate import CANDIDATES
+    plan = ragged.plan_ragged(start, CANDIDATES[1])
+    k, estimates = ragged.estimate_ragged(plan, CANDIDATES[1:], prof)
+    return k, estimates, dataclasses.replace(plan, chunks=k)
