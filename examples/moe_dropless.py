@@ -9,6 +9,11 @@ token counts (an all-to-all of one int per rank), then dispatches and combines
 with ``all_to_all_single`` whose split sizes are those counts
 (``.tolist()``: under torch.compile they are unbacked symbolic ints, which
 ``build`` allows with ``torch._dynamo.config.capture_scalar_outputs``).
+
+With ``chunks`` (``--chunks 4``, ``options={"chunks": 4}``) dispatch -> expert ->
+combine pipelines in token ranges of every rank block
+(``overlapc.passes.chunk.ragged``), forward and backward; the count exchange
+stays whole.
 """
 import torch
 import torch.distributed as dist
