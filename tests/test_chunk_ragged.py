@@ -192,6 +192,31 @@ def test_chunking_is_deterministic(fake_pg):
     assert len(codes) == 1
 
 
+def _moe_views(x, expert, w1, w2):
+    """An expert that views its rows as [tokens, 4, 4] (a per-row norm) and back."""
+    group = dist.group.WORLD
+    order = expert.argsort(stable=True)
+    counts = (expert[:, None] == torch.arange(WORLD)).sum(0)
+    received = all_to_all_single(counts, [1] * WORLD, [1] * WORLD, group)
+    send, recv = counts.tolist(), received.tolist()
+    tokens = all_to_all_single(x[order], recv, send, group)
+    h = (tokens @ w1).view(tokens.shape[0], 4, HIDDEN // 4)
+    h = (h - h.mean(-1, keepdim=True)).reshape(tokens.shape[0], HIDDEN)
+    done = all_to_all_single(h @ w2, send, recv, group)
+    return torch.zeros_like(x).index_add(0, order, done)
+
+
+def test_views_and_row_reductions_in_the_expert_are_pipelined(fake_pg):
+    gm = _trace(_moe_views)
+    before = copy.deepcopy(gm)
+    notes = chunk_collectives(gm, 3)
+    gm.graph.lint()
+    gm.recompile()
+    assert sum(n.applied for n in notes) == 1, notes
+    assert any(n.target is torch.ops.aten.view.default for n in gm.graph.nodes)
+    _assert_equal(before, gm, "skewed")
+
+
 def _moe_rowmix(x, expert, w1, w2):
     """An expert that mixes rows (a softmax over the tokens): no pipeline."""
     group = dist.group.WORLD

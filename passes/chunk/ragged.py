@@ -224,9 +224,11 @@ def _check(node: fx.Node, inside: set, depends: set, rows) -> list[fx.Node]:
             if bias is not None and bias.dim() == 2 and not _same(bias.shape[0], 1):
                 raise Skip(f"{node.name}: bias {node.args[0].name} has rows")
     elif target in L.COPIES or target in L.VIEWS:
-        if len(args) != 1 or any(not isinstance(d, int) for d in out.shape[1:]):
+        sizes = [a for a in args if a is not node.args[0]]   # a view's symbolic sizes: replaced per piece
+        if node.args[0] not in inside or (sizes and target not in L.VIEWS) or \
+                any(_tensor(a) is not None for a in sizes) or any(not isinstance(d, int) for d in out.shape[1:]):
             raise Skip(why)
-        if target in L.VIEWS and not _same(_tensor(args[0]).shape[0], rows):
+        if target in L.VIEWS and not _same(_tensor(node.args[0]).shape[0], rows):
             raise Skip(f"{node.name} ({L.opname(node)}) merges or splits the rows")
     elif target in L.ROW_REDUCTIONS:
         dims = node.args[1] if len(node.args) > 1 else None
@@ -291,9 +293,9 @@ def emit_ragged(emitter, plan: RaggedPlan) -> tuple[str, ...]:
     inside = {L.one_wait(plan.source), *plan.region}
     for old, new in replaced.items():
         old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside and u is not plan.sink)
-    readers = [n for n in replaced if n.target is aten.sym_size.int]
-    for node in [*readers, L.one_wait(plan.sink), plan.sink, *reversed(plan.region), L.one_wait(plan.source),
-                 plan.source]:
+    readers = {start: [n for n in start.users if n.target is aten.sym_size.int] for start in plan.starts}
+    for node in [*readers[plan.sink], L.one_wait(plan.sink), plan.sink, *reversed(plan.region),
+                 *readers[plan.source], L.one_wait(plan.source), plan.source]:
         if node.users:
             raise RuntimeError(f"overlapc chunk: {node.name} ({L.opname(node)}) still has users "
                                f"{[u.name for u in node.users]}")
@@ -428,17 +430,19 @@ def _hint(size, hints: dict) -> int:
 
 def _balanced_hints(plan: RaggedPlan) -> dict:
     """Every symbol of the pipeline's split sizes -> tokens / world (balanced routing)."""
-    symbols = set()
+    symbols, shape_env = set(), None
     for start in plan.starts:
         for splits in _splits(start):
             for s in splits:
                 value = node_value(s) if isinstance(s, fx.Node) else s
                 if isinstance(value, torch.SymInt):
                     symbols |= value.node.expr.free_symbols
-    tokens = _tensor(plan.source.args[0]).shape[0]
+                    shape_env = value.node.shape_env
+    rows = _tensor(plan.source.args[0])
+    tokens = rows.shape[0] if rows is not None else None
     if not isinstance(tokens, int):
-        shape_env = tokens.node.shape_env
-        bounds = [shape_env.var_to_range[s].upper for s in symbols if s in shape_env.var_to_range]
+        ranges = shape_env.var_to_range if shape_env is not None else {}
+        bounds = [ranges[s].upper for s in symbols if s in ranges]
         finite = [int(b) for b in bounds if isinstance(b, sympy.Integer)]
         if not finite:
             raise Skip(f"chunks auto: the token count of {plan.source.name} is unknown (no static rows, "
