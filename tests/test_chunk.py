@@ -336,15 +336,16 @@ def test_all_to_all_expert_with_saved_full_row_operand(fake_pg):
 
 
 def test_work_off_the_next_pipelines_path_waits_for_its_first_pieces(fake_pg):
-    """A weight gradient of a pipeline's reassembled result runs after the next
-    pipeline's first two pieces are issued (the link would idle while it computes
-    otherwise); compute on the way to the next pipeline keeps its place."""
+    """Weight gradients of a pipeline's reassembled result run after the next
+    pipeline's first two pieces are issued, one wave apart (the link would idle while
+    they compute otherwise); compute on the way to the next pipeline keeps its place."""
     def fn(x, w1, w2):
         c = F.wait_tensor(F.all_to_all_single(
             torch.mm(F.wait_tensor(F.all_to_all_single(x, EQUAL, EQUAL, "0")), w1), EQUAL, EQUAL, "0"))
-        grad_w = torch.mm(c.t(), x)            # reads the whole result, feeds nothing later
+        grad_w = torch.mm(c.t(), x)            # read the whole result, feed nothing later
+        grad_v = torch.mm(c.t(), x + 1)
         z = F.wait_tensor(F.all_to_all_single(c * 2, EQUAL, EQUAL, "0"))
-        return F.wait_tensor(F.all_to_all_single(torch.mm(z, w2), EQUAL, EQUAL, "0")), grad_w
+        return F.wait_tensor(F.all_to_all_single(torch.mm(z, w2), EQUAL, EQUAL, "0")), grad_w, grad_v
     gm = trace(fn, (64, 16), (16, 8), (8, 16))
     original = copy.deepcopy(gm)
     first, second = chunk_collectives(gm, 4)
@@ -352,12 +353,13 @@ def test_work_off_the_next_pipelines_path_waits_for_its_first_pieces(fake_pg):
     gm.graph.lint()
     assert_same_values(original, gm)
     order = [n.name for n in gm.graph.nodes]
-    grad_w = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
-                  and tuple(n.meta["val"].shape) == (8, 16))
+    grad_w, grad_v = [order.index(n.name) for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
+                      and tuple(n.meta["val"].shape) == (8, 16)]
     doubled = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
-    dispatch = [f"{second.starts[0]}_chunk{i}" for i in range(4)]
-    assert order.index(doubled.name) < order.index(dispatch[0])
-    assert order.index(dispatch[1]) < order.index(grad_w.name)
+    dispatch, combine = ([order.index(f"{start}_chunk{i}") for i in range(4)] for start in second.starts)
+    assert order.index(doubled.name) < dispatch[0]
+    # the first after the pipeline's second start, the next after its third (piece 0's combine)
+    assert dispatch[1] < grad_w < combine[0] < grad_v
 
 def _rs_norm_ag(x, w1, w2, residual):
     """matmul -> reduce-scatter -> residual add and a norm -> all-gather -> matmul."""

@@ -264,11 +264,13 @@ class Emitter:
 
 
 def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
-    """Give a graph node that reads a pipeline's result (a weight gradient of a
-    reassembled activation gradient) a key just after the second collective start
-    of the next pipeline, when that pipeline's first start does not depend on it:
-    the next pipeline's first pieces are then in flight while it computes, instead
-    of the link idling until it is done. ``pipeline``: the pipelines' nodes and their
+    """Give each graph node that reads a pipeline's result (a weight gradient of a
+    reassembled activation gradient) a key just after a collective start of the next
+    pipeline, when that pipeline's first start does not depend on it: the j-th such
+    node (graph order) after its (j+1)-th start, the last start for the rest. The next
+    pipeline's pieces are then in flight while they compute, one wave apart (so that
+    its waits, which let the scheduler issue further pieces, come between them),
+    instead of the link idling until they are done. ``pipeline``: the pipelines' nodes and their
     key prefix (anchor index, -1), one per pipeline (a fed one shares its feeder's)."""
     starts: dict[tuple, list[fx.Node]] = {}
     for node, prefix in pipeline.items():
@@ -281,6 +283,7 @@ def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
     for p in prefixes:
         starts[p].sort(key=key.__getitem__)
     ancestors: dict[tuple, set] = {}
+    deferred: dict[tuple, int] = {}   # nodes deferred to each pipeline so far
     for node in nodes:
         if node in pipeline:
             continue
@@ -295,7 +298,8 @@ def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
             ancestors[q] = _ancestors(starts[q][0])
         if node in ancestors[q]:
             continue
-        mark = starts[q][min(1, len(starts[q]) - 1)]
+        deferred[q] = deferred.get(q, 0) + 1
+        mark = starts[q][min(deferred[q], len(starts[q]) - 1)]
         key[node] = max(key[node], (*key[mark][:-1], key[mark][-1] + 0.5))
 
 
