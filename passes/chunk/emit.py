@@ -7,8 +7,10 @@
 Order: in waves. A pipeline's stages are its source start (0), its compute and
 sink start (1) and its sink wait (2), a fed pipeline's counting on from its
 feeder's; wave w holds stage s of piece w - s, stages in order. Nodes that read
-a reassembled value move after it; a node outside the pipelines that one reads
-moves to just before its first reader.
+a reassembled value move after it, and those the next pipeline's first start
+does not need (weight gradients) after that pipeline's first pieces are issued
+(``_defer_off_path``); a node outside the pipelines that one reads moves to
+just before its first reader.
 """
 from __future__ import annotations
 
@@ -245,7 +247,8 @@ class Emitter:
 
     def finish(self) -> None:
         """Stable topological order by key: original order, new nodes before their
-        anchor in wave order, and nodes that read a reassembled value after it. A
+        anchor in wave order, and nodes that read a reassembled value after it (off
+        the next pipeline's path: after its first starts, ``_defer_off_path``). A
         graph node that a pipeline reads (a weight's transpose) takes its reader's
         key when that is smaller, so that it is placed before the pipeline needs it
         rather than when the pipeline stalls on it."""
