@@ -18,6 +18,10 @@ rank 0 writes the file):
 * a training step outside its compiled graphs (``measure_step``, every rank):
   ``device.step_us`` per step and ``device.param_us`` per parameter (the
   optimizer), which ``costmodel.outside_ms`` adds to the graphs' estimates.
+* ``profiled`` (``run_in_group``; what ``overlapc demo`` uses, whose
+  measured steps run under torch.profiler): the above under the profiler, and
+  ``kernel_us`` and ``step_us`` from a compiled reference step measured under it
+  (``measure_reference``: per work node of Inductor's graphs, and outside them).
 * issue: the compute time one collective costs the thread that issues it
   while it computes (``measure_issue``): every rank runs a block of matmuls
   with a collective issued before each slot of it (waited after the block)
@@ -48,6 +52,7 @@ import traceback
 from typing import Callable
 
 import torch
+import torch._inductor.custom_graph_pass
 
 from overlapc import costmodel
 
@@ -60,8 +65,10 @@ REPEATS, QUICK_REPEATS = 10, 5
 def fit(samples: list[tuple[int, float]], kind: str, world_size: int) -> tuple[float, float]:
     """(gbps, latency_us) such that ``latency + bytes x ring / gbps`` fits ``samples``
     ((full bytes, ms), ...) by least squares. The intercept is kept >= 0 (a fit through
-    the origin when the free fit's is negative), and the slope > 0 (from the largest
-    sample when noise made it <= 0). Needs at least one sample with bytes > 0."""
+    the origin when the free fit's is negative). When the times do not grow with size (noise
+    above the bandwidth term), the latency is the fastest sample and the slope joins it to the
+    largest sample (a tiny positive slope when that is not slower). Needs at least one sample
+    with bytes > 0."""
     ring = costmodel.ring_factor(kind, world_size)
     points = [(b * ring, ms) for b, ms in samples]
     if not points or max(x for x, _ in points) <= 0:
@@ -72,12 +79,13 @@ def fit(samples: list[tuple[int, float]], kind: str, world_size: int) -> tuple[f
     sxx = sum((x - mean_x) ** 2 for x, _ in points)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx if sxx > 0 else 0.0
     intercept = mean_y - slope * mean_x
-    if slope <= 0 or intercept < 0:
-        intercept = max(intercept, 0.0) if slope > 0 else 0.0
+    if slope <= 0:
+        intercept = min(y for _, y in points)
+        x, y = max(points)
+        slope = max(y - intercept, 1e-9) / x
+    elif intercept < 0:
+        intercept = 0.0
         slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
-        if slope <= 0:
-            x, y = max(points)
-            slope = max(y, 1e-9) / x
     # ms = intercept + x * slope, and collective_ms = latency_us * 1e-3 + x / (gbps * 1e9) * 1e3
     return 1e-6 / slope, intercept * 1e3
 
@@ -173,6 +181,86 @@ def measure_step(device: torch.device, quick: bool = False, grouped: bool = Fals
     return {"step_us": max(0.0, step_ms * 1e3 - 2 * param_us), "param_us": param_us,
             "step": {"tiny_step_ms": step_ms, "optimizer_params": count,
                      "dtensor": grouped, "backend": "aot_eager"}}
+
+
+class _GraphCost(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Inductor post-grad pass that records, per graph compiled, its work nodes (the nodes
+    ``costmodel.compute_ms`` charges the fixed cost to) and their roofline time on ``device``."""
+
+    def __init__(self, device: costmodel.DeviceProfile):
+        self.device = device
+        self.graphs: list[tuple[int, float]] = []   # (work nodes, roofline ms) per graph
+        self.key = f"overlapc.calibrate {time.time_ns()} {os.getpid()}"   # never a cache hit
+
+    def __call__(self, graph) -> None:
+        costs = [costmodel.compute_ms(node, self.device) for node in graph.nodes]
+        self.graphs.append((sum(1 for ms in costs if ms > 0), sum(costs)))
+
+    def uuid(self) -> str:
+        return self.key
+
+
+REFERENCE = {"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32}   # measure_reference's block
+
+
+def measure_reference(device: torch.device, compute: dict, param_us: float, quick: bool = False) -> dict:
+    """{"kernel_us", "step_us", "reference": {...}}: a compiled training step like a real one,
+    measured under torch.profiler (CPU activity, as ``overlapc analyze`` reads a profiled step).
+    A ``torch.nn.TransformerEncoderLayer`` (``REFERENCE``'s sizes) compiled with Inductor
+    trains with SGD on an MSE loss; per profiled step, its graph runs (the
+    ``CompiledFunction`` and ``CompiledFunctionBackward`` spans, as analyze counts them) and
+    the rest. ``kernel_us``: (graph runs - the post-grad graphs' roofline time at
+    ``compute``'s rates) / their work nodes, the fixed cost per node of Inductor's code;
+    ``step_us``: the rest less its parameters x ``param_us``. Medians over the steps."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    steps = 5 if quick else 15
+    ref = REFERENCE
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(ref["width"], ref["heads"], dim_feedforward=ref["ffn"],
+                                             dropout=0.0, batch_first=True).to(device)
+    x = torch.randn(ref["batch"], ref["seq"], ref["width"], device=device)
+    y = torch.randn(ref["batch"], ref["seq"], ref["width"], device=device)
+    recorder = _GraphCost(costmodel.DeviceProfile("reference", compute["tflops"], compute["mem_gbps"]))
+    with torch._inductor.config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+        compiled = torch.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def train_step():
+            torch.nn.functional.mse_loss(compiled(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for _ in range(3):   # the first compiles
+            train_step()
+    if len(recorder.graphs) != 2:
+        raise RuntimeError(f"the reference block compiled {len(recorder.graphs)} graphs, expected 2 "
+                           f"(forward, backward)")
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) \
+            as prof:
+        for _ in range(steps + 1):
+            train_step()
+            prof.step()
+    events = list(prof.events())
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep")]
+    runs = [(e.time_range.start, e.time_range.end) for e in events
+            if e.name in ("CompiledFunction", "CompiledFunctionBackward")]
+    per_step = []
+    for begin, end in spans:
+        inside = sum(b - a for a, b in runs if begin <= a and b <= end)
+        per_step.append(((end - begin) / 1e3, inside / 1e3))
+    if not per_step or not any(g for _, g in per_step):
+        raise RuntimeError("the profiler recorded no graph runs of the reference block")
+    step_ms = statistics.median(s for s, _ in per_step)
+    graphs_ms = statistics.median(g for _, g in per_step)
+    nodes = sum(n for n, _ in recorder.graphs)
+    roofline_ms = sum(ms for _, ms in recorder.graphs)
+    params = sum(1 for _ in model.parameters())
+    return {"kernel_us": max(0.0, (graphs_ms - roofline_ms) * 1e3 / nodes),
+            "step_us": max(0.0, (step_ms - graphs_ms) * 1e3 - params * param_us),
+            "reference": {**ref, "model": "TransformerEncoderLayer", "backend": "inductor", "profiled": True,
+                          "steps": len(per_step), "step_ms": step_ms, "graphs_ms": graphs_ms,
+                          "roofline_ms": roofline_ms, "work_nodes": nodes, "parameters": params}}
 
 
 def _start(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
@@ -324,7 +412,9 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
                 "quick": quick,
-                "compute": {k: compute[k] for k in ("matmul", "copy", "small_op", "step") if k in compute}}
+                "profiled": "reference" in compute,
+                "compute": {k: compute[k] for k in ("matmul", "copy", "small_op", "step", "reference")
+                            if k in compute}}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     doc = {"schema": costmodel.PROFILE_SCHEMA,
            "device": {"name": device_name, "tflops": compute["tflops"], "mem_gbps": compute["mem_gbps"],
@@ -357,11 +447,25 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
     return doc
 
 
+def _profiler(profiled: bool):
+    """torch.profiler over the CPU activity (the settings ``overlapc demo`` profiles its steps
+    with) when ``profiled``, else nothing."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext()
+
+
 def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "ethernet",
-                 say=lambda message: None, alone: bool = False) -> dict:
+                 say=lambda message: None, alone: bool = False, profiled: bool = False) -> dict:
     """Measure in the current default process group (compute only when there is
     none, or when ``alone``: the caller's group is then left untouched); rank 0
-    writes ``out`` (when given). Returns the document on every rank."""
+    writes ``out`` (when given). Returns the document on every rank.
+
+    ``profiled``: for estimating steps that run under torch.profiler (what ``overlapc
+    analyze`` measures): the collectives, the issue cost and the SGD step are measured under
+    the profiler, and ``kernel_us`` and ``step_us`` come from ``measure_reference`` (a
+    compiled reference step, profiled) instead of eager small ops and the tiny step."""
     import torch.distributed as dist
 
     grouped = not alone and dist.is_available() and dist.is_initialized()
@@ -369,19 +473,32 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
     rank = dist.get_rank() if grouped else 0
     backend = str(dist.get_backend()) if grouped else "none"
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    collectives = measure_collectives(device, quick, say if rank == 0 else (lambda m: None)) \
-        if world_size > 1 else None
-    issue = measure_issue(device, collectives, quick) if world_size > 1 else None
+    with _profiler(profiled):
+        collectives = measure_collectives(device, quick, say if rank == 0 else (lambda m: None)) \
+            if world_size > 1 else None
+    with _profiler(profiled):
+        issue = measure_issue(device, collectives, quick) if world_size > 1 else None
     compute = measure_compute(device, quick) if rank == 0 else None
-    step = measure_step(device, quick, grouped and world_size > 1)
+    with _profiler(profiled):
+        step = measure_step(device, quick, grouped and world_size > 1)
     if grouped and world_size > 1:
         shared = [compute]
         dist.broadcast_object_list(shared, src=0)
         compute = shared[0]
     compute = {**compute, **step}
+    if profiled:
+        if grouped and world_size > 1:
+            dist.barrier()   # every rank computes at once, as in a training step
+        reference = measure_reference(device, compute, step["param_us"], quick)
+        numbers = torch.tensor([reference["kernel_us"], reference["step_us"]], dtype=torch.float64)
+        if grouped and world_size > 1:
+            dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
+        compute["kernel_us"], compute["step_us"] = (float(v) for v in numbers)
+        compute["reference"] = reference["reference"]
     if rank == 0:
         say(f"compute: {compute['tflops']:.3g} TFLOP/s (matmul {compute['matmul']['n']}^2), "
-            f"{compute['mem_gbps']:.3g} GB/s (copy), {compute['kernel_us']:.3g} us per small op; "
+            f"{compute['mem_gbps']:.3g} GB/s (copy), {compute['kernel_us']:.3g} us per "
+            f"{'node of a profiled compiled step' if profiled else 'small op'}; "
             f"a training step outside its graphs {compute['step_us']:.3g} us + {compute['param_us']:.3g} us "
             f"per parameter")
     doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue)

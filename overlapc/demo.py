@@ -1,7 +1,9 @@
 """`make demo` / `overlapc demo`: 2 local gloo ranks train a small sharded transformer.
 
 First the ranks calibrate a profile of this machine and link (``overlapc
-calibrate``'s quick sweep), so the reports' estimates are this machine's. Each
+calibrate``'s quick sweep, ``profiled``: under torch.profiler, as the steps
+whose measurements the estimates are compared with), so the reports'
+estimates are this machine's. Each
 rank builds the same model, shards it with overlapc.fsdp, and trains it twice
 from the same initial weights: under backend="overlapc" (default options unless
 flags say otherwise) and under plain Inductor. Rank 0 prints the loss per step,
@@ -85,8 +87,9 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
 
     from overlapc.calibrate import run_in_group
     profile = os.path.join(dump_dir, "profile.json")
-    say("calibrating this machine and link (quick sweep) ...", flush=True)
-    run_in_group(profile, quick=True)
+    say("calibrating this machine and link (quick sweep, under torch.profiler as the measured steps) ...",
+        flush=True)
+    run_in_group(profile, quick=True, profiled=True)
     dist.barrier()
     options = {"dump_dir": dump_dir, "profile": profile}
     if args.max_in_flight is not None:

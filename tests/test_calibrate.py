@@ -4,6 +4,7 @@ import os
 import types
 
 import pytest
+import torch
 
 import overlapc.cli as cli
 from overlapc import calibrate, costmodel
@@ -27,10 +28,17 @@ def test_fit_recovers_the_numbers_collective_ms_used(kind):
 
 
 def test_fit_keeps_latency_non_negative_and_bandwidth_positive():
-    # times that fall with size (noise): no negative latency or bandwidth comes out
+    # times that fall with size (noise): the fastest sample is the latency, the bandwidth huge
     gbps, latency_us = calibrate.fit([(1 << 10, 5.0), (1 << 20, 4.0)], "all_gather", 2)
-    assert latency_us == 0.0 and gbps == pytest.approx(1e-6 / ((1024 * 5.0 + (1 << 20) * 4.0) * 0.5
-                                                             / ((1 << 9) ** 2 + (1 << 19) ** 2)))
+    assert latency_us == pytest.approx(4000.0) and gbps == pytest.approx(1e-6 / (1e-9 / (1 << 19)))
+    # one slow small sample (a noisy 4 KiB reduce-scatter) must not zero the latency: the
+    # fastest sample is the latency, the slope joins it to the largest
+    gbps, latency_us = calibrate.fit([(4096, 3.93), (262144, 1.16), (1 << 20, 2.03)], "reduce_scatter", 2)
+    assert latency_us == pytest.approx(1160.0) and gbps == pytest.approx(1e-6 / (0.87 / (1 << 19)))
+    # a line that would cross zero above 0 bytes: through the origin
+    gbps, latency_us = calibrate.fit([(1 << 20, 1.0), (2 << 20, 3.0)], "broadcast", 2)
+    assert latency_us == 0.0 and gbps == pytest.approx(
+        1e-6 * ((1 << 20) ** 2 + (2 << 20) ** 2) / ((1 << 20) * 1.0 + (2 << 20) * 3.0))
 
 
 def test_fit_issue_recovers_a_line_and_never_goes_negative():
@@ -44,6 +52,19 @@ def test_fit_issue_recovers_a_line_and_never_goes_negative():
     assert us == 0.0 and gbps == pytest.approx(1e-3 / ((1 << 20) * 100.0 + (2 << 20) * 400.0)
                                                * ((1 << 20) ** 2 + (2 << 20) ** 2))
     assert calibrate.fit_issue([]) == (0.0, 0.0)
+
+
+def test_reference_step_gives_the_fixed_costs_of_compiled_code():
+    # the reference block, compiled and profiled: per node of its graphs and outside them
+    compute = calibrate.measure_compute(torch.device("cpu"), quick=True)
+    result = calibrate.measure_reference(torch.device("cpu"), compute, 10.0, quick=True)
+    ref = result["reference"]
+    assert ref["work_nodes"] > 20 and ref["parameters"] == 12 and ref["steps"] == 5
+    assert 0 < ref["roofline_ms"] and 0 < ref["graphs_ms"] < ref["step_ms"]
+    assert result["kernel_us"] == pytest.approx(max(0.0, (ref["graphs_ms"] - ref["roofline_ms"]) * 1e3
+                                                    / ref["work_nodes"]))
+    assert result["step_us"] == pytest.approx(max(0.0, (ref["step_ms"] - ref["graphs_ms"]) * 1e3 - 12 * 10.0))
+    assert result["step_us"] > 0   # Dynamo, the runtime wrappers, autograd and SGD take time
 
 
 def test_compute_only_profile_records_the_builtin_link(tmp_path):
@@ -76,6 +97,7 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     # a training step outside its graphs: fixed and per (DTensor) parameter
     assert doc["device"]["step_us"] > 0 and doc["device"]["param_us"] > 0
     assert doc["measured"]["compute"]["step"]["dtensor"] is True
+    assert doc["measured"]["profiled"] is False and "reference" not in doc["measured"]["compute"]
     for kind, entry in doc["collectives"].items():
         assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
         assert all(s["ms"] > 0 for s in entry["samples"])
