@@ -27,7 +27,10 @@ Row-wise compute maps piece i to piece i and carries the layout on (legality):
 a matmul with the rows as its first operand and a weight not derived from
 them, elementwise ops, reductions over other dims (a norm's statistics), views
 (the layout followed through row-major order: [seq, batch/k, d] viewed as
-[seq*batch/k, d] is ``seq`` blocks), permutes (the dim moves), attention
+[seq*batch/k, d] is ``seq`` blocks), permutes (the dim moves), ops that add,
+drop, select or broadcast another dim (unsqueeze, squeeze, expand, select,
+stack, view_as_complex / view_as_real: rotary embeddings as complex products,
+grouped-query attention's repeated k/v heads), attention
 (SDPA forward and backward, softmax, bmm: independent per batch row when the
 pieces are batch rows), and DTensor's layout changes: an all-gather on dim 0
 followed by ``split`` + ``cat`` into dim k (and ``split`` + ``cat`` before a
