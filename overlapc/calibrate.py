@@ -21,7 +21,9 @@ rank 0 writes the file):
 * ``profiled`` (``run_in_group``; what ``overlapc demo`` uses, whose
   measured steps run under torch.profiler): the above under the profiler, and
   ``kernel_us`` and ``step_us`` from a compiled reference step measured under it
-  (``measure_reference``: per work node of Inductor's graphs, and outside them).
+  (``measure_reference``: per work node of Inductor's graphs, and outside them),
+  and ``link.busy_us``, how much longer a collective takes while its ranks
+  compute (``measure_busy``; 0 without ``profiled``).
 * issue: the compute time one collective costs the thread that issues it
   while it computes (``measure_issue``): every rank runs a block of matmuls
   with a collective issued before each slot of it (waited after the block)
@@ -344,6 +346,65 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     return result
 
 
+BUSY_COUNT = 8        # collectives issued at once per measure_busy block
+BUSY_BYTES = 4 << 10  # their full buffer bytes: small, so the time is the per-collective part
+BUSY_KINDS = ("all_gather", "all_reduce", "all_to_all")   # gloo's reduce-scatter Work cannot be polled
+
+
+def _work(kind: str, nbytes: int, world_size: int, device: torch.device):
+    """A callable issuing one ``kind`` collective (of ``BUSY_KINDS``) of ``nbytes`` full bytes
+    through c10d with ``async_op=True``; it returns the Work, which can be polled."""
+    import torch.distributed as dist
+
+    numel = max(world_size, nbytes // 4 // world_size * world_size)
+    full = torch.ones(numel, device=device)
+    if kind == "all_gather":
+        shard = torch.ones(numel // world_size, device=device)
+        return lambda: dist.all_gather_single(full, shard, async_op=True)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, async_op=True)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, async_op=True)
+    raise ValueError(f"no polled {kind!r}; valid: {', '.join(BUSY_KINDS)}")
+
+
+def measure_busy(device: torch.device, quick: bool = False) -> dict:
+    """{kind: us}: how much longer a collective takes while its ranks compute than while they
+    wait (on a CPU backend its threads share the cores with compute). Per kind of
+    ``BUSY_KINDS``: ``BUSY_COUNT`` collectives of ``BUSY_BYTES`` issued at once, then waited
+    at once (idle) or polled between 128^2 matmuls until all are done (busy), in pairs;
+    us = the median over pairs of (busy - idle) / ``BUSY_COUNT``, >= 0, the slowest rank's.
+    Every rank calls this."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    a = torch.randn(128, 128, device=device)
+    b = torch.randn(128, 128, device=device)
+    repeats = 2 * QUICK_REPEATS + 1 if quick else REPEATS
+    result = {}
+    for kind in BUSY_KINDS:
+        issue = _work(kind, BUSY_BYTES, world_size, device)
+        issue().wait()
+
+        def block(busy: bool) -> float:
+            dist.barrier()
+            begin = time.perf_counter()
+            works = [issue() for _ in range(BUSY_COUNT)]
+            while busy and not all(work.is_completed() for work in works):
+                torch.mm(a, b)
+            for work in works:
+                work.wait()
+            return (time.perf_counter() - begin) * 1e3
+
+        block(True)
+        extra = statistics.median(block(True) - block(False) for _ in range(repeats))
+        us = torch.tensor([max(0.0, extra / BUSY_COUNT * 1e3)], dtype=torch.float64)
+        dist.all_reduce(us, op=dist.ReduceOp.MAX)
+        result[kind] = float(us.item())
+    return result
+
+
 def _interpolate(samples: list[tuple[int, float]], nbytes: int) -> float:
     """ms at ``nbytes`` on the line through the two samples around it (the nearest two at the ends)."""
     samples = sorted(samples)
@@ -404,10 +465,11 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
 
 def document(compute: dict, collectives: dict | None, world_size: int, backend: str,
              device: torch.device, fallback_link: str = "ethernet", quick: bool = False,
-             issue: dict | None = None) -> dict:
+             issue: dict | None = None, busy: dict | None = None) -> dict:
     """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements;
     ``issue`` ({kind: [(bytes, us), ...]}, ``measure_issue``) gives the link's ``issue_us``
-    and ``issue_gbps`` (``fit_issue`` over every kind's samples)."""
+    and ``issue_gbps`` (``fit_issue`` over every kind's samples); ``busy`` ({kind: us},
+    ``measure_busy``) its ``busy_us``, their mean (absent: 0)."""
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
@@ -439,7 +501,10 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
         gbps, latency_us = fit(pooled, "broadcast", world_size)
         issue_us, issue_gbps = fit_issue([sample for kind in sorted(issue or {}) for sample in issue[kind]])
         doc["link"] = {"name": backend, "gbps": gbps, "latency_us": latency_us,
-                       "issue_us": issue_us, "issue_gbps": issue_gbps}
+                       "issue_us": issue_us, "issue_gbps": issue_gbps,
+                       "busy_us": statistics.mean(busy.values()) if busy else 0.0}
+        if busy:
+            measured["busy"] = dict(sorted(busy.items()))
         if issue:
             measured["issue"] = {kind: [{"bytes": b, "us": us} for b, us in samples]
                                  for kind, samples in sorted(issue.items())}
@@ -478,6 +543,8 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
             if world_size > 1 else None
     with _profiler(profiled):
         issue = measure_issue(device, collectives, quick) if world_size > 1 else None
+    with _profiler(profiled):
+        busy = measure_busy(device, quick) if profiled and world_size > 1 else None
     compute = measure_compute(device, quick) if rank == 0 else None
     with _profiler(profiled):
         step = measure_step(device, quick, grouped and world_size > 1)
@@ -501,7 +568,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
             f"{'node of a profiled compiled step' if profiled else 'small op'}; "
             f"a training step outside its graphs {compute['step_us']:.3g} us + {compute['param_us']:.3g} us "
             f"per parameter")
-    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue)
+    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue, busy)
     if rank == 0 and issue:
         link = doc["link"]
         say(f"issuing a collective during compute costs it {link['issue_us']:.3g} us"

@@ -29,7 +29,8 @@ Profile file ("overlapc.profile/1")::
                 "param_us": float >= 0},               # optional (0): ... plus this per parameter
      "link": {"name": str, "gbps": float > 0, "latency_us": float >= 0,
               "issue_us": float >= 0,                  # optional (0): compute-stream time per collective
-              "issue_gbps": float >= 0},               # optional (0: none): ... plus full bytes / this
+              "issue_gbps": float >= 0,                # optional (0: none): ... plus full bytes / this
+              "busy_us": float >= 0},                  # optional (0): longer per collective beside compute
      "collectives": {<kind>: {"gbps": float > 0, "latency_us": float >= 0,
                               "samples": [{"bytes": int, "ms": float, "fit_ms": float}, ...]}, ...},
      "measured": {...}}   # how it was measured (free form; see overlapc.calibrate)
@@ -98,7 +99,9 @@ class LinkProfile:
     ``issue_gbps``: the compute stream's time per collective, ``issue_us`` plus its full bytes
     / ``issue_gbps`` (0: no per-byte part). On a CPU backend the caller's thread enqueues the
     work and the collective's own threads take CPU time from compute; 0 for the built-in GPU
-    links, where a launch costs the GPU nothing."""
+    links, where a launch costs the GPU nothing. ``busy_us``: how much longer a collective
+    takes when its ranks compute while it runs (a CPU backend's threads share the cores),
+    added to every collective's time by ``collective_ms``; 0 for the built-in links."""
 
     name: str
     gbps: float
@@ -106,6 +109,7 @@ class LinkProfile:
     per_kind: tuple[tuple[str, float, float], ...] = ()
     issue_us: float = 0.0
     issue_gbps: float = 0.0
+    busy_us: float = 0.0
 
     def issue_ms(self, nbytes: int | None) -> float:
         """The compute stream's time for issuing one collective of ``nbytes`` full bytes (ms)."""
@@ -294,7 +298,8 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
         link = LinkProfile(str(lnk["name"]), _number(f"{where}: link.gbps", lnk["gbps"], 0, True),
                            _number(f"{where}: link.latency_us", lnk["latency_us"], 0, False), tuple(per_kind),
                            _number(f"{where}: link.issue_us", lnk.get("issue_us", 0.0), 0, False),
-                           _number(f"{where}: link.issue_gbps", lnk.get("issue_gbps", 0.0), 0, False))
+                           _number(f"{where}: link.issue_gbps", lnk.get("issue_gbps", 0.0), 0, False),
+                           _number(f"{where}: link.busy_us", lnk.get("busy_us", 0.0), 0, False))
     except (KeyError, TypeError) as error:
         raise ValueError(f"{where}: missing or malformed field {error} (schema {PROFILE_SCHEMA})") from None
     return Profile(device, link, name, source)
@@ -551,7 +556,7 @@ def collective_bytes(c: Collective) -> int | None:
 
 
 def collective_ms(collective: Collective, link: LinkProfile, world_size: int | None = None) -> float:
-    """latency + full bytes x ring factor / bandwidth, in ms.
+    """latency + full bytes x ring factor / bandwidth + the link's ``busy_us``, in ms.
 
     Bandwidth and latency are the link's for the collective's kind
     (``LinkProfile.for_kind``). Ring factor for n ranks: (n-1)/n for all_gather, reduce_scatter and
@@ -568,7 +573,7 @@ def collective_ms(collective: Collective, link: LinkProfile, world_size: int | N
         ring = phases * ((n - 1) / n if n else 1.0)
     nbytes = collective_bytes(collective) or 0
     gbps, latency_us = link.for_kind(collective.kind)
-    return latency_us * 1e-3 + nbytes * ring / (gbps * 1e9) * 1e3
+    return (latency_us + link.busy_us) * 1e-3 + nbytes * ring / (gbps * 1e9) * 1e3
 
 
 def ring_factor(kind: str, n: int | None) -> float:

@@ -67,6 +67,15 @@ def test_reference_step_gives_the_fixed_costs_of_compiled_code():
     assert result["step_us"] > 0   # Dynamo, the runtime wrappers, autograd and SGD take time
 
 
+def test_document_takes_busy_as_the_mean_over_kinds():
+    compute = {"tflops": 0.1, "mem_gbps": 10.0}
+    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)]}
+    busy = {"all_gather": 400.0, "all_reduce": 800.0, "all_to_all": 600.0}
+    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), busy=busy)
+    assert doc["link"]["busy_us"] == pytest.approx(600.0) and doc["measured"]["busy"] == busy
+    assert calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"))["link"]["busy_us"] == 0.0
+
+
 def test_compute_only_profile_records_the_builtin_link(tmp_path):
     # one process: compute only, even where a default process group exists (the fake one here)
     doc = calibrate.run_local(1, str(tmp_path / "p.json"), quick=True, fallback_link="ib")
@@ -98,6 +107,7 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert doc["device"]["step_us"] > 0 and doc["device"]["param_us"] > 0
     assert doc["measured"]["compute"]["step"]["dtensor"] is True
     assert doc["measured"]["profiled"] is False and "reference" not in doc["measured"]["compute"]
+    assert doc["link"]["busy_us"] == 0.0 and "busy" not in doc["measured"]   # profiled only
     for kind, entry in doc["collectives"].items():
         assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
         assert all(s["ms"] > 0 for s in entry["samples"])

@@ -190,6 +190,14 @@ def test_collective_ms_ring_factors(fake_pg):
     assert costmodel.collective_ms(reduce, link, world_size=2) == pytest.approx(0.01 + full / 1e9 * 1e3)
     assert costmodel.collective_ms(gather, link, world_size=2) == pytest.approx(
         0.01 + full * 7 / 8 / 1e9 * 1e3)   # a named group size wins over world_size
+    # a collective beside compute takes the link's busy_us longer (a CPU backend's threads)
+    busy = dataclasses.replace(link, busy_us=700.0)
+    assert costmodel.collective_ms(gather, busy) == pytest.approx(costmodel.collective_ms(gather, link) + 0.7)
+    gm_busy = trace(gather_between_compute, (8, 8), (1, 8))
+    device = costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0)
+    idle_t, busy_t = (simulate(gm_busy, costmodel.Profile(device, lnk)).collectives["all_gather_into_tensor"]
+                      for lnk in (link, busy))
+    assert busy_t.duration_ms == pytest.approx(idle_t.duration_ms + 0.7)
 
 
 def test_profile_names_and_overrides():
@@ -265,10 +273,13 @@ def test_old_profile_files_load_without_fixed_costs(tmp_path):
                                 "device": {"name": "cpu", "tflops": 0.1, "mem_gbps": 10.0},
                                 "link": {"name": "gloo", "gbps": 1.0, "latency_us": 100.0}, "collectives": {}}))
     p = costmodel.load_profile(path)
-    assert (p.device.kernel_us, p.link.issue_us, p.link.issue_gbps) == (0.0, 0.0, 0.0)
+    assert (p.device.kernel_us, p.link.issue_us, p.link.issue_gbps, p.link.busy_us) == (0.0, 0.0, 0.0, 0.0)
     assert (p.device.step_us, p.device.param_us, costmodel.outside_ms(100, p.device)) == (0.0, 0.0, 0.0)
     doc = json.loads(path.read_text())
     doc["device"]["kernel_us"] = -1
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="device.kernel_us"):
         costmodel.load_profile(path)
+    doc["device"]["kernel_us"], doc["link"]["busy_us"] = 0.0, 250.0
+    path.write_text(json.dumps(doc))
+    assert costmodel.load_profile(path).link.busy_us == 250.0
