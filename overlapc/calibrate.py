@@ -529,8 +529,9 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
 
     ``profiled``: for estimating steps that run under torch.profiler (what ``overlapc
     analyze`` measures): the collectives, the issue cost and the SGD step are measured under
-    the profiler, and ``kernel_us`` and ``step_us`` come from ``measure_reference`` (a
-    compiled reference step, profiled) instead of eager small ops and the tiny step."""
+    the profiler, ``kernel_us`` and ``step_us`` come from ``measure_reference`` (a
+    compiled reference step, profiled) instead of eager small ops and the tiny step, and
+    ``link.busy_us`` from ``measure_busy`` (else 0)."""
     import torch.distributed as dist
 
     grouped = not alone and dist.is_available() and dist.is_initialized()
