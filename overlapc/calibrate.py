@@ -66,13 +66,18 @@ REPEATS, QUICK_REPEATS = 10, 5
 
 def fit(samples: list[tuple[int, float]], kind: str, world_size: int) -> tuple[float, float]:
     """(gbps, latency_us) such that ``latency + bytes x ring / gbps`` fits ``samples``
-    ((full bytes, ms), ...) by least squares. The intercept is kept >= 0 (a fit through
+    ((full bytes, ms), ...) by least squares, each sample first capped at the time of every
+    larger one (a smaller buffer is never slower; where it was, noise hit that sample). The
+    intercept is kept >= 0 (a fit through
     the origin when the free fit's is negative). When the times do not grow with size (noise
     above the bandwidth term), the latency is the fastest sample and the slope joins it to the
     largest sample (a tiny positive slope when that is not slower). Needs at least one sample
     with bytes > 0."""
     ring = costmodel.ring_factor(kind, world_size)
-    points = [(b * ring, ms) for b, ms in samples]
+    points, floor = [], float("inf")
+    for b, ms in sorted(samples, reverse=True):   # a smaller buffer is never slower: noise
+        floor = min(floor, ms)
+        points.append((b * ring, floor))
     if not points or max(x for x, _ in points) <= 0:
         raise ValueError(f"fit of {kind} needs a sample with bytes > 0, got {samples!r}")
     n = len(points)
