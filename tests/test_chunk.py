@@ -293,6 +293,9 @@ def test_intermediate_feeding_back_is_left_alone(fake_pg):
     # no pipeline through the reduction: the all-gather -> matmul part alone, and the
     # matmul -> reduce-scatter part alone, are still chunked
     assert [(n.pattern, n.applied) for n in notes] == [("all_gather_matmul", True), ("matmul_reduce_scatter", True)]
+    # the all-gather's note says why its pipeline stops before the reduce-scatter
+    assert "reduce_scatter_tensor" in notes[0].reason and "sum" in notes[0].reason, notes[0]
+    assert notes[1].reason == ""
 
 
 def test_reduce_scatter_of_non_matmul_and_gather_without_matmul(fake_pg):

@@ -109,7 +109,9 @@ class ChunkNote:
         ends in a reduce-scatter or combine all-to-all names both).
     group: process group name. chunks: pieces asked for (with chunks="auto": the
         count chosen, 1 when leaving the pattern alone was estimated fastest).
-    applied: True when the graph was rewritten; reason: why not ("" when applied).
+    applied: True when the graph was rewritten; reason: why not, or for an applied
+        all-gather pipeline that stops at its matmuls, why it does not reach the
+        reduce-scatter after them ("" otherwise).
     pieces: names of the new collective start nodes (empty when not applied).
     fed_by: the start of an earlier pipeline whose pieces feed this one, piece by
         piece, through row-wise compute (a reduce-scatter -> residual add -> norm ->
@@ -185,8 +187,8 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
                 continue
             done.update(plan.starts)
             fed_by = plan.link.joined.start if plan.link is not None else ""
-            notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, k, True, "",
-                                   pieces, fed_by, estimates))
+            notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, k, True,
+                                   plan.stops, pieces, fed_by, estimates))
         if emitter.changed:
             emitter.finish()
             gm.graph.lint()

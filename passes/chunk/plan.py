@@ -66,6 +66,7 @@ class Plan:
     layouts: dict[fx.Node, tuple[int, int]]   # (dim, blocks) of the source wait, cut and region nodes
     dim: int = 0                     # the dim its collectives' pieces are cut along (not theirs: 0)
     link: Link | None = None         # an earlier pipeline's pieces feed source_input
+    stops: str = ""                  # an all-gather's pipeline without its reduce-scatter: why it stops
 
     @property
     def starts(self) -> tuple[fx.Node, ...]:
@@ -111,9 +112,11 @@ class Planner:
         # (dim 1), which flow through attention; a plan fed by an earlier pipeline first,
         # then one whose dim the next all-gather can cut too
         dims = [d for d in (0, 1) if shard.dim() > (0 if d == 0 else 2) and shard.shape[d] % k == 0]
-        plans = []
+        plans, whys = [], []
         for dim in dims:
-            region, sink, layouts, _ = self._region_to_sink(wait, "reduce_scatter_tensor", group, world, k, dim)
+            region, sink, layouts, why = self._region_to_sink(wait, "reduce_scatter_tensor", group, world, k, dim)
+            if why:
+                whys.append(f"cut along dim {dim}, {why}" if len(dims) > 1 else why)
             if sink is not None:
                 plans.append(Plan(pattern, group, world, k, start, start.args[0], sink, region, [], sink, layouts,
                                   dim, self._link(start, k, dim)))
@@ -124,7 +127,7 @@ class Planner:
             L.rows(wait, world, k)
             region, layouts = self._matmul_consumers(wait, world, k)
             plans.append(Plan(pattern, group, world, k, start, start.args[0], None, region, [], region[-1], layouts,
-                              0, self._link(start, k, 0)))
+                              0, self._link(start, k, 0), "; ".join(whys)))
         if len(plans) > 1 and all(p.link is None for p in plans):   # cut what the next gather can cut
             later = self._next_dims(plans[0].sink, group, world, k)
             plans.sort(key=lambda p: p.dim not in later)

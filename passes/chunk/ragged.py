@@ -73,6 +73,7 @@ class RaggedPlan:
     cut: list[fx.Node]               # operands from outside with the region's rows, cut per piece
     pattern: str = "all_to_all_expert"
     link = None                      # never fed by another pipeline (``plan.Plan.link``)
+    stops = ""                       # reaches its sink (``plan.Plan.stops``)
 
     @property
     def starts(self) -> tuple[fx.Node, ...]:
