@@ -97,7 +97,7 @@ along the order, ``passes/memory.py``), in_flight (per kind the graph has, in
 KINDS order: {kind: {"count_before", "count_after", "bytes_before",
 "bytes_after"}}: the most collectives of that kind of one group issued and not
 yet waited, and the most bytes they held), rewrites (``rewrites()``: one dict
-per bucket or chunked pattern),
+per run of identical collectives merged, bucket or chunked pattern),
 step_ms_before, step_ms_after, compute_ms (the compute nodes' estimated time,
 the same in both orders), issue_ms_after (the compute stream's time issuing
 collectives after: step = compute + issue + exposed), device, link, profile
@@ -388,9 +388,9 @@ def in_flight_text(summary: dict) -> str:
 
 
 def rewrites(gm: fx.GraphModule) -> list[dict]:
-    """What bucketing and chunking did to ``gm`` (their records in ``gm.meta``), as
-    plain dicts with a "rewrite" key ("bucket" or "chunk") first."""
-    found = []
+    """What merging, bucketing and chunking did to ``gm`` (their records in ``gm.meta``),
+    as plain dicts with a "rewrite" key ("identical", "bucket" or "chunk") first."""
+    found = [{"rewrite": "identical", "members": list(names)} for names in gm.meta.get("overlapc_duplicates", ())]
     for key, label in (("overlapc_buckets", "bucket"), ("overlapc_chunks", "chunk")):
         for record in gm.meta.get(key, ()):
             found.append({"rewrite": label, **dataclasses.asdict(record)})
@@ -404,14 +404,20 @@ def rewrites_text(summary: dict) -> str:
     if not records:
         return ""
     merged = sum(len(r["members"]) - 1 for r in records if r["rewrite"] == "bucket")
+    same = sum(len(r["members"]) - 1 for r in records if r["rewrite"] == "identical")
     split = sum(len(r["pieces"]) - len(r["starts"]) for r in records if r["rewrite"] == "chunk" and r["applied"])
     buckets = sum(r["rewrite"] == "bucket" for r in records)
-    lines = [f"collectives {summary['collectives'] + merged - split} -> {summary['collectives']}: "
-             f"{merged + buckets} merged into {buckets} buckets, {split} pieces added by chunking"]
+    lines = [f"collectives {summary['collectives'] + same + merged - split} -> {summary['collectives']}: "
+             + (f"{same} identical merged away, " if same else "")
+             + f"{merged + buckets} merged into {buckets} buckets, {split} pieces added by chunking"]
     for r in records:
-        if r["rewrite"] == "chunk":
+        if r["rewrite"] == "identical":
+            lines.append(f"identical {' = '.join(r['members'])}: one collective, {r['members'][0]}")
+        elif r["rewrite"] == "chunk":
             state = f"split into {r['chunks']}: {', '.join(r['pieces'])}" if r["applied"] \
                 else f"left alone: {r['reason']}"
+            if r["applied"] and r["reason"]:   # an all-gather pipeline that stops at its matmuls
+                state += f"; stops at its matmuls: {r['reason']}"
             if r.get("fed_by"):
                 state += f"; fed piece by piece by {r['fed_by']}'s pieces"
             if r.get("estimates"):   # chunks="auto": the choice among the counts it estimated

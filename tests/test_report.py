@@ -309,6 +309,19 @@ def test_rewrites_text_prints_the_auto_chunk_choice_and_its_neighbours():
     assert "split into 4: p0, p1, p2, p3; auto chose 4 of 1: 2.000ms, 2: 1.500ms, 4: 1.250ms, 8: 1.375ms" in text
 
 
+def test_rewrites_text_names_identical_merges_and_where_a_pipeline_stops():
+    records = [{"rewrite": "identical", "members": ["ag", "ag_1", "ag_2"]},
+               {"rewrite": "chunk", "pattern": "all_gather_matmul", "starts": ["ag"], "group": "0", "chunks": 2,
+                "applied": True, "reason": "compute between wait and rs is not pipelined: sum reduces over the rows",
+                "pieces": ["p0", "p1"], "fed_by": "", "estimates": []}]
+    text = report.rewrites_text({"rewrites": records, "collectives": 2})
+    lines = text.splitlines()
+    assert lines[0] == "collectives 3 -> 2: 2 identical merged away, 0 merged into 0 buckets, 1 pieces added by chunking"
+    assert lines[1] == "identical ag = ag_1 = ag_2: one collective, ag"
+    assert lines[2].endswith("split into 2: p0, p1; stops at its matmuls: compute between wait and rs is not "
+                             "pipelined: sum reduces over the rows")
+
+
 def consumer_order(a, w2):
     y = torch.mm(a, a)
     g1 = F.wait_tensor(F.all_gather_into_tensor(y[:1], 8, "0"))   # its input comes late, its consumer first
