@@ -311,6 +311,9 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
 
     world_size = dist.get_world_size()
     group_name = dist.group.WORLD.group_name
+    if dist.get_backend() == "gloo":   # ISSUE_SLOTS functional all-gathers in flight (README, Known issues)
+        from overlapc.backend import route_gloo_all_gathers
+        route_gloo_all_gathers()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a = torch.randn(256, 256, device=device)
     b = torch.randn(256, 256, device=device)

@@ -34,6 +34,8 @@ def random_inputs(gm, seed=0):
         v = node.meta.get("val")
         if not isinstance(v, torch.Tensor):
             out.append(None)
+        elif v.dtype.is_complex:   # rotary tables
+            out.append(torch.randn(v.shape, generator=g, dtype=v.dtype))
         elif v.dtype.is_floating_point:
             out.append(torch.randn(v.shape, generator=g).to(v.dtype))
         else:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from graphs import F, WORLD, trace
+from graphs import F, WORLD, random_inputs, trace
 from multiproc import init_gloo, run_ranks
 from overlapc.passes.chunk import chunk_collectives
 from test_chunk import RankCollectives
@@ -20,23 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 aten = torch.ops.aten
 
 
-def inputs_for(gm, seed=0):
-    """Random values for ``gm``'s placeholders, complex ones included."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        v = node.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            out.append(None)
-        elif v.dtype.is_complex or v.dtype.is_floating_point:
-            out.append(torch.randn(v.shape, generator=g, dtype=v.dtype))
-        else:
-            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
-    return out
-
-
 def same_values(before, after):
-    inputs = inputs_for(before)
+    inputs = random_inputs(before)
     for a, b in zip(RankCollectives(before).run(*inputs), RankCollectives(after).run(*inputs)):
         if isinstance(a, torch.Tensor):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

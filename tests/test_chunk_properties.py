@@ -20,10 +20,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import overlapc
-from graphs import F, WORLD
+from graphs import F, WORLD, random_inputs
 from overlapc.passes.chunk import chunk_collectives
 from test_chunk import RankCollectives
-from test_chunk_layouts import inputs_for
 
 EXAMPLES = int(os.environ.get("OVERLAPC_EXAMPLES", "60"))
 B, S, D, H = 4, 16, 8, 2     # batch, sequence (all ranks), features, heads
@@ -141,7 +140,7 @@ def test_random_pipelines_keep_values_order_and_schedule(fake_pg, case):
     notes = chunk_collectives(gm, chunks)
     gm.graph.lint()
     gm.recompile()
-    inputs = inputs_for(original)
+    inputs = random_inputs(original)
     expected = RankCollectives(original).run(*inputs)
     got = RankCollectives(gm).run(*inputs)
     for a, b in zip(expected, got):
