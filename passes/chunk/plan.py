@@ -195,24 +195,17 @@ class Planner:
         reads them (and the other outputs of a node with several), the sink start,
         their layouts, None) or ([], None, {}, why-not); pieces cut along ``dim`` of
         the collectives' tensors."""
-        depends = {wait}
-        sink = None
-        for node in _after(wait):
-            if any(i in depends for i in node._input_nodes):
-                depends.add(node)
-                if collective_op(node) == sink_op and group_of(node) == group and node.args[0] in depends:
-                    sink = node
-                    break
+        sink, depends = first_sink(wait, sink_op, group)
         if sink is None:
             return [], None, {}, None
         on_path = {sink.args[0]}   # nodes on a path wait -> sink input
-        for node in reversed(_between(wait, sink)):
+        for node in reversed(between(wait, sink)):
             if node in on_path:
                 on_path.update(i for i in node._input_nodes if i in depends)
                 if L.is_multi(node):   # attention's log-sum-exp: computed with the output, saved
                     on_path.update(u for u in node.users if u.target is operator.getitem)
         on_path.discard(wait)
-        region = [n for n in _between(wait, sink) if n in on_path]
+        region = [n for n in between(wait, sink) if n in on_path]
         layout = (0, world) if dim == 0 else (dim, 1)
         layouts = {wait: layout}
         try:
@@ -255,10 +248,10 @@ class Planner:
             other = f" (first consumer: {first_other.name}, {L.opname(first_other)})" if first_other else ""
             raise Skip(f"no matmul reads the rows of {wait.name}{other}")
         needed = set(matmuls)
-        for node in reversed(_between(wait, matmuls[-1])):
+        for node in reversed(between(wait, matmuls[-1])):
             if node in views and any(u in needed for u in node.users):
                 needed.add(node)
-        region = [n for n in _between(wait, matmuls[-1]) if n in needed] + [matmuls[-1]]
+        region = [n for n in between(wait, matmuls[-1]) if n in needed] + [matmuls[-1]]
         return region, {n: views[n] for n in [wait, *region]}
 
     def _plan_reduce_scatter(self, start: fx.Node, group: str, k: int) -> Plan:
@@ -312,11 +305,23 @@ class Planner:
     def _check_barriers(plan: Plan) -> None:
         first = plan.source or plan.region[0]
         last = plan.sink or plan.anchor
-        for node in _between(first, last):
+        for node in between(first, last):
             reason = role(node)[2]
             if reason is not None:
                 raise Skip(f"barrier {node.name} ({L.opname(node)}: {reason}) between "
                            f"{first.name} and {last.name}")
+
+
+def first_sink(wait: fx.Node, op: str, group: str) -> tuple[fx.Node | None, set[fx.Node]]:
+    """(the first ``op`` start of ``group`` after ``wait`` whose input depends on it, or
+    None; the nodes up to it that depend on ``wait``, ``wait`` included)."""
+    depends = {wait}
+    for node in _after(wait):
+        if any(i in depends for i in node._input_nodes):
+            depends.add(node)
+            if collective_op(node) == op and group_of(node) == group and node.args[0] in depends:
+                return node, depends
+    return None, depends
 
 
 def _after(node: fx.Node):
@@ -326,7 +331,7 @@ def _after(node: fx.Node):
         node = node.next
 
 
-def _between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
+def between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
     out = []
     for node in _after(first):
         if node is last:

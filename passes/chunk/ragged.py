@@ -50,6 +50,7 @@ import torch.fx as fx
 from overlapc.collectives import collective_op, group_of, is_wait, node_value, role
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.legality import Skip
+from overlapc.passes.chunk.plan import between, first_sink
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
@@ -143,13 +144,6 @@ def _tensor(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _after(node: fx.Node):
-    node = node.next
-    while node.op != "output":
-        yield node
-        node = node.next
-
-
 def plan_ragged(start: fx.Node, k: int) -> RaggedPlan:
     """The dispatch -> expert -> combine pipeline that ``start`` begins, cut into
     ``k`` token ranges per rank block; Skip with the reason when it does not qualify."""
@@ -157,13 +151,7 @@ def plan_ragged(start: fx.Node, k: int) -> RaggedPlan:
     world, group = len(received), group_of(start)
     wait = L.one_wait(start)
     _only_sizes_read(start, wait)
-    depends, sink = {wait}, None
-    for node in _after(wait):
-        if any(i in depends for i in node._input_nodes):
-            depends.add(node)
-            if collective_op(node) == A2A and group_of(node) == group and node.args[0] in depends:
-                sink = node
-                break
+    sink, depends = first_sink(wait, A2A, group)
     if sink is None or _splits(sink)[1] != received:
         found = f" ({sink.name} sends {_splits(sink)[1]})" if sink is not None else ""
         raise Skip(f"no all_to_all_single of group {group} after {start.name} sends back the rows it "
@@ -171,18 +159,14 @@ def plan_ragged(start: fx.Node, k: int) -> RaggedPlan:
     sink_wait = L.one_wait(sink)
     _only_sizes_read(sink, sink_wait)
     on_path = {sink.args[0]}
-    between = []
-    for node in _after(wait):
-        if node is sink:
-            break
-        between.append(node)
-    for node in reversed(between):
+    span = between(wait, sink)
+    for node in reversed(span):
         if node in on_path:
             on_path.update(i for i in node._input_nodes if i in depends)
         if role(node)[2] is not None:
             raise Skip(f"barrier {node.name} ({L.opname(node)}: {role(node)[2]}) between {start.name} and {sink.name}")
     on_path.discard(wait)
-    region = [n for n in between if n in on_path]
+    region = [n for n in span if n in on_path]
     inside = {wait, *region}
     if _tensor(wait) is None:
         raise Skip(f"unknown shape of {wait.name}")
