@@ -7,7 +7,8 @@ rank 0 writes the file):
   functional ops overlapc schedules, each waited at once) over a sweep of
   sizes; per size the median of ``repeats`` timed runs after a warm-up (the
   first collective on a new gloo pair costs ~1.5 s), the slowest rank's median
-  counting. Per kind a least-squares fit ``ms = latency + bytes x ring / bandwidth``
+  counting. The runs of every kind and size are interleaved (round-robin), so
+  a slow spell of a shared machine spreads over all of them. Per kind a least-squares fit ``ms = latency + bytes x ring / bandwidth``
   in ``costmodel.collective_ms``'s convention (bytes = the full, gathered or
   unscattered, buffer; ring = ``costmodel.ring_factor``), so ``collective_ms``
   with the fitted numbers gives back the fitted times. The profile's default
@@ -28,10 +29,14 @@ rank 0 writes the file):
   while it computes (``measure_issue``): every rank runs a block of matmuls
   with a collective issued before each slot of it (waited after the block)
   and the same block without them; the difference per collective, per kind at
-  two sizes, is fitted as ``link.issue_us`` + full bytes / ``link.issue_gbps``,
-  which the simulator charges to the compute stream per collective. On a CPU
-  backend this is the start call plus the CPU time the collective's own
-  threads take from compute; on a GPU it is the launch alone.
+  two sizes, is fitted as ``link.issue_us`` + full bytes / ``link.issue_gbps``;
+  the start calls inside the block are timed too, fitted as ``link.start_us``
+  + full bytes / ``link.start_gbps``. On a CPU backend the cost is the start
+  call plus the CPU time the collective's own threads take from compute; the
+  simulator charges the start call at the issue and the rest only where
+  compute does not wait for the collective anyway. On a GPU it is the launch
+  alone. The pairs of every kind and size are interleaved, as is
+  ``measure_busy``'s.
 
 With one process (``world_size == 1``) only compute is measured; the link is
 the built-in one named by ``link``, recorded as such.
@@ -61,7 +66,7 @@ from overlapc import costmodel
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 SWEEP = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)   # full buffer bytes
 QUICK_SWEEP = (4 << 10, 256 << 10, 1 << 20)
-REPEATS, QUICK_REPEATS = 10, 5
+REPEATS, QUICK_REPEATS = 10, 25   # samples per (kind, size), interleaved
 
 
 def fit(samples: list[tuple[int, float]], kind: str, world_size: int) -> tuple[float, float]:
@@ -297,16 +302,19 @@ def _collective(kind: str, nbytes: int, world_size: int, group_name: str, device
 
 ISSUE_SIZES = (4 << 10, 1 << 20)   # full buffer bytes
 ISSUE_SLOTS = 8                      # collectives per timed block, one before each slot of matmuls
+ISSUE_REPEATS = 11                   # pairs per point of measure_issue and measure_busy (quick)
 
 
 def measure_issue(device: torch.device, collectives: dict, quick: bool = False) -> dict:
-    """{kind: [(full bytes, us), ...]}: the compute time one collective issued during compute
-    costs its caller, at each of ``ISSUE_SIZES``. Per kind and size: a block of
-    ``ISSUE_SLOTS`` slots of 256^2 matmuls, each slot at least 1.5x the collective's measured
-    time (``collectives``, from ``measure_collectives``) so compute covers it, timed with a
-    collective issued before every slot (all waited after the block, outside the clock) and
-    without, in pairs; us = the median over pairs of (with - without) / slots, the slowest
-    rank's. Every rank calls this."""
+    """{kind: [(full bytes, us, start us), ...]}: the compute time one collective issued during
+    compute costs its caller, at each of ``ISSUE_SIZES``, and the part of it spent in the start
+    call itself. Per kind and size: a block of ``ISSUE_SLOTS`` slots of 256^2 matmuls, each
+    slot at least 1.5x the collective's measured time (``collectives``, from
+    ``measure_collectives``) so compute covers it, timed with a collective issued before every
+    slot (all waited after the block, outside the clock) and without, in pairs, the pairs of
+    every (kind, size) interleaved (``interleaved``); us = the median over pairs of (with -
+    without) / slots, start us = the median of the start calls' mean time in the block with
+    them, each the slowest rank's. Every rank calls this."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
@@ -320,37 +328,45 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     torch.mm(a, b)
     mm_ms = torch.tensor([_median_ms(lambda: torch.mm(a, b), 5, sync)], dtype=torch.float64)
     dist.all_reduce(mm_ms, op=dist.ReduceOp.MAX)
-    repeats = 2 * QUICK_REPEATS + 1 if quick else REPEATS
-    result: dict[str, list[tuple[int, float]]] = {}
-    for kind in KINDS:
-        for nbytes in ISSUE_SIZES:
-            start = _start(kind, nbytes, world_size, group_name, device)
-            torch.ops._c10d_functional.wait_tensor(start())
-            comm_ms = _interpolate(collectives[kind], nbytes)
-            per_slot = max(1, int(1.5 * comm_ms / float(mm_ms.item())) + 1)
+    repeats = ISSUE_REPEATS if quick else REPEATS
+    points = [(kind, nbytes) for kind in KINDS for nbytes in ISSUE_SIZES]
+    pairs, starts = [], []
+    for kind, nbytes in points:
+        start = _start(kind, nbytes, world_size, group_name, device)
+        torch.ops._c10d_functional.wait_tensor(start())
+        per_slot = max(1, int(1.5 * _interpolate(collectives[kind], nbytes) / float(mm_ms.item())) + 1)
+        calls: list[float] = []   # this point's start calls, us per call, per block with them
 
-            def block(issue: bool) -> float:
-                works = []
-                dist.barrier()
-                begin = time.perf_counter()
-                for _ in range(ISSUE_SLOTS):
-                    if issue:
-                        works.append(start())
-                    for _ in range(per_slot):
-                        torch.mm(a, b)
-                sync()
-                elapsed = time.perf_counter() - begin
-                for work in works:
-                    torch.ops._c10d_functional.wait_tensor(work)
-                return elapsed * 1e3
+        def block(issue: bool, start=start, per_slot=per_slot, calls=calls) -> float:
+            works, in_start = [], 0.0
+            dist.barrier()
+            begin = time.perf_counter()
+            for _ in range(ISSUE_SLOTS):
+                if issue:
+                    called = time.perf_counter()
+                    works.append(start())
+                    in_start += time.perf_counter() - called
+                for _ in range(per_slot):
+                    torch.mm(a, b)
+            sync()
+            elapsed = time.perf_counter() - begin
+            for work in works:
+                torch.ops._c10d_functional.wait_tensor(work)
+            if issue:
+                calls.append(in_start / ISSUE_SLOTS * 1e6)
+            return elapsed * 1e3
 
-            block(True)
-            # paired and interleaved, so drifts in the machine's load hit both alike
-            extra = statistics.median(block(True) - block(False) for _ in range(repeats))
-            us = torch.tensor([extra / ISSUE_SLOTS * 1e3], dtype=torch.float64)
-            dist.all_reduce(us, op=dist.ReduceOp.MAX)
-            numel = max(world_size, nbytes // 4 // world_size * world_size)
-            result.setdefault(kind, []).append((numel * 4, max(0.0, float(us.item()))))
+        block(True)
+        calls.clear()
+        # paired, so drifts in the machine's load hit both alike
+        pairs.append(lambda block=block: (block(True) - block(False)) / ISSUE_SLOTS * 1e3)
+        starts.append(calls)
+    extra = _slowest_median(interleaved(pairs, repeats))
+    start_us = _slowest_median(starts)
+    result: dict[str, list[tuple[int, float, float]]] = {}
+    for (kind, nbytes), us, called in zip(points, extra, start_us):
+        numel = max(world_size, nbytes // 4 // world_size * world_size)
+        result.setdefault(kind, []).append((numel * 4, max(0.0, us), called))
     return result
 
 
@@ -389,13 +405,13 @@ def measure_busy(device: torch.device, quick: bool = False) -> dict:
     world_size = dist.get_world_size()
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)
-    repeats = 2 * QUICK_REPEATS + 1 if quick else REPEATS
-    result = {}
+    repeats = ISSUE_REPEATS if quick else REPEATS
+    pairs = []
     for kind in BUSY_KINDS:
         issue = _work(kind, BUSY_BYTES, world_size, device)
         issue().wait()
 
-        def block(busy: bool) -> float:
+        def block(busy: bool, issue=issue) -> float:
             dist.barrier()
             begin = time.perf_counter()
             works = [issue() for _ in range(BUSY_COUNT)]
@@ -406,11 +422,9 @@ def measure_busy(device: torch.device, quick: bool = False) -> dict:
             return (time.perf_counter() - begin) * 1e3
 
         block(True)
-        extra = statistics.median(block(True) - block(False) for _ in range(repeats))
-        us = torch.tensor([max(0.0, extra / BUSY_COUNT * 1e3)], dtype=torch.float64)
-        dist.all_reduce(us, op=dist.ReduceOp.MAX)
-        result[kind] = float(us.item())
-    return result
+        pairs.append(lambda block=block: (block(True) - block(False)) / BUSY_COUNT * 1e3)
+    extra = _slowest_median(interleaved(pairs, repeats))
+    return {kind: max(0.0, us) for kind, us in zip(BUSY_KINDS, extra)}
 
 
 def _interpolate(samples: list[tuple[int, float]], nbytes: int) -> float:
@@ -445,9 +459,32 @@ def fit_issue(samples: list[tuple[int, float]]) -> tuple[float, float]:
     return intercept, 1e-3 / slope
 
 
+def interleaved(runs: list[Callable[[], float]], rounds: int) -> list[list[float]]:
+    """``rounds`` samples of each of ``runs`` (callables returning one measured number), taken
+    round-robin: run 0, 1, ..., n-1, then again, so a slow spell of the machine (a ~4 ms stall
+    on 2 shared cores hits several consecutive samples) spreads over every run instead of
+    filling one run's samples. Returns the samples per run, in order."""
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for run, taken in zip(runs, samples):
+            taken.append(run())
+    return samples
+
+
+def _slowest_median(samples: list[list[float]]) -> list[float]:
+    """Per run, the median of this rank's samples, then the largest over the default group's
+    ranks (every rank calls this with as many runs)."""
+    import torch.distributed as dist
+
+    medians = torch.tensor([statistics.median(taken) for taken in samples], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return [float(v) for v in medians]
+
+
 def measure_collectives(device: torch.device, quick: bool = False, say=lambda message: None) -> dict:
     """{kind: [(full bytes, ms), ...]} on the default process group (every rank calls this).
-    Each time is the slowest rank's median."""
+    Every (kind, size) is timed ``repeats`` times, interleaved (``interleaved``); each time is
+    the slowest rank's median."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
@@ -457,16 +494,25 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
     for kind in KINDS:   # warm-up: connection set-up and first-use costs
         for _ in range(2):
             _collective(kind, sizes[0], world_size, group_name, device)()
-    results: dict[str, list[tuple[int, float]]] = {}
-    for kind in KINDS:
-        for nbytes in sizes:
-            run = _collective(kind, nbytes, world_size, group_name, device)
+    points = [(kind, nbytes) for kind in KINDS for nbytes in sizes]
+    runs = []
+    for kind, nbytes in points:
+        run = _collective(kind, nbytes, world_size, group_name, device)
+        run()
+
+        def timed(run=run) -> float:
+            sync()
+            begin = time.perf_counter()
             run()
-            dist.barrier()
-            ms = torch.tensor([_median_ms(run, repeats, sync)], dtype=torch.float64)
-            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-            numel = max(world_size, nbytes // 4 // world_size * world_size)
-            results.setdefault(kind, []).append((numel * 4, float(ms.item())))
+            sync()
+            return (time.perf_counter() - begin) * 1e3
+        runs.append(timed)
+    dist.barrier()
+    results: dict[str, list[tuple[int, float]]] = {}
+    for (kind, nbytes), ms in zip(points, _slowest_median(interleaved(runs, repeats))):
+        numel = max(world_size, nbytes // 4 // world_size * world_size)
+        results.setdefault(kind, []).append((numel * 4, ms))
+    for kind in KINDS:
         say(f"{kind}: " + ", ".join(f"{b >> 10} KiB {ms:.3f} ms" for b, ms in results[kind]))
     return results
 
@@ -475,8 +521,9 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
              device: torch.device, fallback_link: str = "ethernet", quick: bool = False,
              issue: dict | None = None, busy: dict | None = None) -> dict:
     """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements;
-    ``issue`` ({kind: [(bytes, us), ...]}, ``measure_issue``) gives the link's ``issue_us``
-    and ``issue_gbps`` (``fit_issue`` over every kind's samples); ``busy`` ({kind: us},
+    ``issue`` ({kind: [(bytes, us, start us), ...]}, ``measure_issue``) gives the link's ``issue_us``
+    and ``issue_gbps`` (``fit_issue`` over every kind's samples) and, the same way from the
+    start calls, ``start_us`` and ``start_gbps``; ``busy`` ({kind: us},
     ``measure_busy``) its ``busy_us``, their mean (absent: 0)."""
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
@@ -507,14 +554,17 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
                             for b, ms in samples]}
             pooled += [(b * ring, ms) for b, ms in samples]   # already in ring units: fit with ring 1
         gbps, latency_us = fit(pooled, "broadcast", world_size)
-        issue_us, issue_gbps = fit_issue([sample for kind in sorted(issue or {}) for sample in issue[kind]])
+        issue_us, issue_gbps = fit_issue([(b, us) for kind in sorted(issue or {}) for b, us, _ in issue[kind]])
         doc["link"] = {"name": backend, "gbps": gbps, "latency_us": latency_us,
                        "issue_us": issue_us, "issue_gbps": issue_gbps,
                        "busy_us": statistics.mean(busy.values()) if busy else 0.0}
+        if issue:
+            start_us, start_gbps = fit_issue([(b, us) for kind in sorted(issue) for b, _, us in issue[kind]])
+            doc["link"].update(start_us=start_us, start_gbps=start_gbps)
         if busy:
             measured["busy"] = dict(sorted(busy.items()))
         if issue:
-            measured["issue"] = {kind: [{"bytes": b, "us": us} for b, us in samples]
+            measured["issue"] = {kind: [{"bytes": b, "us": us, "start_us": start_us} for b, us, start_us in samples]
                                  for kind, samples in sorted(issue.items())}
     doc["measured"] = measured
     return doc
@@ -583,7 +633,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
         say(f"issuing a collective during compute costs it {link['issue_us']:.3g} us"
             + (f" + bytes / {link['issue_gbps']:.3g} GB/s" if link["issue_gbps"] else "")
             + " (" + ", ".join(f"{kind} {b >> 10} KiB {us:.0f} us" for kind in sorted(issue)
-                               for b, us in issue[kind]) + ")")
+                               for b, us, _ in issue[kind]) + ")")
     if rank == 0 and out:
         write(doc, out)
     return doc

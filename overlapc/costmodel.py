@@ -30,6 +30,8 @@ Profile file ("overlapc.profile/1")::
      "link": {"name": str, "gbps": float > 0, "latency_us": float >= 0,
               "issue_us": float >= 0,                  # optional (0): compute-stream time per collective
               "issue_gbps": float >= 0,                # optional (0: none): ... plus full bytes / this
+              "start_us": float >= 0,                  # optional (all of issue): its start call's part
+              "start_gbps": float >= 0,                # optional (0: none): ... plus full bytes / this
               "busy_us": float >= 0},                  # optional (0): longer per collective beside compute
      "collectives": {<kind>: {"gbps": float > 0, "latency_us": float >= 0,
                               "samples": [{"bytes": int, "ms": float, "fit_ms": float}, ...]}, ...},
@@ -101,7 +103,10 @@ class LinkProfile:
     work and the collective's own threads take CPU time from compute; 0 for the built-in GPU
     links, where a launch costs the GPU nothing. ``busy_us``: how much longer a collective
     takes when its ranks compute while it runs (a CPU backend's threads share the cores),
-    added to every collective's time by ``collective_ms``; 0 for the built-in links."""
+    added to every collective's time by ``collective_ms``; 0 for the built-in links.
+    ``start_us`` and ``start_gbps``: the part of the issue cost spent in the start call itself
+    (None: all of it); the rest is the backend's CPU work while the collective runs, which
+    ``overlapc.simulate`` charges to compute only where the compute stream does not idle."""
 
     name: str
     gbps: float
@@ -110,11 +115,21 @@ class LinkProfile:
     issue_us: float = 0.0
     issue_gbps: float = 0.0
     busy_us: float = 0.0
+    start_us: float | None = None
+    start_gbps: float = 0.0
 
     def issue_ms(self, nbytes: int | None) -> float:
         """The compute stream's time for issuing one collective of ``nbytes`` full bytes (ms)."""
         per_byte = (nbytes or 0) / (self.issue_gbps * 1e9) * 1e3 if self.issue_gbps > 0 else 0.0
         return self.issue_us * 1e-3 + per_byte
+
+    def start_ms(self, nbytes: int | None) -> float:
+        """The part of ``issue_ms(nbytes)`` spent in the start call (ms): all of it when
+        ``start_us`` is None, never more."""
+        if self.start_us is None:
+            return self.issue_ms(nbytes)
+        per_byte = (nbytes or 0) / (self.start_gbps * 1e9) * 1e3 if self.start_gbps > 0 else 0.0
+        return min(self.issue_ms(nbytes), self.start_us * 1e-3 + per_byte)
 
     def for_kind(self, kind: str) -> tuple[float, float]:
         """(gbps, latency_us) for collectives of ``kind``."""
@@ -299,7 +314,10 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
                            _number(f"{where}: link.latency_us", lnk["latency_us"], 0, False), tuple(per_kind),
                            _number(f"{where}: link.issue_us", lnk.get("issue_us", 0.0), 0, False),
                            _number(f"{where}: link.issue_gbps", lnk.get("issue_gbps", 0.0), 0, False),
-                           _number(f"{where}: link.busy_us", lnk.get("busy_us", 0.0), 0, False))
+                           _number(f"{where}: link.busy_us", lnk.get("busy_us", 0.0), 0, False),
+                           None if lnk.get("start_us") is None
+                           else _number(f"{where}: link.start_us", lnk["start_us"], 0, False),
+                           _number(f"{where}: link.start_gbps", lnk.get("start_gbps", 0.0), 0, False))
     except (KeyError, TypeError) as error:
         raise ValueError(f"{where}: missing or malformed field {error} (schema {PROFILE_SCHEMA})") from None
     return Profile(device, link, name, source)

@@ -9,11 +9,16 @@ Nodes are walked in program order:
 * a collective start is issued at the compute stream's current time and runs
   on its group's stream from then, once the previous collective of that group
   has finished (issue order within a group); issuing keeps the compute stream
-  busy for the link's ``issue_ms`` of its bytes (0 on the built-in links; a
-  calibrated CPU profile measures it: gloo enqueues on the caller's thread and
-  its threads take CPU time from compute while the collective runs);
+  busy for the link's ``start_ms`` of its bytes (the start call; 0 on the
+  built-in links, measured by a calibrated CPU profile: gloo enqueues on the
+  caller's thread);
 * a wait blocks the compute stream until its collective ends; the time the
-  stream stalls is that collective's *exposed* time.
+  stream stalls is that collective's *exposed* time. At its first wait the
+  rest of the link's ``issue_ms`` (the CPU time gloo's threads take while the
+  collective runs) is charged to the compute stream, less the time the
+  stream stalled during the collective's run (its cores were free then): in
+  full for a hidden collective, not at all for one that kept compute waiting
+  that long. A collective never waited pays it in full at the end.
 
 A collective is *hidden* when its waits stall compute for less than 1% of its
 duration or less than 1 us. In-flight bytes are counted by the scheduler's own
@@ -119,6 +124,17 @@ def checked_order(gm: fx.GraphModule, order=None) -> list[fx.Node]:
     return order
 
 
+def _stalled(stalls: list[tuple[float, float]], begin: float, end: float) -> float:
+    """How long the compute stream stalled between ``begin`` and ``end`` (``stalls`` in time
+    order, not overlapping)."""
+    total = 0.0
+    for low, high in reversed(stalls):
+        if high <= begin:
+            break
+        total += max(0.0, min(high, end) - max(low, begin))
+    return total
+
+
 def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order=None, *,
              compute_ms: Callable[[fx.Node], float] | None = None,
              comm_ms: Callable[[Collective], float] | None = None) -> Timeline:
@@ -140,26 +156,32 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
     now = 0.0                                  # compute stream time
     group_free: dict[str, float] = {}          # group -> when its stream is free
     compute: dict[str, tuple[float, float]] = {}
-    issued: dict[fx.Node, list[float]] = {}    # start -> [issue, start, end, exposed]
+    issued: dict[fx.Node, list[float]] = {}    # start -> [issue, start, end, exposed, background]
+    stalls: list[tuple[float, float]] = []     # the compute stream's waits, in time order
     waits_left = {c.start: len(c.waits) for c in found}
     flight = InFlight({c.start: held_bytes(c) for c in found})
     for node in order:
         c = of_start.get(node)
         if c is not None:
             issue = now
-            now += profile.link_for(c.group).issue_ms(costmodel.collective_bytes(c))
+            link, nbytes = profile.link_for(c.group), costmodel.collective_bytes(c)
+            now += link.start_ms(nbytes)
             begin = max(issue, group_free.get(c.group, 0.0))
             end = begin + comm_ms(c)
             group_free[c.group] = end
-            issued[node] = [issue, begin, end, 0.0]
+            issued[node] = [issue, begin, end, 0.0, link.issue_ms(nbytes) - link.start_ms(nbytes)]
             if c.waits:
                 flight.open(c)
             continue
         c = of_wait.get(node)
         if c is not None:
             record = issued[c.start]
-            record[3] += max(0.0, record[2] - now)
-            now = max(now, record[2])
+            if record[2] > now:
+                record[3] += record[2] - now
+                stalls.append((now, record[2]))
+                now = record[2]
+            now += max(0.0, record[4] - _stalled(stalls, record[1], record[2]))
+            record[4] = 0.0
             waits_left[c.start] -= 1
             if waits_left[c.start] == 0:
                 flight.close(c)
@@ -167,9 +189,10 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
         cost = compute_ms(node)
         compute[node.name] = (now, now + cost)
         now += cost
+    now += sum(record[4] for record in issued.values())
 
     times = {}
-    for start, (issue, begin, end, exposed) in issued.items():
+    for start, (issue, begin, end, exposed, _) in issued.items():
         times[start.name] = CollectiveTime(of_start[start], issue, begin, end, exposed)
     return Timeline(compute=compute, collectives=times, step_ms=now,
                     exposed_ms=sum(t.exposed_ms for t in times.values()),

@@ -105,6 +105,9 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert (doc["link"]["issue_us"], doc["link"]["issue_gbps"]) == pytest.approx(
         calibrate.fit_issue([(s["bytes"], s["us"]) for k in sorted(issue) for s in issue[k]]))
     assert doc["link"]["issue_us"] > 0    # issuing and running a collective costs its caller time
+    assert all(s["start_us"] > 0 for k in issue for s in issue[k])   # the start call's part of it
+    assert (doc["link"]["start_us"], doc["link"]["start_gbps"]) == pytest.approx(
+        calibrate.fit_issue([(s["bytes"], s["start_us"]) for k in sorted(issue) for s in issue[k]]))
     # a training step outside its graphs: fixed and per (DTensor) parameter
     assert doc["device"]["step_us"] > 0 and doc["device"]["param_us"] > 0
     assert doc["measured"]["compute"]["step"]["dtensor"] is True
@@ -137,3 +140,24 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
         *capsys.readouterr()
     assert json.loads(default)["graphs"][0]["rows"][0]["comm_ms"] != pytest.approx(
         report["graphs"][0]["rows"][0]["comm_ms"])
+
+
+def test_interleaved_takes_samples_round_robin():
+    calls = []
+    runs = [lambda i=i: calls.append(i) or float(10 * i + len(calls)) for i in range(3)]
+    samples = calibrate.interleaved(runs, 2)
+    assert calls == [0, 1, 2, 0, 1, 2]
+    assert samples == [[1.0, 4.0], [12.0, 15.0], [23.0, 26.0]]
+
+
+def test_document_fits_the_start_call_part_of_the_issue_cost():
+    compute = {"tflops": 0.1, "mem_gbps": 10.0}
+    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)]}
+    issue = {"all_gather": [(4096, 500.0, 150.0), (1 << 20, 1500.0, 400.0)],
+             "all_reduce": [(4096, 700.0, 250.0), (1 << 20, 1700.0, 500.0)]}
+    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue)
+    pairs = lambda part: [(s[0], s[part]) for k in sorted(issue) for s in issue[k]]  # noqa: E731
+    assert (doc["link"]["issue_us"], doc["link"]["issue_gbps"]) == pytest.approx(calibrate.fit_issue(pairs(1)))
+    assert (doc["link"]["start_us"], doc["link"]["start_gbps"]) == pytest.approx(calibrate.fit_issue(pairs(2)))
+    assert doc["measured"]["issue"]["all_reduce"][0] == {"bytes": 4096, "us": 700.0, "start_us": 250.0}
+    assert "start_us" not in calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"))["link"]
