@@ -502,7 +502,8 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
 
 def _estimator(profile, info: dict):
     """row -> estimated duration (ms): the dump's comm_ms, or ``profile``'s for its kind, bytes
-    and group (by name or mesh dim name; its size from the trace's process group list)."""
+    and group (by name or mesh dim name; its size from the trace's process group list), as
+    ``costmodel.collective_ms`` (``busy_us`` included)."""
     if profile is None:
         return lambda row: row.get("comm_ms")
     from overlapc import costmodel
@@ -519,9 +520,10 @@ def _estimator(profile, info: dict):
     def estimate(row: dict) -> float | None:
         if row.get("nbytes") is None:
             return None
-        gbps, latency_us = resolved.link_for(str(row["group"])).for_kind(row["kind"])
+        link = resolved.link_for(str(row["group"]))
+        gbps, latency_us = link.for_kind(row["kind"])
         ring = costmodel.ring_factor(row["kind"], sizes.get(str(row["group"])))
-        return latency_us * 1e-3 + row["nbytes"] * ring / (gbps * 1e9) * 1e3
+        return (latency_us + link.busy_us) * 1e-3 + row["nbytes"] * ring / (gbps * 1e9) * 1e3
     return estimate
 
 

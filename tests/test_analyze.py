@@ -6,6 +6,7 @@ args.correlation) and the kernels those launch ("kernel", same correlation, a
 stream each). There is no GPU on these machines: it is synthetic, with timings
 chosen so the exposed time is known.
 """
+import dataclasses
 import json
 import os
 
@@ -240,3 +241,7 @@ def test_profile_reestimates_matched_collectives(tmp_path):
     assert got["all_gather"] == pytest.approx(ib.latency_us * 1e-3 + (1 << 20) * 7 / 8 / (ib.gbps * 1e9) * 1e3)
     assert got["all_reduce"] == pytest.approx(nvlink.latency_us * 1e-3 + (1 << 20) * 2 * 1 / 2
                                               / (nvlink.gbps * 1e9) * 1e3)
+    # a link's busy_us is part of every collective's time, as in costmodel.collective_ms
+    busy = costmodel.Profile(costmodel.DEVICES["cpu"], dataclasses.replace(ib, busy_us=300.0))
+    slower = {m.kind: m.estimated_ms for m in analyze.analyze(trace, str(tmp_path / "dump"), busy).collectives}
+    assert slower["all_gather"] == pytest.approx(got["all_gather"] + 0.3)
