@@ -103,8 +103,9 @@ class LinkProfile:
     work and the collective's own threads take CPU time from compute; 0 for the built-in GPU
     links, where a launch costs the GPU nothing. ``busy_us``: how much longer a collective
     takes when its ranks compute while it runs (a CPU backend's threads share the cores),
-    added to every collective's time by ``collective_ms``; 0 for the built-in links.
-    ``start_us`` and ``start_gbps``: the part of the issue cost spent in the start call itself
+    added to every collective's time by ``collective_ms`` (``overlapc.simulate`` adds it in
+    proportion to the share of the collective's run the compute stream computes through); 0
+    for the built-in links. ``start_us`` and ``start_gbps``: the part of the issue cost spent in the start call itself
     (None: all of it); the rest is the backend's CPU work while the collective runs, which
     ``overlapc.simulate`` charges to compute only where the compute stream does not idle."""
 

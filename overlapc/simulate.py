@@ -20,6 +20,14 @@ Nodes are walked in program order:
   full for a hidden collective, not at all for one that kept compute waiting
   that long. A collective never waited pays it in full at the end.
 
+A calibrated CPU link's ``busy_us`` (how much longer a collective takes while
+its ranks compute all through it) is added to each collective in proportion
+to the share of its run the compute stream computes through: a first pass
+without it finds, per collective, how much of its run the stream stalled; the
+second adds ``busy_us`` x the rest (all of it for a hidden collective, none
+for one that ran while compute waited for it throughout). Only when the
+costs come from the profile (``comm_ms`` not given).
+
 A collective is *hidden* when its waits stall compute for less than 1% of its
 duration or less than 1 us. In-flight bytes are counted by the scheduler's own
 tracker (``overlapc.passes.inflight.InFlight``): what collectives issued and
@@ -135,31 +143,17 @@ def _stalled(stalls: list[tuple[float, float]], begin: float, end: float) -> flo
     return total
 
 
-def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order=None, *,
-             compute_ms: Callable[[fx.Node], float] | None = None,
-             comm_ms: Callable[[Collective], float] | None = None) -> Timeline:
-    """Simulate ``gm`` run in ``order`` (list of its nodes or node names; default graph order).
-
-    ``profile`` defaults to ``costmodel.profile()`` (h100 + nvlink);
-    ``compute_ms`` / ``comm_ms`` replace the cost model's estimates.
-    """
-    profile = profile if profile is not None else costmodel.profile()
-    if compute_ms is None:
-        compute_ms = lambda node: costmodel.compute_ms(node, profile.device)  # noqa: E731
-    if comm_ms is None:
-        comm_ms = lambda c: costmodel.collective_ms(c, profile.link_for(c.group))  # noqa: E731
-    order = checked_order(gm, order)
-    found = collectives(gm)
-    of_start = {c.start: c for c in found}
-    of_wait = {w: c for c in found for w in c.waits}
-
+def _walk(order, of_start, of_wait, costs, profile, comm_ms):
+    """One pass of the two-stream model (module docstring) over ``order``; ``costs``: node ->
+    compute ms. Returns (step ms, compute spans, start -> [issue, start, end, exposed, 0],
+    the compute stream's stalls in time order, the in-flight tracker)."""
     now = 0.0                                  # compute stream time
     group_free: dict[str, float] = {}          # group -> when its stream is free
     compute: dict[str, tuple[float, float]] = {}
     issued: dict[fx.Node, list[float]] = {}    # start -> [issue, start, end, exposed, background]
     stalls: list[tuple[float, float]] = []     # the compute stream's waits, in time order
-    waits_left = {c.start: len(c.waits) for c in found}
-    flight = InFlight({c.start: held_bytes(c) for c in found})
+    waits_left = {c.start: len(c.waits) for c in of_start.values()}
+    flight = InFlight({c.start: held_bytes(c) for c in of_start.values()})
     for node in order:
         c = of_start.get(node)
         if c is not None:
@@ -186,10 +180,39 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
             if waits_left[c.start] == 0:
                 flight.close(c)
             continue
-        cost = compute_ms(node)
+        cost = costs[node]
         compute[node.name] = (now, now + cost)
         now += cost
     now += sum(record[4] for record in issued.values())
+    return now, compute, issued, stalls, flight
+
+
+def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order=None, *,
+             compute_ms: Callable[[fx.Node], float] | None = None,
+             comm_ms: Callable[[Collective], float] | None = None) -> Timeline:
+    """Simulate ``gm`` run in ``order`` (list of its nodes or node names; default graph order).
+
+    ``profile`` defaults to ``costmodel.profile()`` (h100 + nvlink);
+    ``compute_ms`` / ``comm_ms`` replace the cost model's estimates.
+    """
+    profile = profile if profile is not None else costmodel.profile()
+    if compute_ms is None:
+        compute_ms = lambda node: costmodel.compute_ms(node, profile.device)  # noqa: E731
+    order = checked_order(gm, order)
+    found = collectives(gm)
+    of_start = {c.start: c for c in found}
+    of_wait = {w: c for c in found for w in c.waits}
+    costs = {node: compute_ms(node) for node in order if node not in of_start and node not in of_wait}
+    if comm_ms is not None:
+        now, compute, issued, stalls, flight = _walk(order, of_start, of_wait, costs, profile, comm_ms)
+    else:   # busy_us in proportion to the share of its run the compute stream computes through
+        busy = {c.start: profile.link_for(c.group).busy_us * 1e-3 for c in found}
+        base = {c.start: costmodel.collective_ms(c, profile.link_for(c.group)) - busy[c.start] for c in found}
+        *_, issued, stalls, _ = _walk(order, of_start, of_wait, costs, profile, lambda c: base[c.start])
+        share = {start: 1.0 - _stalled(stalls, begin, end) / (end - begin) if end > begin else 0.0
+                 for start, (_, begin, end, *_) in issued.items()}
+        now, compute, issued, stalls, flight = _walk(
+            order, of_start, of_wait, costs, profile, lambda c: base[c.start] + busy[c.start] * share[c.start])
 
     times = {}
     for start, (issue, begin, end, exposed, _) in issued.items():

@@ -65,3 +65,22 @@ def test_background_issue_cost_is_charged_where_compute_runs(fake_pg, comm, step
     unsplit = simulate(gm, costmodel.Profile(device, whole), compute_ms=lambda n: compute.get(n.name, 0.0),
                        comm_ms=lambda c: comm)
     assert unsplit.step_ms == pytest.approx(max(2.5, 1.0 + comm))
+
+
+@pytest.mark.parametrize("latency_us, step", [
+    (2000.0, 3.5),   # first pass: runs 1-3 ms, compute stalls 2-3: half its run -> + 0.5 ms
+    (500.0, 2.5),    # hidden in the first pass: all of busy_us -> runs 1-2.5 ms
+])
+def test_busy_us_in_proportion_to_the_compute_it_runs_beside(fake_pg, latency_us, step):
+    gm = make_fx(gather_between_compute)(torch.randn(8, 8), torch.randn(1, 8))
+    compute = {"mm": 1.0, "mm_1": 1.0}
+    device = costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0)
+    link = costmodel.LinkProfile("l", gbps=1e9, latency_us=latency_us, busy_us=1000.0)
+    timeline = simulate(gm, costmodel.Profile(device, link), compute_ms=lambda n: compute.get(n.name, 0.0))
+    assert timeline.step_ms == pytest.approx(step)
+    gather = timeline.collectives["all_gather_into_tensor"]
+    assert gather.end_ms == pytest.approx(step)
+    # exact costs given: busy_us is theirs to include
+    given = simulate(gm, costmodel.Profile(device, link), compute_ms=lambda n: compute.get(n.name, 0.0),
+                     comm_ms=lambda c: costmodel.collective_ms(c, link))
+    assert given.collectives["all_gather_into_tensor"].duration_ms == pytest.approx(latency_us * 1e-3 + 1.0)

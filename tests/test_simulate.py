@@ -197,7 +197,8 @@ def test_collective_ms_ring_factors(fake_pg):
     device = costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0)
     idle_t, busy_t = (simulate(gm_busy, costmodel.Profile(device, lnk)).collectives["all_gather_into_tensor"]
                       for lnk in (link, busy))
-    assert busy_t.duration_ms == pytest.approx(idle_t.duration_ms + 0.7)
+    # ... in the simulation by the share of its run compute runs beside it (tests/test_costmodel.py)
+    assert idle_t.duration_ms < busy_t.duration_ms <= idle_t.duration_ms + 0.7
 
 
 def test_profile_names_and_overrides():
