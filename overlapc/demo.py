@@ -150,7 +150,9 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     dist.destroy_process_group()
 
 
-PROFILED = 5   # steps under torch.profiler, after one warm-up step
+PROFILED = 9   # steps under torch.profiler, after one warm-up step: on 2 shared cores a step takes
+#               28-80 ms (a ~4 ms stall hits some collectives and not others), and the median of 5
+#               moved by a third between runs of the same program
 
 
 def _profile(model, data, path: str) -> None:
