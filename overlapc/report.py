@@ -421,8 +421,10 @@ def rewrites_text(summary: dict) -> str:
             if r.get("fed_by"):
                 state += f"; fed piece by piece by {r['fed_by']}'s pieces"
             if r.get("estimates"):   # chunks="auto": the choice among the counts it estimated
-                state += "; auto chose " + str(r["chunks"]) + " of " + ", ".join(
-                    f"{k}: {ms:.3f}ms" for k, ms in r["estimates"])
+                chained = r.get("fed_by") or any(o.get("fed_by") in r["starts"] for o in records
+                                                 if o["rewrite"] == "chunk")
+                state += "; auto chose " + str(r["chunks"]) + (" for its chain" if chained else "") + " of " \
+                    + ", ".join(f"{k}: {ms:.3f}ms" for k, ms in r["estimates"])
             lines.append(f"chunk {r['pattern']} ({', '.join(r['starts'])}, group {r['group']}): {state}")
         else:
             members = ", ".join(r.get("modules") or r.get("members") or ())

@@ -401,7 +401,8 @@ def test_compute_that_mixes_rows_between_is_not_chained(fake_pg):
 
 def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
     """Pieces pay a latency and a fixed cost per op each: a slow link with compute of
-    the same order pipelines, a fast link with a large latency does not."""
+    the same order pipelines, a fast link with a large latency does not. Attention and
+    MLP feed one another (a chain): they take one count, the least summed estimate."""
     from overlapc import costmodel
     from overlapc.passes.chunk.estimate import CANDIDATES
     balanced = costmodel.profile("cpu", "ethernet", tflops=1e-5, link_gbps=0.002, latency_us=1.0)
@@ -411,19 +412,42 @@ def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
         notes = chunk_collectives(gm, "auto", prof)
         gm.graph.lint()
         assert [n.pattern for n in notes] == ["all_gather_matmul"] * 2, notes
-        # attention: batch 4, at most 4 pieces; the MLP may also cut the sequence rows
-        assert [k for k, _ in notes[0].estimates] == [1, 2, 4], notes[0]
-        for note in notes:
-            ks = [k for k, _ in note.estimates]
-            assert ks[0] == 1 and set(ks) <= set(CANDIDATES) and ks == sorted(ks), note
-            best = min(note.estimates, key=lambda e: (e[1], e[0]))
-            assert note.chunks == best[0] and note.applied == (best[0] > 1), note
-            assert (note.chunks > 1) == pipelined, note
+        attention, mlp = notes
+        # one chain: the same summed estimates on both notes, one count; attention cuts
+        # batch 4 (at most 4 pieces), the MLP also the sequence rows (8)
+        assert attention.estimates == mlp.estimates, notes
+        ks = [k for k, _ in attention.estimates]
+        assert ks == [1, 2, 4, 8] and set(ks) <= set(CANDIDATES), attention
+        best = min(attention.estimates, key=lambda e: (e[1], e[0]))
+        assert attention.chunks == mlp.chunks == best[0] and best[0] != 8, notes
+        assert attention.applied == mlp.applied == (best[0] > 1) == pipelined, notes
         if pipelined:
+            assert mlp.fed_by == attention.starts[1], notes
             assert_same_values(tp_batch_graphs["fw_0"], gm)
         else:
             assert all("estimated fastest" in n.reason for n in notes)
             assert count(gm, F.all_gather_into_tensor.default) == 2
+
+
+def test_auto_chain_estimate_counts_every_piece_of_the_fed_pipeline(tp_batch_graphs):
+    """A fed pipeline's first gather is still on the link (only its issue is the
+    feeder's), and left alone nothing feeds it: the chain's estimate with k pieces is at
+    least the link time of every collective's bytes, and with 1 piece the collectives
+    and the compute in series."""
+    from overlapc import costmodel
+    from overlapc.passes.chunk.estimate import _comm_ms
+    prof = costmodel.profile("cpu", "ethernet", tflops=1e-4, link_gbps=0.002, latency_us=0.0)   # link-bound
+    gm = copy.deepcopy(tp_batch_graphs["fw_0"])
+    matmuls = sum(costmodel.compute_ms(n, prof.device) for n in gm.graph.nodes
+                  if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default))
+    starts = [n for n in gm.graph.nodes if n.target in (F.all_gather_into_tensor.default,
+                                                        F.reduce_scatter_tensor.default)]
+    link = sum(_comm_ms(s, 1, prof.link, WORLD)[0] for s in starts)
+    notes = chunk_collectives(gm, "auto", prof)
+    estimates = dict(notes[0].estimates)
+    assert all(ms >= link * (1 - 1e-9) for ms in estimates.values()), (estimates, link)
+    assert estimates[1] >= (link + matmuls) * (1 - 1e-9), (estimates, link, matmuls)
+    assert notes[0].chunks > 1 and notes[1].fed_by, notes
 
 
 def test_pipeline_estimate_overlaps_pieces(fake_pg):

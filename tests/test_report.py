@@ -307,6 +307,11 @@ def test_rewrites_text_prints_the_auto_chunk_choice_and_its_neighbours():
               "estimates": [[1, 2.0], [2, 1.5], [4, 1.25], [8, 1.375]]}
     text = report.rewrites_text({"rewrites": [record], "collectives": 4})
     assert "split into 4: p0, p1, p2, p3; auto chose 4 of 1: 2.000ms, 2: 1.500ms, 4: 1.250ms, 8: 1.375ms" in text
+    # a pipeline fed by another: the estimates are their chain's, and the line says so
+    fed = {**record, "starts": ["ag_1", "rs_1"], "pieces": ["q0", "q1", "q2", "q3"], "fed_by": "rs"}
+    feeder = {**record, "starts": ["ag", "rs"]}
+    lines = report.rewrites_text({"rewrites": [feeder, fed], "collectives": 8}).splitlines()
+    assert sum("; auto chose 4 for its chain of 1: 2.000ms" in line for line in lines) == 2, lines
 
 
 def test_rewrites_text_names_identical_merges_and_where_a_pipeline_stops():

@@ -75,6 +75,12 @@ it reads (a weight's transpose) moves to just before its first reader.
 
 ``chunks="auto"``: per pattern, the count among ``estimate.CANDIDATES`` that
 the estimator puts fastest (``estimate``), 1 leaving the pattern alone.
+Pipelines chain only with as many pieces each, so patterns that feed one
+another at some count (a chain) take one count together: the one whose
+summed estimate is least. Every count is tried on a copy of the graph first,
+so each pattern is estimated as it would be emitted (fed by its feeder or
+not); its estimate always includes the row-wise compute between it and its
+feeder: inside the pipeline when fed, before it when not.
 
 Code: ``legality`` (row-wise checks, layouts), ``plan`` (finding patterns and
 chaining them into Plans), ``emit`` (pieces, reassembly, order), ``estimate``
@@ -116,8 +122,10 @@ class ChunkNote:
     fed_by: the start of an earlier pipeline whose pieces feed this one, piece by
         piece, through row-wise compute (a reduce-scatter -> residual add -> norm ->
         all-gather chain); "" when the pipeline starts from a whole tensor.
-    estimates: with chunks="auto", ((pieces, estimated ms of the pipeline), ...)
-        for every count that could be cut, 1 included (``chunk.estimate``); () otherwise.
+    estimates: with chunks="auto", ((pieces, estimated ms), ...) for every count
+        that could be cut, 1 included (``chunk.estimate``): of the pattern's pipeline,
+        or, for patterns that feed one another, of their chain's pipelines summed (the
+        chain takes one count); () otherwise.
     """
 
     pattern: str
@@ -135,10 +143,11 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
     """Split qualifying all-gather/matmul, matmul/reduce-scatter and
     all-to-all/expert/all-to-all patterns of ``gm`` into ``chunks`` pipelined
     pieces, in place (``gm.graph`` only: the caller recompiles). ``chunks="auto"``:
-    per pattern, the count in ``estimate.CANDIDATES`` that ``profile`` (anything
-    ``overlapc.costmodel.resolve`` takes) estimates fastest. Returns one note per
-    pattern found, applied or not, and appends them to ``gm.meta["overlapc_chunks"]``.
-    chunks == 1 changes nothing and returns []."""
+    per pattern (per chain of patterns that feed one another), the count in
+    ``estimate.CANDIDATES`` that ``profile`` (anything ``overlapc.costmodel.resolve``
+    takes) estimates fastest. Returns one note per pattern found, applied or not, and
+    appends them to ``gm.meta["overlapc_chunks"]``. chunks == 1 changes nothing and
+    returns []."""
     from overlapc.passes.chunk import ragged
     from overlapc.passes.chunk.emit import Emitter
     from overlapc.passes.chunk.legality import Skip
@@ -149,12 +158,13 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
         raise ValueError(f'chunk_collectives: chunks must be an int >= 1 or "auto", got {chunks!r}')
     notes: list[ChunkNote] = []
     if auto or chunks > 1:
-        planner = Planner(gm)
-        emitter = Emitter(gm, planner)
-        prof = None
+        prof = choice = None
         if auto:
             from overlapc import costmodel
             prof = costmodel.resolve(profile)
+            choice = _auto_counts(gm, prof)
+        planner = Planner(gm)
+        emitter = Emitter(gm, planner)
         done: set[fx.Node] = set()
         for start in [n for n in gm.graph.nodes if collective_op(n) in PATTERNS]:
             if start in done:
@@ -169,14 +179,19 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
             uneven = ragged.is_ragged(start)
             try:
                 if auto:
-                    k, estimates, plan = _choose_ragged(start, prof) if uneven else _choose(planner, start, prof)
+                    if uneven:
+                        k, estimates, plan = _choose_ragged(start, prof)
+                        starts, skip = tuple(n.name for n in plan.starts), None
+                    else:
+                        k, estimates, starts, skip = choice.get(start.name, (1, (), (start.name,), None))
+                    if skip is not None:
+                        raise skip
                     if k == 1:
-                        done.update(plan.starts)
-                        notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, 1, False,
-                                               "chunks auto: one piece is estimated fastest",
-                                               estimates=estimates))
+                        done.update(n for n in gm.graph.nodes if n.name in starts)
+                        notes.append(ChunkNote(pattern, starts, group, 1, False,
+                                               "chunks auto: one piece is estimated fastest", estimates=estimates))
                         continue
-                else:
+                if not (auto and uneven):
                     plan = ragged.plan_ragged(start, k) if uneven else planner.plan(start, k)
                 pieces = ragged.emit_ragged(emitter, plan) if uneven else emitter.emit(plan)
             except Skip as skip:
@@ -196,21 +211,106 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
     return notes
 
 
-def _choose(planner, start: fx.Node, prof):
-    """(k, estimates, the Plan for k) for chunks="auto"; Skip (the first count's
-    reason) when no count can be cut."""
-    from overlapc.passes.chunk.estimate import CANDIDATES, choose
+@dataclasses.dataclass
+class _Trial:
+    """One pattern emitted with k pieces on a copy of the graph."""
+
+    ms: float                        # its pipeline's estimate with k pieces (its bridge inside when fed)
+    one_ms: float                    # its estimate left alone (1 piece, nothing feeds it), no bridge
+    fed_by: str                      # its feeder's start name, or ""
+    bridge_ms: float                 # the compute from its feeder's result to its input
+    starts: tuple[str, ...]
+
+
+def _auto_counts(gm: fx.GraphModule, prof) -> dict:
+    """start name -> (k, estimates, the pattern's start names, None), or (1, estimates,
+    names, the Skip of a count the pattern's chain chose but it cannot take), for
+    chunks="auto" and every pattern but the ragged ones and count exchanges. Each count
+    in ``CANDIDATES`` is emitted for the whole graph on a copy; patterns joined by a
+    feed at any count form a chain that takes the count of least summed estimate (ties
+    to fewer pieces), each pattern's estimate including its bridge compute (inside the
+    pipeline when fed, before it when not)."""
+    import copy
+
+    from overlapc import costmodel
+    from overlapc.passes.chunk import ragged
+    from overlapc.passes.chunk.emit import Emitter
+    from overlapc.passes.chunk.estimate import CANDIDATES, pipeline_ms
     from overlapc.passes.chunk.legality import Skip
-    plans, first = {}, None
+    from overlapc.passes.chunk.plan import PATTERNS, Planner
+
+    trials: dict[str, dict[int, _Trial]] = {}   # pattern (its first start's name) -> k -> trial
+    skips: dict[str, Skip] = {}
+    order: list[str] = []                       # patterns in graph order
+    owner: dict[str, str] = {}                  # any start's name -> its pattern
     for k in CANDIDATES[1:]:
-        try:
-            plans[k] = planner.plan(start, k)
-        except Skip as skip:
-            first = first or skip
-    if not plans:
-        raise first
-    k, estimates = choose(plans, prof)
-    return k, estimates, plans[k if k > 1 else min(plans)]
+        trial = copy.deepcopy(gm)
+        planner = Planner(trial)
+        emitter = Emitter(trial, planner)
+        done: set[fx.Node] = set()
+        for start in [n for n in trial.graph.nodes if collective_op(n) in PATTERNS]:
+            if start in done or ragged.count_exchange(start) is not None or ragged.is_ragged(start):
+                continue
+            if start.name not in order:
+                order.append(start.name)
+            try:
+                plan = planner.plan(start, k)
+                ms, one_ms = pipeline_ms(plan, k, prof), pipeline_ms(plan, 1, prof)
+                emitter.emit(plan)
+            except Skip as skip:
+                emitter.discard()
+                done.add(start)
+                skips.setdefault(start.name, skip)
+                continue
+            done.update(plan.starts)
+            bridge = sum(costmodel.compute_ms(n, prof.device) for n in (plan.link.bridge if plan.link else ()))
+            starts = tuple(n.name for n in plan.starts)
+            owner.update((name, start.name) for name in starts)
+            trials.setdefault(start.name, {})[k] = _Trial(
+                ms, one_ms - bridge, plan.link.joined.start if plan.link is not None else "", bridge, starts)
+    head = {name: name for name in order}       # chains: union of the feeds at every count
+    for name in order:
+        for t in trials.get(name, {}).values():
+            if t.fed_by in owner:
+                a, b = sorted((_root(head, owner[t.fed_by]), _root(head, name)), key=order.index)
+                head[b] = a
+    chains: dict[str, list[str]] = {}
+    for name in order:
+        chains.setdefault(_root(head, name), []).append(name)
+
+    def estimate(name: str, k: int) -> float:
+        """The pattern's estimate with k pieces (1, or a count it cannot take: left
+        alone), its bridge compute included."""
+        runs = trials[name]
+        bridge = max(r.bridge_ms for r in runs.values())
+        if k not in runs:
+            return runs[min(runs)].one_ms + bridge
+        return runs[k].ms + (0.0 if runs[k].fed_by else bridge)
+
+    choice = {}
+    for members in chains.values():
+        cut = [m for m in members if m in trials]
+        ks = [1, *sorted({k for m in cut for k in trials[m]})]
+        summed = tuple((k, sum(estimate(m, k) for m in cut)) for k in ks)
+        best = min(summed, key=lambda e: (e[1], e[0]))[0] if cut else 1
+        for m in members:
+            if m not in trials:
+                choice[m] = (1, (), (m,), skips[m])
+                continue
+            own = tuple((k, estimate(m, k)) for k in [1, *sorted(trials[m])])
+            runs = trials[m]
+            if best not in runs and best != 1:
+                why = skips.get(m) or Skip(f"chunks auto: its chain takes {best} pieces, which do not cut it")
+                choice[m] = (1, own, runs[min(runs)].starts, why)
+            else:
+                choice[m] = (best, summed if len(cut) > 1 else own, runs.get(best, runs[min(runs)]).starts, None)
+    return choice
+
+
+def _root(head: dict, name: str) -> str:
+    while head[name] != name:
+        name = head[name]
+    return name
 
 
 def _choose_ragged(start: fx.Node, prof):

@@ -12,8 +12,10 @@ piece plus bytes / ``issue_gbps``); the link runs them one at a time in issue
 order (latency + bytes/k x ring factor / bandwidth). Order,
 as emitted: source 0; then for each piece i: source i+1, wait and compute i,
 sink i, wait for sink i-1; wait for the last sink. A pipeline fed by an
-earlier one (``Plan.link``) has its first source in flight while the feeder
-still computes: it counts as done when the pipeline starts.
+earlier one (``Plan.link``) has its first source issued while the feeder
+still computes: it is on the link when the pipeline starts, its issue paid
+by the feeder (the link's time is still the pipeline's: a chain of pipelines
+moves every piece's bytes). With 1 piece nothing feeds it.
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
         return busy
 
     if source is not None:
-        source_done.append(0.0 if plan.link is not None else issue_on_link(source))
+        fed = plan.link is not None and k == plan.link.joined.chunks
+        source_done.append(issue_on_link((source[0], 0.0) if fed else source))
     for i in range(k):
         if source is not None and i + 1 < k:
             source_done.append(issue_on_link(source))
