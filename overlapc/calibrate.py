@@ -8,7 +8,8 @@ rank 0 writes the file):
   sizes; per size the median of ``repeats`` timed runs after a warm-up (the
   first collective on a new gloo pair costs ~1.5 s), the slowest rank's median
   counting. The runs of every kind and size are interleaved (round-robin), so
-  a slow spell of a shared machine spreads over all of them. Per kind a least-squares fit ``ms = latency + bytes x ring / bandwidth``
+  a slow spell of a shared machine spreads over all of them. Per kind a
+  least-squares fit ``ms = latency + bytes x ring / bandwidth``
   in ``costmodel.collective_ms``'s convention (bytes = the full, gathered or
   unscattered, buffer; ring = ``costmodel.ring_factor``), so ``collective_ms``
   with the fitted numbers gives back the fitted times. The profile's default
@@ -397,9 +398,9 @@ def measure_busy(device: torch.device, quick: bool = False) -> dict:
     """{kind: us}: how much longer a collective takes while its ranks compute than while they
     wait (on a CPU backend its threads share the cores with compute). Per kind of
     ``BUSY_KINDS``: ``BUSY_COUNT`` collectives of ``BUSY_BYTES`` issued at once, then waited
-    at once (idle) or polled between 128^2 matmuls until all are done (busy), in pairs;
-    us = the median over pairs of (busy - idle) / ``BUSY_COUNT``, >= 0, the slowest rank's.
-    Every rank calls this."""
+    at once (idle) or polled between 128^2 matmuls until all are done (busy), in pairs, the
+    kinds' pairs interleaved (``interleaved``); us = the median over pairs of (busy - idle) /
+    ``BUSY_COUNT``, >= 0, the slowest rank's. Every rank calls this."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
