@@ -384,6 +384,32 @@ def test_reduce_scatter_feeds_the_next_gather_piece_by_piece(fake_pg):
                    if any(u.name in ag.pieces for u in n.users))
 
 
+def test_a_whole_layer_norm_chains_and_its_statistics_are_reassembled(fake_pg):
+    """native_layer_norm as AOTAutograd leaves it without Inductor's decompositions
+    (backend="overlapc" with inner="aot_eager"): row-wise over dims it does not
+    normalise; its mean and rstd (saved for backward) come back whole."""
+    def fn(x, w1, w2, residual, weight, bias):
+        y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))
+        h, mean, rstd = torch.ops.aten.native_layer_norm(residual + y, [8], weight, bias, 1e-5)
+        g = F.wait_tensor(F.all_gather_into_tensor(h, WORLD, "0"))
+        return torch.mm(g, w2), mean, rstd
+    gm = trace(fn, (64, 16), (16, 8), (8, 4), (8, 8), (8,), (8,))
+    original = copy.deepcopy(gm)
+    rs, ag = chunk_collectives(gm, 4)
+    gm.graph.lint()
+    assert rs.applied and ag.applied and ag.fed_by == rs.starts[0], (rs, ag)
+    assert sum(n.target is torch.ops.aten.native_layer_norm.default for n in gm.graph.nodes) == 4
+    assert_same_values(original, gm)
+
+    def over_rows(x, w1, w2, weight, bias):   # normalising over every dim mixes the rows
+        y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))
+        h = torch.ops.aten.native_layer_norm(y, [8, 8], weight, bias, 1e-5)[0]
+        return torch.mm(F.wait_tensor(F.all_gather_into_tensor(h, WORLD, "0")), w2)
+    gm = trace(over_rows, (64, 16), (16, 8), (8, 4), (8, 8), (8, 8))
+    rs, ag = chunk_collectives(gm, 4)
+    assert ag.fed_by == "", (rs, ag)
+
+
 def test_compute_that_mixes_rows_between_is_not_chained(fake_pg):
     def fn(x, w1, w2):
         y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))

@@ -223,6 +223,11 @@ def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
                                   else False)
         if not keepdim:
             p -= sum(1 for d in dims if d % src.dim() < p)
+    elif target is aten.native_layer_norm.default:   # a norm left whole (no decompositions)
+        if node.args[0] not in layouts or len(ins) != 1:
+            raise Skip(why)
+        if p >= src.dim() - len(node.args[1]):
+            raise Skip(f"{node.name} ({opname(node)}) normalises over the rows")
     elif target in RESHAPES:
         if node.args[0] not in layouts or len(args) != 1:
             raise Skip(why)
