@@ -8,7 +8,8 @@ rank 0 writes the file):
   sizes; per size the median of ``repeats`` timed runs after a warm-up (the
   first collective on a new gloo pair costs ~1.5 s), the slowest rank's median
   counting. The runs of every kind and size are interleaved (round-robin), so
-  a slow spell of a shared machine spreads over all of them. Per kind a
+  a slow spell of a shared machine spreads over all of them, each timed run
+  right after an untimed one of the same kind and size. Per kind a
   least-squares fit ``ms = latency + bytes x ring / bandwidth``
   in ``costmodel.collective_ms``'s convention (bytes = the full, gathered or
   unscattered, buffer; ring = ``costmodel.ring_factor``), so ``collective_ms``
@@ -484,8 +485,10 @@ def _slowest_median(samples: list[list[float]]) -> list[float]:
 
 def measure_collectives(device: torch.device, quick: bool = False, say=lambda message: None) -> dict:
     """{kind: [(full bytes, ms), ...]} on the default process group (every rank calls this).
-    Every (kind, size) is timed ``repeats`` times, interleaved (``interleaved``); each time is
-    the slowest rank's median."""
+    Every (kind, size) is timed ``repeats`` times, interleaved (``interleaved``), each timed
+    call right after an untimed one of the same kind and size (on a shaped link a 4 KiB
+    collective right after a 1 MiB one queued behind its bytes: 2.7-8.5 ms); each time is the
+    slowest rank's median."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
@@ -502,6 +505,7 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
         run()
 
         def timed(run=run) -> float:
+            run()   # settles: every rank is done with the point before, whose bytes have left the link
             sync()
             begin = time.perf_counter()
             run()
