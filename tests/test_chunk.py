@@ -410,27 +410,6 @@ def test_a_whole_layer_norm_chains_and_its_statistics_are_reassembled(fake_pg):
     assert ag.fed_by == "", (rs, ag)
 
 
-def test_a_whole_layer_norm_backward_is_split_so_the_backward_chains(fake_pg):
-    """native_layer_norm_backward between a reduce-scatter and the next all-gather
-    (a TP+SP backward without decompositions): its input gradient runs piece by piece,
-    its weight and bias gradients (sums over the rows) in a second node, whole."""
-    nlnb = torch.ops.aten.native_layer_norm_backward.default
-
-    def fn(x, w1, w2, saved, mean, rstd, weight, bias, residual):
-        y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))
-        dx, dw, db = nlnb(y, saved, [8], mean, rstd, weight, bias, [True, True, True])
-        g = F.wait_tensor(F.all_gather_into_tensor(residual + dx, WORLD, "0"))
-        return torch.mm(g, w2), dw, db
-    gm = trace(fn, (64, 16), (16, 8), (8, 4), (8, 8), (8, 1), (8, 1), (8,), (8,), (8, 8))
-    original = copy.deepcopy(gm)
-    rs, ag = chunk_collectives(gm, 4)
-    gm.graph.lint()
-    assert rs.applied and ag.applied and ag.fed_by == rs.starts[0], (rs, ag)
-    masks = sorted(tuple(n.args[7]) for n in gm.graph.nodes if n.target is nlnb)
-    assert masks == [(False, True, True)] + [(True, False, False)] * 4, masks
-    assert_same_values(original, gm)   # the weight and bias gradients too (graph outputs)
-
-
 def test_compute_that_mixes_rows_between_is_not_chained(fake_pg):
     def fn(x, w1, w2):
         y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))

@@ -158,7 +158,6 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
         raise ValueError(f'chunk_collectives: chunks must be an int >= 1 or "auto", got {chunks!r}')
     notes: list[ChunkNote] = []
     if auto or chunks > 1:
-        split_norm_backward(gm)
         prof = choice = None
         if auto:
             from overlapc import costmodel
@@ -210,53 +209,6 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
             gm.graph.lint()
     gm.meta.setdefault("overlapc_chunks", []).extend(notes)
     return notes
-
-
-def split_norm_backward(gm: fx.GraphModule) -> None:
-    """Each native_layer_norm_backward whose input gradient reaches a collective start
-    and whose weight or bias gradient is used becomes two: one for the input's
-    gradient (row-wise: it can run piece by piece) and one for the weight's and bias's
-    (sums over the rows, run whole). The same kernel with another output mask: the
-    values are unchanged. What AOTAutograd leaves without Inductor's decompositions
-    (inner="aot_eager") between a TP+SP backward's reduce-scatter and the next
-    all-gather."""
-    import operator
-
-    from overlapc.passes.chunk.legality import NORM_BACKWARD
-    from overlapc.passes.rewrite import FakeValues, new_node
-
-    fake = None
-    for node in list(gm.graph.nodes):
-        if node.target is not NORM_BACKWARD or not any(node.args[7][1:]):
-            continue
-        outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        if 0 not in outs or not any(i in outs for i in (1, 2)) or not _reaches_start(outs[0]):
-            continue
-        fake = fake or FakeValues(gm)
-        args = list(node.args)
-        with gm.graph.inserting_after(node):
-            params = new_node(gm.graph, fake, NORM_BACKWARD, (*args[:7], [False, *args[7][1:]]), like=node,
-                              name=f"{node.name}_weights")
-        with gm.graph.inserting_after(node):
-            grad_input = new_node(gm.graph, fake, NORM_BACKWARD, (*args[:7], [True, False, False]), like=node,
-                                  name=f"{node.name}_input")
-        for i, getitem in outs.items():
-            getitem.replace_input_with(node, grad_input if i == 0 else params)
-        gm.graph.erase_node(node)
-
-
-def _reaches_start(node: fx.Node) -> bool:
-    """Whether a collective start reads ``node``, directly or through other nodes."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if collective_op(n) not in (None, "wait_tensor"):
-            return True
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return False
 
 
 @dataclasses.dataclass

@@ -29,7 +29,6 @@ COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default, aten._c
 RESHAPES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
             aten.select.int, aten.view_as_complex.default}
 MATMULS = {aten.mm.default, aten.addmm.default}
-NORM_BACKWARD = aten.native_layer_norm_backward.default
 # reductions whose dims are args[1]: row-wise when dim 0 is not among them (norm statistics)
 ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.var_mean.correction, aten.var.correction,
                   aten.amax.default, aten.amin.default}
@@ -50,12 +49,9 @@ def val(node) -> torch.Tensor:
 
 
 def outputs(node) -> list[torch.Tensor]:
-    """The tensors ``node`` returns (one, or each of a tuple such as var_mean's; the
-    outputs a norm backward's mask leaves out are not tensors and not counted)."""
+    """The tensors ``node`` returns (one, or each of a tuple such as var_mean's)."""
     value = node_value(node) if isinstance(node, fx.Node) else None
-    if isinstance(value, (tuple, list)):
-        return [_checked(node, v) for v in value if v is not None or node.target is not NORM_BACKWARD]
-    return [_checked(node, value)]
+    return [_checked(node, v) for v in value] if isinstance(value, (tuple, list)) else [_checked(node, value)]
 
 
 def is_multi(node) -> bool:
@@ -231,11 +227,6 @@ def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
         if node.args[0] not in layouts or len(ins) != 1:
             raise Skip(why)
         if p >= src.dim() - len(node.args[1]):
-            raise Skip(f"{node.name} ({opname(node)}) normalises over the rows")
-    elif target is NORM_BACKWARD:   # the input's gradient alone (``split_norm_backward``)
-        if node.args[0] not in layouts or len(ins) != 1 or list(node.args[7]) != [True, False, False]:
-            raise Skip(f"{node.name} ({opname(node)}) sums the weight gradients over the rows")
-        if p >= src.dim() - len(node.args[2]):
             raise Skip(f"{node.name} ({opname(node)}) normalises over the rows")
     elif target in RESHAPES:
         if node.args[0] not in layouts or len(args) != 1:
