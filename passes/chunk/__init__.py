@@ -314,8 +314,9 @@ def _root(head: dict, name: str) -> str:
 
 
 def _choose_ragged(start: fx.Node, prof):
-    """_choose for an all-to-all with data-dependent splits (``ragged``): every count
-    cuts (empty pieces are allowed), estimated assuming balanced routing."""
+    """(k, estimates, the Plan for k) for chunks="auto" on an all-to-all with
+    data-dependent splits (``ragged``): every count cuts (empty pieces are allowed),
+    estimated assuming balanced routing; such pipelines never chain."""
     from overlapc.passes.chunk import ragged
     from overlapc.passes.chunk.estimate import CANDIDATES
     plan = ragged.plan_ragged(start, CANDIDATES[1])
