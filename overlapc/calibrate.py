@@ -104,6 +104,19 @@ def fit(samples: list[tuple[int, float]], kind: str, world_size: int) -> tuple[f
     return 1e-6 / slope, intercept * 1e3
 
 
+def _warm_train_step(compiled, optimizer, x, y) -> Callable[[], None]:
+    """A training step of ``compiled`` (MSE loss against ``y``, backward, ``optimizer``
+    step), run three times first (the first compiles)."""
+    def train_step():
+        torch.nn.functional.mse_loss(compiled(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(3):
+        train_step()
+    return train_step
+
+
 def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
     times = []
     for _ in range(repeats):
@@ -179,15 +192,7 @@ def measure_step(device: torch.device, quick: bool = False, grouped: bool = Fals
     compiled = torch.compile(model, backend="aot_eager")
     tiny = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
-
-    def train_step():
-        torch.nn.functional.mse_loss(compiled(x), y).backward()
-        tiny.step()
-        tiny.zero_grad()
-
-    for _ in range(3):   # the first compiles
-        train_step()
-    step_ms = _median_ms(train_step, repeats, sync)
+    step_ms = _median_ms(_warm_train_step(compiled, tiny, x, y), repeats, sync)
     numbers = torch.tensor([param_us, step_ms], dtype=torch.float64)
     if grouped:
         dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
@@ -238,15 +243,7 @@ def measure_reference(device: torch.device, compute: dict, param_us: float, quic
     recorder = _GraphCost(costmodel.DeviceProfile("reference", compute["tflops"], compute["mem_gbps"]))
     with torch._inductor.config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
         compiled = torch.compile(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def train_step():
-            torch.nn.functional.mse_loss(compiled(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        for _ in range(3):   # the first compiles
-            train_step()
+        train_step = _warm_train_step(compiled, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
     if len(recorder.graphs) != 2:
         raise RuntimeError(f"the reference block compiled {len(recorder.graphs)} graphs, expected 2 "
                            f"(forward, backward)")
