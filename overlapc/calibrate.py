@@ -15,18 +15,26 @@ rank 0 writes the file):
   unscattered, buffer; ring = ``costmodel.ring_factor``), so ``collective_ms``
   with the fitted numbers gives back the fitted times. The profile's default
   link (for other kinds) is one fit over every kind's samples.
-* compute (rank 0): the median time of a square fp32 matmul (FLOP/s) and of a
-  large copy (bytes read + written per second), in the costmodel's roofline
-  convention, and of a small op (the fixed cost per op, ``device.kernel_us``).
+* compute: the median time of a square fp32 matmul (FLOP/s) and of a large copy
+  (bytes read + written per second), in the costmodel's roofline convention
+  (rank 0), then what compiled training steps reach of those rates
+  (``measure_reference``, every rank at once as in training, the slowest rank's
+  numbers): two ``torch.nn.TransformerEncoderLayer`` blocks compiled with
+  Inductor, one small (fixed costs dominate) and one of training sizes (the
+  roofline dominates), fit ``graphs = factor x roofline + nodes x kernel_us``;
+  the profile's ``device.tflops`` and ``mem_gbps`` are the matmul's and copy's
+  rates divided by ``factor`` (on this 2-core host ~1.6: the roofline at the
+  square matmul's rate prices a training step at about 0.6x of its time),
+  ``kernel_us`` the fixed cost per node of compiled code.
 * a training step outside its compiled graphs (``measure_step``, every rank):
   ``device.step_us`` per step and ``device.param_us`` per parameter (the
   optimizer), which ``costmodel.outside_ms`` adds to the graphs' estimates.
 * ``profiled`` (``run_in_group``; what ``overlapc demo`` uses, whose
-  measured steps run under torch.profiler): the above under the profiler, and
-  ``kernel_us`` and ``step_us`` from a compiled reference step measured under it
-  (``measure_reference``: per work node of Inductor's graphs, and outside them),
-  and ``link.busy_us``, how much longer a collective takes while its ranks
-  compute (``measure_busy``; 0 without ``profiled``).
+  measured steps run under torch.profiler): the above under the profiler, the
+  reference blocks' graph runs read from the profiler's spans (else: their
+  steps less the step outside the graphs), ``step_us`` from the small block's
+  step outside its graphs, and ``link.busy_us``, how much longer a collective
+  takes while its ranks compute (``measure_busy``; 0 without ``profiled``).
 * issue: the compute time one collective costs the thread that issues it
   while it computes (``measure_issue``): every rank runs a block of matmuls
   with a collective issued before each slot of it (waited after the block)
@@ -129,10 +137,8 @@ def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) 
 
 
 def measure_compute(device: torch.device, quick: bool = False) -> dict:
-    """{"tflops", "mem_gbps", "kernel_us", "matmul": {...}, "copy": {...}, "small_op": {...}}:
-    achieved rates of one square fp32 matmul (2 n^3 FLOPs) and of copying a large buffer
-    (2 x its bytes), and the fixed cost of one op: a chain of adds on a one-element tensor
-    timed per op. Medians."""
+    """{"tflops", "mem_gbps", "matmul": {...}, "copy": {...}}: achieved rates of one square fp32
+    matmul (2 n^3 FLOPs) and of copying a large buffer (2 x its bytes). Medians."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     repeats = 3 if quick else 7
@@ -146,18 +152,8 @@ def measure_compute(device: torch.device, quick: bool = False) -> dict:
     dst.copy_(src)
     copy_ms = _median_ms(lambda: dst.copy_(src), repeats, sync)
     moved = 2 * src.numel() * src.element_size()
-    tiny, chain = torch.ones(1, device=device), 200
-
-    def adds():
-        x = tiny
-        for _ in range(chain):
-            x = torch.add(x, 1.0)
-
-    adds()
-    op_us = _median_ms(adds, repeats, sync) * 1e3 / chain
     return {"tflops": 2 * n ** 3 / (mm_ms * 1e-3) / 1e12, "mem_gbps": moved / (copy_ms * 1e-3) / 1e9,
-            "kernel_us": op_us, "matmul": {"n": n, "dtype": "float32", "ms": mm_ms},
-            "copy": {"bytes": moved, "ms": copy_ms}, "small_op": {"op": "add, 1 element", "us": op_us}}
+            "matmul": {"n": n, "dtype": "float32", "ms": mm_ms}, "copy": {"bytes": moved, "ms": copy_ms}}
 
 
 def measure_step(device: torch.device, quick: bool = False, grouped: bool = False) -> dict:
@@ -219,34 +215,41 @@ class _GraphCost(torch._inductor.custom_graph_pass.CustomGraphPass):
         return self.key
 
 
-REFERENCE = {"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32}   # measure_reference's block
+REFERENCES = (   # measure_reference's blocks: fixed costs dominate the first, the roofline the second
+    {"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32},
+    {"width": 256, "heads": 4, "ffn": 1024, "batch": 4, "seq": 256},
+)
 
 
-def measure_reference(device: torch.device, compute: dict, param_us: float, quick: bool = False) -> dict:
-    """{"kernel_us", "step_us", "reference": {...}}: a compiled training step like a real one,
-    measured under torch.profiler (CPU activity, as ``overlapc analyze`` reads a profiled step).
-    A ``torch.nn.TransformerEncoderLayer`` (``REFERENCE``'s sizes) compiled with Inductor
-    trains with SGD on an MSE loss; per profiled step, its graph runs (the
-    ``CompiledFunction`` and ``CompiledFunctionBackward`` spans, as analyze counts them) and
-    the rest. ``kernel_us``: (graph runs - the post-grad graphs' roofline time at
-    ``compute``'s rates) / their work nodes, the fixed cost per node of Inductor's code;
-    ``step_us``: the rest less its parameters x ``param_us``. Medians over the steps."""
+def _reference_block(device: torch.device, compute: dict, sizes: dict, steps: int, profiled: bool) -> dict:
+    """One ``torch.nn.TransformerEncoderLayer`` of ``sizes`` compiled with Inductor, trained with SGD
+    on an MSE loss: {"step_ms", "graphs_ms", "roofline_ms", "work_nodes", "parameters"}, medians
+    over ``steps`` steps. ``graphs_ms``: its graph runs (the ``CompiledFunction`` and
+    ``CompiledFunctionBackward`` spans, as ``overlapc analyze`` counts them) when ``profiled``
+    (the steps run under torch.profiler), else None; ``roofline_ms``: ``costmodel.compute_ms`` of
+    the post-grad graphs' nodes at ``compute``'s rates without a fixed cost; ``work_nodes``: those
+    nodes that do work."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    steps = 5 if quick else 15
-    ref = REFERENCE
     torch.manual_seed(0)
-    model = torch.nn.TransformerEncoderLayer(ref["width"], ref["heads"], dim_feedforward=ref["ffn"],
+    model = torch.nn.TransformerEncoderLayer(sizes["width"], sizes["heads"], dim_feedforward=sizes["ffn"],
                                              dropout=0.0, batch_first=True).to(device)
-    x = torch.randn(ref["batch"], ref["seq"], ref["width"], device=device)
-    y = torch.randn(ref["batch"], ref["seq"], ref["width"], device=device)
+    x = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
+    y = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
     recorder = _GraphCost(costmodel.DeviceProfile("reference", compute["tflops"], compute["mem_gbps"]))
-    with torch._inductor.config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
-        compiled = torch.compile(model)
-        train_step = _warm_train_step(compiled, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
+    # a recorder of its own makes each call's options differ, so Dynamo compiles anew (no cache hit)
+    compiled = torch.compile(model, dynamic=False,
+                             options={"post_grad_custom_post_pass": recorder, "fx_graph_cache": False})
+    train_step = _warm_train_step(compiled, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
     if len(recorder.graphs) != 2:
         raise RuntimeError(f"the reference block compiled {len(recorder.graphs)} graphs, expected 2 "
                            f"(forward, backward)")
+    block = {**sizes, "work_nodes": sum(n for n, _ in recorder.graphs),
+             "roofline_ms": sum(ms for _, ms in recorder.graphs),
+             "parameters": sum(1 for _ in model.parameters()), "steps": steps}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if not profiled:
+        return {**block, "step_ms": _median_ms(train_step, steps, sync), "graphs_ms": None}
     with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) \
             as prof:
         for _ in range(steps + 1):
@@ -256,22 +259,53 @@ def measure_reference(device: torch.device, compute: dict, param_us: float, quic
     spans = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep")]
     runs = [(e.time_range.start, e.time_range.end) for e in events
             if e.name in ("CompiledFunction", "CompiledFunctionBackward")]
-    per_step = []
-    for begin, end in spans:
-        inside = sum(b - a for a, b in runs if begin <= a and b <= end)
-        per_step.append(((end - begin) / 1e3, inside / 1e3))
+    per_step = [((end - begin) / 1e3, sum(b - a for a, b in runs if begin <= a and b <= end) / 1e3)
+                for begin, end in spans]
     if not per_step or not any(g for _, g in per_step):
         raise RuntimeError("the profiler recorded no graph runs of the reference block")
-    step_ms = statistics.median(s for s, _ in per_step)
-    graphs_ms = statistics.median(g for _, g in per_step)
-    nodes = sum(n for n, _ in recorder.graphs)
-    roofline_ms = sum(ms for _, ms in recorder.graphs)
-    params = sum(1 for _ in model.parameters())
-    return {"kernel_us": max(0.0, (graphs_ms - roofline_ms) * 1e3 / nodes),
-            "step_us": max(0.0, (step_ms - graphs_ms) * 1e3 - params * param_us),
-            "reference": {**ref, "model": "TransformerEncoderLayer", "backend": "inductor", "profiled": True,
-                          "steps": len(per_step), "step_ms": step_ms, "graphs_ms": graphs_ms,
-                          "roofline_ms": roofline_ms, "work_nodes": nodes, "parameters": params}}
+    return {**block, "step_ms": statistics.median(s for s, _ in per_step),
+            "graphs_ms": statistics.median(g for _, g in per_step)}
+
+
+def fit_compute(blocks: list[dict]) -> tuple[float, float]:
+    """(factor, kernel_us) such that ``graphs_ms = factor x roofline_ms + work_nodes x
+    kernel_us`` fits the reference blocks (exact for two): how much slower than the matmul's and
+    the copy's rates compiled code runs, and its fixed cost per node. A negative fixed cost
+    (noise) becomes 0 with the factor fitted through the origin; a factor <= 0 becomes 1."""
+    (g1, r1, n1), (g2, r2, n2) = [(b["graphs_ms"], b["roofline_ms"], b["work_nodes"]) for b in blocks[:2]]
+    det = r1 * n2 - r2 * n1
+    factor = (g1 * n2 - g2 * n1) / det if det else 0.0
+    kernel_ms = (g1 - factor * r1) / n1 if det else -1.0
+    if kernel_ms < 0:
+        factor, kernel_ms = sum(b["graphs_ms"] * b["roofline_ms"] for b in blocks) / sum(
+            b["roofline_ms"] ** 2 for b in blocks), 0.0
+    if factor <= 0:
+        factor, kernel_ms = 1.0, max(0.0, (g1 - r1) / n1)
+    return factor, kernel_ms * 1e3
+
+
+def measure_reference(device: torch.device, compute: dict, step: dict, quick: bool = False,
+                      profiled: bool = False) -> dict:
+    """{"factor", "kernel_us", "step_us", "reference": {...}}: what compiled training steps like
+    real ones cost, from ``REFERENCES``' blocks (``_reference_block``). Their graph runs
+    (profiled: the profiler's spans; else each step less ``step``'s ``step_us`` + its parameters
+    x ``param_us``) fit ``fit_compute``: ``factor`` (``compute``'s matmul and copy rates divided
+    by it are the rates compiled code reaches) and ``kernel_us``, the fixed cost per node.
+    ``step_us``: profiled, the first block's step outside its graphs less its parameters x
+    ``param_us``; else ``step``'s."""
+    steps = 9 if quick else 15
+    blocks = [_reference_block(device, compute, sizes, steps, profiled) for sizes in REFERENCES]
+    if not profiled:
+        for block in blocks:
+            block["graphs_ms"] = max(0.0, block["step_ms"] - (step["step_us"] + block["parameters"]
+                                                              * step["param_us"]) * 1e-3)
+    factor, kernel_us = fit_compute(blocks)
+    first = blocks[0]
+    step_us = max(0.0, (first["step_ms"] - first["graphs_ms"]) * 1e3 - first["parameters"] * step["param_us"]) \
+        if profiled else step["step_us"]
+    return {"factor": factor, "kernel_us": kernel_us, "step_us": step_us,
+            "reference": {"model": "TransformerEncoderLayer", "backend": "inductor", "profiled": profiled,
+                          "roofline_factor": factor, "blocks": blocks}}
 
 
 def _start(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
@@ -531,8 +565,8 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
                 "quick": quick,
-                "profiled": "reference" in compute,
-                "compute": {k: compute[k] for k in ("matmul", "copy", "small_op", "step", "reference")
+                "profiled": compute.get("reference", {}).get("profiled", False),
+                "compute": {k: compute[k] for k in ("matmul", "copy", "step", "reference")
                             if k in compute}}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     doc = {"schema": costmodel.PROFILE_SCHEMA,
@@ -589,9 +623,8 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
 
     ``profiled``: for estimating steps that run under torch.profiler (what ``overlapc
     analyze`` measures): the collectives, the issue cost and the SGD step are measured under
-    the profiler, ``kernel_us`` and ``step_us`` come from ``measure_reference`` (a
-    compiled reference step, profiled) instead of eager small ops and the tiny step, and
-    ``link.busy_us`` from ``measure_busy`` (else 0)."""
+    the profiler, ``measure_reference`` reads its blocks' graph runs from the profiler and
+    gives ``step_us``, and ``link.busy_us`` comes from ``measure_busy`` (else 0)."""
     import torch.distributed as dist
 
     grouped = not alone and dist.is_available() and dist.is_initialized()
@@ -614,21 +647,20 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
         dist.broadcast_object_list(shared, src=0)
         compute = shared[0]
     compute = {**compute, **step}
-    if profiled:
-        if grouped and world_size > 1:
-            dist.barrier()   # every rank computes at once, as in a training step
-        reference = measure_reference(device, compute, step["param_us"], quick)
-        numbers = torch.tensor([reference["kernel_us"], reference["step_us"]], dtype=torch.float64)
-        if grouped and world_size > 1:
-            dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
-        compute["kernel_us"], compute["step_us"] = (float(v) for v in numbers)
-        compute["reference"] = reference["reference"]
+    if grouped and world_size > 1:
+        dist.barrier()   # every rank computes at once, as in a training step
+    reference = measure_reference(device, compute, step, quick, profiled)
+    numbers = torch.tensor([reference["factor"], reference["kernel_us"], reference["step_us"]], dtype=torch.float64)
+    if grouped and world_size > 1:
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX)   # the slowest rank's
+    factor, compute["kernel_us"], compute["step_us"] = (float(v) for v in numbers)
+    compute["tflops"], compute["mem_gbps"] = compute["tflops"] / factor, compute["mem_gbps"] / factor
+    compute["reference"] = {**reference["reference"], "roofline_factor": factor}
     if rank == 0:
-        say(f"compute: {compute['tflops']:.3g} TFLOP/s (matmul {compute['matmul']['n']}^2), "
-            f"{compute['mem_gbps']:.3g} GB/s (copy), {compute['kernel_us']:.3g} us per "
-            f"{'node of a profiled compiled step' if profiled else 'small op'}; "
-            f"a training step outside its graphs {compute['step_us']:.3g} us + {compute['param_us']:.3g} us "
-            f"per parameter")
+        say(f"compute: {compute['tflops']:.3g} TFLOP/s, {compute['mem_gbps']:.3g} GB/s (matmul "
+            f"{compute['matmul']['n']}^2 and copy rates / {factor:.3g}, the reference blocks' roofline factor), "
+            f"{compute['kernel_us']:.3g} us per node of compiled code; a training step outside its graphs "
+            f"{compute['step_us']:.3g} us + {compute['param_us']:.3g} us per parameter")
     doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue, busy)
     if rank == 0 and issue:
         link = doc["link"]

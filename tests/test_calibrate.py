@@ -56,17 +56,38 @@ def test_fit_issue_recovers_a_line_and_never_goes_negative():
     assert calibrate.fit_issue([]) == (0.0, 0.0)
 
 
-def test_reference_step_gives_the_fixed_costs_of_compiled_code():
-    # the reference block, compiled and profiled: per node of its graphs and outside them
+def test_fit_compute_solves_factor_and_fixed_cost():
+    small = {"graphs_ms": 1.5 * 2.0 + 80 * 0.03, "roofline_ms": 2.0, "work_nodes": 80}
+    large = {"graphs_ms": 1.5 * 50.0 + 80 * 0.03, "roofline_ms": 50.0, "work_nodes": 80}
+    factor, kernel_us = calibrate.fit_compute([small, large])
+    assert factor == pytest.approx(1.5) and kernel_us == pytest.approx(30.0)
+    # a fixed cost that would be negative (noise): none, the factor through the origin
+    factor, kernel_us = calibrate.fit_compute([{**small, "graphs_ms": 1.0}, large])
+    assert kernel_us == 0.0 and factor == pytest.approx((1.0 * 2.0 + large["graphs_ms"] * 50.0) / (4.0 + 2500.0))
+    # the larger block ran faster than the smaller one: the rates as measured
+    factor, kernel_us = calibrate.fit_compute([{**small, "graphs_ms": 0.0}, {**large, "graphs_ms": 0.0}])
+    assert (factor, kernel_us) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+def test_reference_blocks_give_the_rates_and_fixed_cost_of_compiled_code(profiled):
     compute = calibrate.measure_compute(torch.device("cpu"), quick=True)
-    result = calibrate.measure_reference(torch.device("cpu"), compute, 10.0, quick=True)
-    ref = result["reference"]
-    assert ref["work_nodes"] > 20 and ref["parameters"] == 12 and ref["steps"] == 5
-    assert 0 < ref["roofline_ms"] and 0 < ref["graphs_ms"] < ref["step_ms"]
-    assert result["kernel_us"] == pytest.approx(max(0.0, (ref["graphs_ms"] - ref["roofline_ms"]) * 1e3
-                                                    / ref["work_nodes"]))
-    assert result["step_us"] == pytest.approx(max(0.0, (ref["step_ms"] - ref["graphs_ms"]) * 1e3 - 12 * 10.0))
-    assert result["step_us"] > 0   # Dynamo, the runtime wrappers, autograd and SGD take time
+    step = {"step_us": 300.0, "param_us": 10.0}
+    result = calibrate.measure_reference(torch.device("cpu"), compute, step, quick=True, profiled=profiled)
+    blocks = result["reference"]["blocks"]
+    assert [{k: b[k] for k in calibrate.REFERENCES[0]} for b in blocks] == list(calibrate.REFERENCES)
+    assert all(b["work_nodes"] > 20 and b["parameters"] == 12 and b["steps"] == 9 for b in blocks)
+    assert blocks[1]["roofline_ms"] > 5 * blocks[0]["roofline_ms"] > 0
+    assert (result["factor"], result["kernel_us"]) == pytest.approx(calibrate.fit_compute(blocks))
+    assert result["factor"] > 0 and result["kernel_us"] >= 0
+    if profiled:   # graph runs from the profiler's spans; the rest of the step outside them
+        assert all(0 < b["graphs_ms"] < b["step_ms"] for b in blocks)
+        first = blocks[0]
+        assert result["step_us"] == pytest.approx(max(0.0, (first["step_ms"] - first["graphs_ms"]) * 1e3 - 12 * 10.0))
+        assert result["step_us"] > 0   # Dynamo, the runtime wrappers, autograd and SGD take time
+    else:          # each step less the step outside the graphs
+        assert all(b["graphs_ms"] == pytest.approx(b["step_ms"] - (300.0 + 12 * 10.0) * 1e-3) for b in blocks)
+        assert result["step_us"] == 300.0
 
 
 def test_document_takes_busy_as_the_mean_over_kinds():
@@ -96,8 +117,8 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert doc["schema"] == costmodel.PROFILE_SCHEMA
     assert doc["measured"]["world_size"] == 2 and doc["measured"]["backend"] == "gloo"
     assert sorted(doc["collectives"]) == sorted(calibrate.KINDS)
-    # fixed costs: one small op, and a collective issued during compute (fitted over kinds and sizes)
-    assert 0 < doc["device"]["kernel_us"] < 1000 and doc["measured"]["compute"]["small_op"]["us"] > 0
+    # fixed costs: one node of compiled code, and a collective issued during compute (fitted over kinds and sizes)
+    assert 0 <= doc["device"]["kernel_us"] < 1000
     issue = doc["measured"]["issue"]
     assert sorted(issue) == sorted(calibrate.KINDS)
     assert all([s["bytes"] for s in issue[k]] == list(calibrate.ISSUE_SIZES) for k in issue)
@@ -111,7 +132,11 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     # a training step outside its graphs: fixed and per (DTensor) parameter
     assert doc["device"]["step_us"] > 0 and doc["device"]["param_us"] > 0
     assert doc["measured"]["compute"]["step"]["dtensor"] is True
-    assert doc["measured"]["profiled"] is False and "reference" not in doc["measured"]["compute"]
+    reference = doc["measured"]["compute"]["reference"]
+    assert doc["measured"]["profiled"] is False and reference["profiled"] is False
+    # the device's rates: the matmul's and the copy's over the reference blocks' roofline factor
+    assert doc["device"]["tflops"] == pytest.approx(2 * 512 ** 3 / doc["measured"]["compute"]["matmul"]["ms"]
+                                                    / 1e9 / reference["roofline_factor"])
     assert doc["link"]["busy_us"] == 0.0 and "busy" not in doc["measured"]   # profiled only
     for kind, entry in doc["collectives"].items():
         assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
