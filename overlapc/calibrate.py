@@ -215,10 +215,12 @@ class _GraphCost(torch._inductor.custom_graph_pass.CustomGraphPass):
         return self.key
 
 
-REFERENCES = (   # measure_reference's blocks: fixed costs dominate the first, the roofline the second
-    {"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32},
-    {"width": 256, "heads": 4, "ffn": 1024, "batch": 4, "seq": 256},
-)
+REFERENCES = {   # measure_reference's blocks per device type: fixed costs dominate the first, the roofline the second
+    "cpu": ({"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32},
+            {"width": 256, "heads": 4, "ffn": 1024, "batch": 4, "seq": 256}),
+    "cuda": ({"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32},
+             {"width": 1024, "heads": 16, "ffn": 4096, "batch": 8, "seq": 1024}),
+}
 
 
 def _reference_block(device: torch.device, compute: dict, sizes: dict, steps: int, profiled: bool) -> dict:
@@ -287,14 +289,15 @@ def fit_compute(blocks: list[dict]) -> tuple[float, float]:
 def measure_reference(device: torch.device, compute: dict, step: dict, quick: bool = False,
                       profiled: bool = False) -> dict:
     """{"factor", "kernel_us", "step_us", "reference": {...}}: what compiled training steps like
-    real ones cost, from ``REFERENCES``' blocks (``_reference_block``). Their graph runs
+    real ones cost, from ``REFERENCES``' blocks for ``device`` (``_reference_block``). Their graph runs
     (profiled: the profiler's spans; else each step less ``step``'s ``step_us`` + its parameters
     x ``param_us``) fit ``fit_compute``: ``factor`` (``compute``'s matmul and copy rates divided
     by it are the rates compiled code reaches) and ``kernel_us``, the fixed cost per node.
     ``step_us``: profiled, the first block's step outside its graphs less its parameters x
     ``param_us``; else ``step``'s."""
-    steps = 9 if quick else 15
-    blocks = [_reference_block(device, compute, sizes, steps, profiled) for sizes in REFERENCES]
+    steps = (27, 9) if quick else (45, 15)   # the small block is cheap: more steps, a steadier fixed cost
+    blocks = [_reference_block(device, compute, sizes, count, profiled)
+              for sizes, count in zip(REFERENCES.get(device.type, REFERENCES["cpu"]), steps)]
     if not profiled:
         for block in blocks:
             block["graphs_ms"] = max(0.0, block["step_ms"] - (step["step_us"] + block["parameters"]
