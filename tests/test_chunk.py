@@ -338,31 +338,40 @@ def test_all_to_all_expert_with_saved_full_row_operand(fake_pg):
 
 
 
-def test_work_off_the_next_pipelines_path_waits_for_its_first_pieces(fake_pg):
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_work_off_the_next_pipelines_path_runs_while_its_last_pieces_are_in_flight(fake_pg, chunks):
     """Weight gradients of a pipeline's reassembled result run after the next
-    pipeline's first two pieces are issued, one wave apart (the link would idle while
-    they compute otherwise); compute on the way to the next pipeline keeps its place."""
+    pipeline's fed starts (its combine pieces), spread from the back: the last after
+    the last combine, the one before after the combine before, any more after the
+    first; the next pipeline's pieces are computed and issued first (the link would
+    idle behind them otherwise). Compute on the way to the next pipeline keeps its
+    place."""
     def fn(x, w1, w2):
         c = F.wait_tensor(F.all_to_all_single(
             torch.mm(F.wait_tensor(F.all_to_all_single(x, EQUAL, EQUAL, "0")), w1), EQUAL, EQUAL, "0"))
-        grad_w = torch.mm(c.t(), x)            # read the whole result, feed nothing later
+        grad_u = torch.mm(c.t(), x * 3)        # read the whole result, feed nothing later
+        grad_w = torch.mm(c.t(), x)
         grad_v = torch.mm(c.t(), x + 1)
         z = F.wait_tensor(F.all_to_all_single(c * 2, EQUAL, EQUAL, "0"))
-        return F.wait_tensor(F.all_to_all_single(torch.mm(z, w2), EQUAL, EQUAL, "0")), grad_w, grad_v
+        return F.wait_tensor(F.all_to_all_single(torch.mm(z, w2), EQUAL, EQUAL, "0")), grad_u, grad_w, grad_v
     gm = trace(fn, (64, 16), (16, 8), (8, 16))
     original = copy.deepcopy(gm)
-    first, second = chunk_collectives(gm, 4)
+    first, second = chunk_collectives(gm, chunks)
     assert first.applied and second.applied and second.fed_by == ""
     gm.graph.lint()
     assert_same_values(original, gm)
     order = [n.name for n in gm.graph.nodes]
-    grad_w, grad_v = [order.index(n.name) for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
-                      and tuple(n.meta["val"].shape) == (8, 16)]
-    doubled = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
-    dispatch, combine = ([order.index(f"{start}_chunk{i}") for i in range(4)] for start in second.starts)
+    grads = [order.index(n.name) for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
+             and tuple(n.meta["val"].shape) == (8, 16)]
+    doubled = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor
+                   and n.args[1] == 2)
+    dispatch, combine = ([order.index(f"{start}_chunk{i}") for i in range(chunks)] for start in second.starts)
     assert order.index(doubled.name) < dispatch[0]
-    # the first after the pipeline's second start, the next after its third (piece 0's combine)
-    assert dispatch[1] < grad_w < combine[0] < grad_v
+    assert len(grads) == 3
+    marks = [combine[max(chunks - 3 + j, 0)] for j in range(3)]   # the combine each one follows
+    for grad, mark in zip(grads, marks):
+        assert mark < grad and all(grad < c for c in combine if c > mark), (chunks, grads, combine)
+
 
 def _rs_norm_ag(x, w1, w2, residual):
     """matmul -> reduce-scatter -> residual add and a norm -> all-gather -> matmul."""

@@ -8,9 +8,9 @@ Order: in waves. A pipeline's stages are its source start (0), its compute and
 sink start (1) and its sink wait (2), a fed pipeline's counting on from its
 feeder's; wave w holds stage s of piece w - s, stages in order. Nodes that read
 a reassembled value move after it, and those the next pipeline's first start
-does not need (weight gradients) after that pipeline's first pieces are issued
-(``_defer_off_path``); a node outside the pipelines that one reads moves to
-just before its first reader.
+does not need (weight gradients) after that pipeline's last pieces are computed
+and issued, while they are in flight (``_defer_off_path``); a node outside the
+pipelines that one reads moves to just before its first reader.
 """
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ class Emitter:
     def finish(self) -> None:
         """Stable topological order by key: original order, new nodes before their
         anchor in wave order, and nodes that read a reassembled value after it (off
-        the next pipeline's path: after its first starts, ``_defer_off_path``). A
+        the next pipeline's path: after its last fed starts, ``_defer_off_path``). A
         graph node that a pipeline reads (a weight's transpose) takes its reader's
         key when that is smaller, so that it is placed before the pipeline needs it
         rather than when the pipeline stalls on it."""
@@ -268,13 +268,16 @@ class Emitter:
 
 def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
     """Give each graph node that reads a pipeline's result (a weight gradient of a
-    reassembled activation gradient) a key just after a collective start of the next
-    pipeline, when that pipeline's first start does not depend on it: the j-th such
-    node (graph order) after its (j+1)-th start, the last start for the rest. The next
-    pipeline's pieces are then in flight while they compute, one wave apart (so that
-    its waits, which let the scheduler issue further pieces, come between them),
-    instead of the link idling until they are done. ``pipeline``: the pipelines' nodes and their
-    key prefix (anchor index, -1), one per pipeline (a fed one shares its feeder's)."""
+    reassembled activation gradient) a key just after a fed start of the next
+    pipeline, when that pipeline's first start does not depend on it. Fed starts are
+    those the pipeline's own compute feeds (reduce-scatter or combine pieces, a fed
+    pipeline's gathers; all its starts when they share one stage); the nodes are
+    spread over them from the back: the last (graph order) after the last fed start,
+    the one before after the fed start before, the rest after the first. The next
+    pipeline's pieces are then computed and their collectives issued first, and this
+    work runs while those are in flight, instead of holding the pieces back while the
+    link idles. ``pipeline``: the pipelines' nodes and their key prefix (anchor index,
+    -1), one per pipeline (a fed one shares its feeder's)."""
     starts: dict[tuple, list[fx.Node]] = {}
     for node, prefix in pipeline.items():
         group = starts.setdefault(prefix, [])
@@ -286,7 +289,7 @@ def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
     for p in prefixes:
         starts[p].sort(key=key.__getitem__)
     ancestors: dict[tuple, set] = {}
-    deferred: dict[tuple, int] = {}   # nodes deferred to each pipeline so far
+    deferred: dict[tuple, list[fx.Node]] = {}   # pipeline -> nodes deferred to it, graph order
     for node in nodes:
         if node in pipeline:
             continue
@@ -301,9 +304,13 @@ def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
             ancestors[q] = _ancestors(starts[q][0])
         if node in ancestors[q]:
             continue
-        deferred[q] = deferred.get(q, 0) + 1
-        mark = starts[q][min(deferred[q], len(starts[q]) - 1)]
-        key[node] = max(key[node], (*key[mark][:-1], key[mark][-1] + 0.5))
+        deferred.setdefault(q, []).append(node)
+    for q, waiting in deferred.items():
+        first_stage = min(key[s][3] for s in starts[q])
+        fed = [s for s in starts[q] if key[s][3] > first_stage] or starts[q]
+        for j, node in enumerate(reversed(waiting)):
+            mark = fed[max(len(fed) - 1 - j, 0)]
+            key[node] = max(key[node], (*key[mark][:-1], key[mark][-1] + 0.5))
 
 
 def _ancestors(node: fx.Node) -> set:
