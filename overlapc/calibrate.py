@@ -141,7 +141,7 @@ def measure_compute(device: torch.device, quick: bool = False) -> dict:
     matmul (2 n^3 FLOPs) and of copying a large buffer (2 x its bytes). Medians."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
-    repeats = 3 if quick else 7
+    repeats = 15 if quick else 25   # cheap; the copy rate moved 11-23 GB/s over runs with 3
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     torch.mm(a, b)
