@@ -23,8 +23,8 @@ rank 0 writes the file):
   Inductor, one small (fixed costs dominate) and one of training sizes (the
   roofline dominates), fit ``graphs = factor x roofline + nodes x kernel_us``;
   the profile's ``device.tflops`` and ``mem_gbps`` are the matmul's and copy's
-  rates divided by ``factor`` (on this 2-core host ~1.6: the roofline at the
-  square matmul's rate prices a training step at about 0.6x of its time),
+  rates divided by ``factor`` (1.2-1.9 over 24 calibrations on this 2-core
+  host: the roofline at the square matmul's rate priced a step at ~0.6x),
   ``kernel_us`` the fixed cost per node of compiled code.
 * a training step outside its compiled graphs (``measure_step``, every rank):
   ``device.step_us`` per step and ``device.param_us`` per parameter (the
