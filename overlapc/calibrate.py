@@ -125,6 +125,11 @@ def _warm_train_step(compiled, optimizer, x, y) -> Callable[[], None]:
     return train_step
 
 
+def _sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work: ``torch.cuda.synchronize`` on CUDA, nothing on CPU."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
     times = []
     for _ in range(repeats):
@@ -139,7 +144,7 @@ def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) 
 def measure_compute(device: torch.device, quick: bool = False) -> dict:
     """{"tflops", "mem_gbps", "matmul": {...}, "copy": {...}}: achieved rates of one square fp32
     matmul (2 n^3 FLOPs) and of copying a large buffer (2 x its bytes). Medians."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     repeats = 15 if quick else 25   # cheap; the copy rate moved 11-23 GB/s over runs with 3
     a = torch.randn(n, n, device=device)
@@ -167,7 +172,7 @@ def measure_step(device: torch.device, quick: bool = False, grouped: bool = Fals
     numbers count."""
     import torch.distributed as dist
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     repeats = 10 if quick else 30
     count = 32
     if grouped:
@@ -223,12 +228,14 @@ REFERENCES = {   # measure_reference's blocks per device type: fixed costs domin
 }
 
 
-def _reference_block(device: torch.device, compute: dict, sizes: dict, steps: int, profiled: bool) -> dict:
+def _reference_block(device: torch.device, compute: dict, step: dict, sizes: dict, steps: int,
+                     profiled: bool) -> dict:
     """One ``torch.nn.TransformerEncoderLayer`` of ``sizes`` compiled with Inductor, trained with SGD
     on an MSE loss: {"step_ms", "graphs_ms", "roofline_ms", "work_nodes", "parameters"}, medians
-    over ``steps`` steps. ``graphs_ms``: its graph runs (the ``CompiledFunction`` and
-    ``CompiledFunctionBackward`` spans, as ``overlapc analyze`` counts them) when ``profiled``
-    (the steps run under torch.profiler), else None; ``roofline_ms``: ``costmodel.compute_ms`` of
+    over ``steps`` steps. ``graphs_ms``: its graph runs, when ``profiled`` (the steps run under
+    torch.profiler) the ``CompiledFunction`` and ``CompiledFunctionBackward`` spans, as
+    ``overlapc analyze`` counts them, else the step less ``step``'s ``step_us`` + its parameters
+    x ``param_us``; ``roofline_ms``: ``costmodel.compute_ms`` of
     the post-grad graphs' nodes at ``compute``'s rates without a fixed cost; ``work_nodes``: those
     nodes that do work."""
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -249,9 +256,11 @@ def _reference_block(device: torch.device, compute: dict, sizes: dict, steps: in
     block = {**sizes, "work_nodes": sum(n for n, _ in recorder.graphs),
              "roofline_ms": sum(ms for _, ms in recorder.graphs),
              "parameters": sum(1 for _ in model.parameters()), "steps": steps}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     if not profiled:
-        return {**block, "step_ms": _median_ms(train_step, steps, sync), "graphs_ms": None}
+        step_ms = _median_ms(train_step, steps, sync)
+        outside_ms = (step["step_us"] + block["parameters"] * step["param_us"]) * 1e-3
+        return {**block, "step_ms": step_ms, "graphs_ms": max(0.0, step_ms - outside_ms)}
     with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) \
             as prof:
         for _ in range(steps + 1):
@@ -276,9 +285,10 @@ def fit_compute(blocks: list[dict]) -> tuple[float, float]:
     (noise) becomes 0 with the factor fitted through the origin; a factor <= 0 becomes 1."""
     (g1, r1, n1), (g2, r2, n2) = [(b["graphs_ms"], b["roofline_ms"], b["work_nodes"]) for b in blocks[:2]]
     det = r1 * n2 - r2 * n1
-    factor = (g1 * n2 - g2 * n1) / det if det else 0.0
-    kernel_ms = (g1 - factor * r1) / n1 if det else -1.0
-    if kernel_ms < 0:
+    if det:
+        factor = (g1 * n2 - g2 * n1) / det
+        kernel_ms = (g1 - factor * r1) / n1
+    if not det or kernel_ms < 0:
         factor, kernel_ms = sum(b["graphs_ms"] * b["roofline_ms"] for b in blocks) / sum(
             b["roofline_ms"] ** 2 for b in blocks), 0.0
     if factor <= 0:
@@ -296,19 +306,15 @@ def measure_reference(device: torch.device, compute: dict, step: dict, quick: bo
     ``step_us``: profiled, the first block's step outside its graphs less its parameters x
     ``param_us``; else ``step``'s."""
     steps = (27, 9) if quick else (45, 15)   # the small block is cheap: more steps, a steadier fixed cost
-    blocks = [_reference_block(device, compute, sizes, count, profiled)
+    blocks = [_reference_block(device, compute, step, sizes, count, profiled)
               for sizes, count in zip(REFERENCES.get(device.type, REFERENCES["cpu"]), steps)]
-    if not profiled:
-        for block in blocks:
-            block["graphs_ms"] = max(0.0, block["step_ms"] - (step["step_us"] + block["parameters"]
-                                                              * step["param_us"]) * 1e-3)
     factor, kernel_us = fit_compute(blocks)
     first = blocks[0]
     step_us = max(0.0, (first["step_ms"] - first["graphs_ms"]) * 1e3 - first["parameters"] * step["param_us"]) \
         if profiled else step["step_us"]
     return {"factor": factor, "kernel_us": kernel_us, "step_us": step_us,
             "reference": {"model": "TransformerEncoderLayer", "backend": "inductor", "profiled": profiled,
-                          "roofline_factor": factor, "blocks": blocks}}
+                          "blocks": blocks}}
 
 
 def _start(kind: str, nbytes: int, world_size: int, group_name: str, device: torch.device):
@@ -358,7 +364,7 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     if dist.get_backend() == "gloo":   # ISSUE_SLOTS functional all-gathers in flight (README, Known issues)
         from overlapc.backend import route_gloo_all_gathers
         route_gloo_all_gathers()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     a = torch.randn(256, 256, device=device)
     b = torch.randn(256, 256, device=device)
     torch.mm(a, b)
@@ -527,7 +533,7 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
 
     world_size = dist.get_world_size()
     group_name = dist.group.WORLD.group_name
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     sizes, repeats = (QUICK_SWEEP, QUICK_REPEATS) if quick else (SWEEP, REPEATS)
     for kind in KINDS:   # warm-up: connection set-up and first-use costs
         for _ in range(2):
