@@ -16,7 +16,7 @@ class OverlapConfig:
 
     max_in_flight: collectives of one process group and kind issued and not
         yet waited, at most (int >= 1), or None for no count limit. A bucket
-        counts as one.
+        counts as one, and so do the pieces of one chunked collective.
     max_in_flight_bytes: the in-flight budget of one process group: bytes of
         all-gather outputs plus bytes of reduce-scatter / all-reduce /
         all-to-all inputs, issued and not yet waited (int >= 1), "auto"

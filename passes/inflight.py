@@ -3,7 +3,10 @@
 One tracker for the scheduler, the invariant check and the simulator alike.
 A collective is *open* from its start until its last wait. Per process group:
 the number open of each kind, and the bytes they hold (``structure.held_bytes``:
-an all-gather's output and input, another collective's input).
+an all-gather's output and input, another collective's input). The pieces of
+one chunked collective (``meta["overlapc_piece_of"]``, set by the chunk pass)
+count as one collective, open while any piece is: splitting a collective does
+not make it more collectives in flight.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ class Budget:
     """What may be in flight per process group.
 
     max_count: collectives of one kind (all-gathers, reduce-scatters, ...) open
-        at once, or None.
+        at once (a chunked collective's pieces as one), or None.
     max_bytes: group -> held bytes open at once, or None for no limit.
     reserve: group -> bytes all-gathers issued ahead of need leave free, so the
         group's largest other collective always fits once no other one is open
@@ -52,14 +55,23 @@ class Budget:
         return None if limit is None else limit - self.reserve.get(group, 0)
 
 
+def piece_of(c: Collective) -> str:
+    """The collective ``c`` is a piece of (the chunked original's name), else its own start's name."""
+    return c.start.meta.get("overlapc_piece_of", c.start.name)
+
+
 def auto_budget(collectives: list[Collective], held: dict[fx.Node, int]) -> dict[str, int]:
     """The "auto" byte budget per group: twice the bytes held by the group's
-    largest collective (so the next one can be in flight while the largest
-    one is, as FSDP2's one-ahead prefetch does). ``held``: start -> held bytes
-    (``Structure.held``)."""
-    largest: dict[str, int] = {}
+    largest collective, a chunked one's pieces together (so the next one can be
+    in flight while the largest one is, as FSDP2's one-ahead prefetch does).
+    ``held``: start -> held bytes (``Structure.held``)."""
+    whole: dict[tuple[str, str], int] = {}
     for c in collectives:
-        largest[c.group] = max(largest.get(c.group, 0), held[c.start])
+        key = (c.group, piece_of(c))
+        whole[key] = whole.get(key, 0) + held[c.start]
+    largest: dict[str, int] = {}
+    for (group, _), size in whole.items():
+        largest[group] = max(largest.get(group, 0), size)
     return {group: max(1, 2 * size) for group, size in largest.items()}
 
 
@@ -68,13 +80,14 @@ class InFlight:
 
     ``held`` maps a start node to the bytes its collective holds in flight.
     Records the peak held bytes per group and over all groups, and the peak
-    count per (group, kind)."""
+    count per (group, kind), a chunked collective's open pieces counting once."""
 
     def __init__(self, held: dict[fx.Node, int]):
         self.held = held
         self.queue: dict[str, deque[Collective]] = {}
         self.is_open: set[fx.Node] = set()
         self.counts: dict[tuple[str, str], int] = {}
+        self.pieces_open: dict[tuple[str, str], int] = {}   # (group, piece_of) -> open pieces
         self.bytes: dict[str, int] = {}
         self.total = 0
         self.peak_total = 0
@@ -84,9 +97,12 @@ class InFlight:
     def open(self, c: Collective) -> None:
         self.queue.setdefault(c.group, deque()).append(c)
         self.is_open.add(c.start)
-        key = (c.group, c.kind)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        self.peak_counts[key] = max(self.peak_counts.get(key, 0), self.counts[key])
+        whole = (c.group, piece_of(c))
+        self.pieces_open[whole] = self.pieces_open.get(whole, 0) + 1
+        if self.pieces_open[whole] == 1:
+            key = (c.group, c.kind)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            self.peak_counts[key] = max(self.peak_counts.get(key, 0), self.counts[key])
         size = self.held[c.start]
         self.bytes[c.group] = self.bytes.get(c.group, 0) + size
         self.total += size
@@ -95,13 +111,20 @@ class InFlight:
 
     def close(self, c: Collective) -> None:
         self.is_open.discard(c.start)
-        self.counts[(c.group, c.kind)] -= 1
+        whole = (c.group, piece_of(c))
+        self.pieces_open[whole] -= 1
+        if self.pieces_open[whole] == 0:
+            self.counts[(c.group, c.kind)] -= 1
         size = self.held[c.start]
         self.bytes[c.group] -= size
         self.total -= size
 
     def count(self, group: str, kind: str) -> int:
         return self.counts.get((group, kind), 0)
+
+    def adds_one(self, c: Collective) -> bool:
+        """Whether opening ``c`` raises its (group, kind) count: no piece of its collective is open."""
+        return not self.pieces_open.get((c.group, piece_of(c)))
 
     def nbytes(self, group: str) -> int:
         return self.bytes.get(group, 0)

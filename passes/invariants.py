@@ -8,7 +8,8 @@
 2. waits: no wait after its target (first real consumer, region end, output);
    an all-gather's wait just before it (only waits, starts with their input
    chains and views of waited tensors in between);
-3. in-flight bound: per group and kind at most ``max_count`` open; per group
+3. in-flight bound: per group and kind at most ``max_count`` open (a chunked
+   collective's pieces as one, ``inflight.piece_of``); per group
    at most ``max_bytes`` held when a collective is issued, with two exceptions.
    With a headroom (the "auto" budget, ``Budget.headroom``) the bytes may
    exceed ``max_bytes`` when everything in flight fits the headroom from the

@@ -294,7 +294,7 @@ class _Core:
     # -- the budget ----------------------------------------------------------------------
     def _count_full(self, c: Collective) -> bool:
         limit = self.budget.max_count
-        return limit is not None and self.flight.count(c.group, c.kind) >= limit
+        return limit is not None and self.flight.count(c.group, c.kind) >= limit and self.flight.adds_one(c)
 
     def _bytes_over(self, c: Collective) -> bool:
         limit = self.budget.max_bytes.get(c.group)

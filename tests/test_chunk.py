@@ -373,6 +373,36 @@ def test_work_off_the_next_pipelines_path_runs_while_its_last_pieces_are_in_flig
         assert mark < grad and all(grad < c for c in combine if c > mark), (chunks, grads, combine)
 
 
+@pytest.mark.parametrize("name", ["fw_0", "bw_0"])
+def test_a_chunked_collectives_pieces_count_once_against_max_in_flight(moe_graphs, name):
+    """Under max_in_flight=2 the dispatch's 4 pieces and the combine's 4 are two
+    collectives in flight, not eight: every dispatch piece goes out before the
+    first is waited, no piece is waited early for room, and at no point are
+    pieces of more than 2 chunked collectives open (counted here from the
+    pieces' names and waits)."""
+    import overlapc
+    gm = copy.deepcopy(moe_graphs[name])
+    overlapc.schedule(gm, overlapc.OverlapConfig(chunks=4, max_in_flight=2, bucket=None, on_error="raise"))
+    note, = gm.meta["overlapc_chunks"]
+    assert note.applied, note
+    family = {f"{start}_chunk{i}": start for start in note.starts for i in range(4)}
+    order = list(gm.graph.nodes)
+    waits = [n for n in order if n.target is F.wait_tensor.default and n.args[0].name in family]
+    assert len(waits) == 8 and not [w.name for w in waits if w.meta["overlapc_reason"] == "early for room"]
+    pos = {n: i for i, n in enumerate(order)}
+    dispatch = [n for n in order if family.get(n.name) == note.starts[0]]
+    first_wait = min(pos[w] for w in waits if w.args[0] in dispatch)
+    assert all(pos[d] < first_wait for d in dispatch), [(d.name, pos[d], first_wait) for d in dispatch]
+    open_pieces, most = {}, 0
+    for node in order:
+        if node.name in family:
+            open_pieces[node] = family[node.name]
+        elif node in waits:
+            del open_pieces[node.args[0]]
+        most = max(most, len(set(open_pieces.values())))
+    assert most == 2
+
+
 def _rs_norm_ag(x, w1, w2, residual):
     """matmul -> reduce-scatter -> residual add and a norm -> all-gather -> matmul."""
     y = F.wait_tensor(F.reduce_scatter_tensor(torch.mm(x, w1), "sum", WORLD, "0"))

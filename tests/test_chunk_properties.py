@@ -132,8 +132,8 @@ def collective_count(gm):
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pipelines())
-def test_random_pipelines_keep_values_order_and_schedule(fake_pg, case):
+@given(pipelines(), st.sampled_from([1, 2, 3, None]))
+def test_random_pipelines_keep_values_order_and_schedule(fake_pg, case, limit):
     layout, ops, sink, output_at, barrier_at, chunks = case
     original = trace_pipeline(layout, ops, sink, output_at, barrier_at)
     gm = copy.deepcopy(original)
@@ -166,8 +166,20 @@ def test_random_pipelines_keep_values_order_and_schedule(fake_pg, case):
         [(n.name, str(n.target), repr(n.args)) for n in gm.graph.nodes]
 
     scheduled = copy.deepcopy(original)
-    overlapc.schedule(scheduled, overlapc.OverlapConfig(chunks=chunks, on_error="raise"))
-    overlapc.verify(scheduled)
+    cfg = overlapc.OverlapConfig(chunks=chunks, max_in_flight=limit, on_error="raise")
+    overlapc.schedule(scheduled, cfg)
+    overlapc.verify(scheduled, cfg)
+    if limit is not None:   # the bound, a chunked collective's pieces counted as one (by their names)
+        whole = {f"{start}_chunk{i}": start for n in applied for start in n.starts for i in range(chunks)}
+        open_now, kind_of = {}, {}
+        for node in scheduled.graph.nodes:
+            if node.target in (F.all_gather_into_tensor.default, F.reduce_scatter_tensor.default):
+                open_now[node] = whole.get(node.name, node.name)
+                kind_of[open_now[node]] = node.target
+                for kind in set(kind_of.values()):
+                    assert len({w for w in open_now.values() if kind_of[w] is kind}) <= limit, node.name
+            elif node.target is F.wait_tensor.default:
+                open_now.pop(node.args[0], None)
     for a, b in zip(expected, RankCollectives(scheduled).run(*inputs)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 

@@ -156,6 +156,7 @@ class Emitter:
             if op == "all_to_all_single":
                 args[1:3] = [[s[0] // k] * world for s in src.args[1:3]]
             started = self._new(src.target, args, dict(src.kwargs), like=src, name=f"{src.name}_chunk{i}")
+            started.meta["overlapc_piece_of"] = src.name
             new_starts.append(started)
             source_starts.append(started)
 
@@ -177,6 +178,7 @@ class Emitter:
             if collective_op(sink) == "all_to_all_single":
                 args[1:3] = [[s[0] // k] * world for s in sink.args[1:3]]
             started = self._new(sink.target, args, dict(sink.kwargs), like=sink, name=f"{sink.name}_chunk{i}")
+            started.meta["overlapc_piece_of"] = sink.name
             new_starts.append(started)
             sink_starts.append(started)
 
