@@ -308,12 +308,15 @@ def _build(emitter, plan: RaggedPlan) -> tuple[list[fx.Node], dict[fx.Node, fx.N
     source_wait, sink_wait = L.one_wait(plan.source), L.one_wait(plan.sink)
 
     def cut(x: fx.Node, splits: list, stage: int) -> list[fx.Node]:
-        """Piece i of every rank block of ``x``, for each i: one split, a cat per piece."""
+        """Piece i of every rank block of ``x``, for each i: one split, a cat per piece.
+        The dispatch's pieces (stage 0) are all cut in wave 0, so that the scheduler
+        can issue them together, as the slices of an equal-split dispatch; pieces
+        the pipeline computes on are cut in their own waves."""
         emitter._at = (0, stage)
         parts = new(aten.split_with_sizes.default, (x, [sizes.size(s, i) for s in splits for i in range(k)]),
                     like=x)
         items = [new(operator.getitem, (parts, j), like=x) for j in range(world * k)]
-        return [new(aten.cat.default, ([items[r * k + i] for r in range(world)],), like=x, at=(i, stage))
+        return [new(aten.cat.default, ([items[r * k + i] for r in range(world)],), like=x, at=(i if stage else 0, stage))
                 for i in range(k)]
 
     def join(pieces: list[fx.Node], splits: list, like: fx.Node, stage: int) -> fx.Node:
@@ -326,9 +329,11 @@ def _build(emitter, plan: RaggedPlan) -> tuple[list[fx.Node], dict[fx.Node, fx.N
         return new(aten.cat.default, ([blocks[i][r] for r in range(world) for i in range(k)],), like=like)
 
     def start(original: fx.Node, x: fx.Node, i: int, out_splits: list, in_splits: list) -> fx.Node:
-        return new(original.target, (x, [sizes.size(s, i) for s in out_splits],
+        node = new(original.target, (x, [sizes.size(s, i) for s in out_splits],
                                      [sizes.size(s, i) for s in in_splits], *original.args[3:]),
                    dict(original.kwargs), like=original, name=f"{original.name}_chunk{i}")
+        node.meta["overlapc_piece_of"] = original.name
+        return node
 
     inputs = cut(plan.source.args[0], sent, 0)
     cuts = {x: cut(x, received, 1) for x in plan.cut}
