@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import overlapc
 from multiproc import init_gloo, run_ranks
 from overlapc.passes.chunk import chunk_collectives
 
@@ -180,6 +181,18 @@ def test_pieces_issue_before_the_previous_piece_computes(fake_pg):
     first_mm = min(i for i, n in enumerate(gm.graph.nodes) if n.target is torch.ops.aten.mm.default)
     assert order.index("all_to_all_single_1_chunk1") < first_mm
     assert order.index("all_to_all_single_2_chunk0") < order.index("all_to_all_single_2_chunk1")
+
+
+def test_scheduled_dispatch_pieces_all_go_out_before_the_first_is_waited(fake_pg):
+    """As with equal splits: every dispatch piece is cut up front and issued
+    before the expert computes on piece 0 (the count bound counts them as one)."""
+    gm = _trace(_moe)
+    overlapc.schedule(gm, overlapc.OverlapConfig(chunks=4, bucket=None, on_error="raise"))
+    order = list(gm.graph.nodes)
+    dispatch = [i for i, n in enumerate(order) if n.name.startswith("all_to_all_single_1_chunk")]
+    first_wait = min(i for i, n in enumerate(order) if n.target is F.wait_tensor.default
+                     and n.args[0].name.startswith("all_to_all_single_1_chunk"))
+    assert len(dispatch) == 4 and max(dispatch) < first_wait, (dispatch, first_wait)
 
 
 def test_chunking_is_deterministic(fake_pg):

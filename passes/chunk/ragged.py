@@ -335,6 +335,10 @@ def _build(emitter, plan: RaggedPlan) -> tuple[list[fx.Node], dict[fx.Node, fx.N
         node.meta["overlapc_piece_of"] = original.name
         return node
 
+    emitter._at = (0, 0)   # every dispatch piece's sizes up front, with its input
+    for split in (*received, *sent):
+        for i in range(k):
+            sizes.size(split, i)
     inputs = cut(plan.source.args[0], sent, 0)
     cuts = {x: cut(x, received, 1) for x in plan.cut}
     sources = []
