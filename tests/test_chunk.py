@@ -465,13 +465,17 @@ def test_compute_that_mixes_rows_between_is_not_chained(fake_pg):
 
 
 def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
-    """Pieces pay a latency and a fixed cost per op each: a slow link with compute of
-    the same order pipelines, a fast link with a large latency does not. Attention and
-    MLP feed one another (a chain): they take one count, the least summed estimate."""
+    """Pieces pay a latency, an issue cost and a fixed cost per op each: a slow link
+    with compute of the same order pipelines, a fast link whose collectives cost 5 ms
+    of latency and 5 ms to issue does not. Attention and MLP feed one another (a
+    chain): they take one count, the least summed estimate."""
+    import dataclasses
+
     from overlapc import costmodel
     from overlapc.passes.chunk.estimate import CANDIDATES
     balanced = costmodel.profile("cpu", "ethernet", tflops=1e-5, link_gbps=0.002, latency_us=1.0)
     latency_bound = costmodel.profile("cpu", "ethernet", link_gbps=1000.0, latency_us=5000.0)
+    latency_bound = dataclasses.replace(latency_bound, link=dataclasses.replace(latency_bound.link, issue_us=5000.0))
     for prof, pipelined in ((balanced, True), (latency_bound, False)):
         gm = copy.deepcopy(tp_batch_graphs["fw_0"])
         notes = chunk_collectives(gm, "auto", prof)
@@ -483,7 +487,7 @@ def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
         assert attention.estimates == mlp.estimates, notes
         ks = [k for k, _ in attention.estimates]
         assert ks == [1, 2, 4, 8] and set(ks) <= set(CANDIDATES), attention
-        best = min(attention.estimates, key=lambda e: (e[1], e[0]))
+        best = min(attention.estimates, key=lambda e: (e[1], -e[0]))   # ties: the most pieces
         assert attention.chunks == mlp.chunks == best[0] and best[0] != 8, notes
         assert attention.applied == mlp.applied == (best[0] > 1) == pipelined, notes
         if pipelined:
@@ -543,5 +547,17 @@ def test_pipeline_estimate_overlaps_pieces(fake_pg):
     issue = issuing.link.issue_ms(64 * WORLD * 256 * 4 / 4)
     assert 0 < 2 * issue < link / 4
     assert pipeline_ms(plan, 4, issuing) == pytest.approx(compute + 2 * link / 4 + 5 * issue)
+    # latency delays a piece but does not hold the link: link-bound (compute ~0, every
+    # piece issued at once), the pieces' latencies run while earlier pieces move, and
+    # the pipeline pays one latency before the first gather piece and one between the
+    # gathers and the first scatter piece, however many pieces
+    fast = dataclasses.replace(prof, device=dataclasses.replace(prof.device, tflops=1e9, mem_gbps=1e9,
+                                                                kernel_us=0.0))
+    latency_ms = link / 16
+    slow = costmodel.profile(fast, latency_us=latency_ms * 1e3)
+    slow = dataclasses.replace(slow, device=fast.device)
+    for k in (2, 4):
+        plan_k = Planner(gm).plan(next(n for n in gm.graph.nodes if n.target == F.all_gather_into_tensor.default), k)
+        assert pipeline_ms(plan_k, k, slow) - pipeline_ms(plan_k, k, fast) == pytest.approx(latency_ms, rel=1e-3), k
     with pytest.raises(ValueError, match="auto"):
         chunk_collectives(gm, "best")

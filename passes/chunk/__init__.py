@@ -227,15 +227,15 @@ def _auto_counts(gm: fx.GraphModule, prof) -> dict:
     names, the Skip of a count the pattern's chain chose but it cannot take), for
     chunks="auto" and every pattern but the ragged ones and count exchanges. Each count
     in ``CANDIDATES`` is emitted for the whole graph on a copy; patterns joined by a
-    feed at any count form a chain that takes the count of least summed estimate (ties
-    to fewer pieces), each pattern's estimate including its bridge compute (inside the
-    pipeline when fed, before it when not)."""
+    feed at any count form a chain that takes the count ``estimate.fastest`` puts first
+    by summed estimate, each pattern's estimate including its bridge compute (inside
+    the pipeline when fed, before it when not)."""
     import copy
 
     from overlapc import costmodel
     from overlapc.passes.chunk import ragged
     from overlapc.passes.chunk.emit import Emitter
-    from overlapc.passes.chunk.estimate import CANDIDATES, pipeline_ms
+    from overlapc.passes.chunk.estimate import CANDIDATES, fastest, pipeline_ms
     from overlapc.passes.chunk.legality import Skip
     from overlapc.passes.chunk.plan import PATTERNS, Planner
 
@@ -292,7 +292,7 @@ def _auto_counts(gm: fx.GraphModule, prof) -> dict:
         cut = [m for m in members if m in trials]
         ks = [1, *sorted({k for m in cut for k in trials[m]})]
         summed = tuple((k, sum(estimate(m, k) for m in cut)) for k in ks)
-        best = min(summed, key=lambda e: (e[1], e[0]))[0] if cut else 1
+        best = fastest(summed) if cut else 1
         for m in members:
             if m not in trials:
                 choice[m] = (1, (), (m,), skips[m])
