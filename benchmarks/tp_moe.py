@@ -110,14 +110,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp-depth", type=int, default=1)
     p.add_argument("--seq", type=int, default=256, help="TP+SP sequence (all ranks)")
     p.add_argument("--batch", type=int, default=8, help="TP+SP batch")
-    p.add_argument("--moe-hidden", type=int, default=512)
+    p.add_argument("--moe-hidden", type=int, default=2048,
+                   help="expert MLP width (4x dim, the usual FFN ratio: the experts' compute is then "
+                        "of the order of the all-to-alls on the shaped link)")
     p.add_argument("--moe-depth", type=int, default=2)
     p.add_argument("--tokens", type=int, default=2048, help="MoE tokens per rank")
     p.add_argument("--models", nargs="*", default=MODELS, choices=MODELS)
     p.add_argument("--path", choices=("overlapc", "pass"), default="overlapc",
                    help="chunksK through backend='overlapc' (chunk + schedule, inner aot_eager), "
                         "or through a backend that runs chunk_collectives alone")
-    p.add_argument("--timeout", type=float, default=900.0, help="deadline for the whole run (s)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run (s)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
