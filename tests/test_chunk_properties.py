@@ -126,6 +126,12 @@ def trace_pipeline(layout, ops, sink, output_at, barrier_at):
     return make_fx(program(layout, ops, sink, output_at, barrier_at))(*args)
 
 
+def scale(x):
+    """Tolerance unit of an fp32 result: a matmul over fewer rows may block its sums
+    differently, so an element's rounding follows the tensor's magnitude, not its own."""
+    return max(1.0, x.abs().max().item())
+
+
 def collective_count(gm):
     return sum(1 for n in gm.graph.nodes
                if n.target in (F.all_gather_into_tensor.default, F.reduce_scatter_tensor.default))
@@ -144,7 +150,7 @@ def test_random_pipelines_keep_values_order_and_schedule(fake_pg, case, limit):
     expected = RankCollectives(original).run(*inputs)
     got = RankCollectives(gm).run(*inputs)
     for a, b in zip(expected, got):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * scale(a))
 
     applied = [n for n in notes if n.applied]
     # independently of the notes: every collective of an applied pattern became k pieces
@@ -181,7 +187,7 @@ def test_random_pipelines_keep_values_order_and_schedule(fake_pg, case, limit):
             elif node.target is F.wait_tensor.default:
                 open_now.pop(node.args[0], None)
     for a, b in zip(expected, RankCollectives(scheduled).run(*inputs)):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * scale(a))
 
 
 def test_generator_reaches_whole_pipelines(fake_pg):
