@@ -288,10 +288,10 @@ def rank_main(rank: int, world: int, port: int, args) -> dict:
     }
     _record_chunk_notes()
     say("calibrating this link and the compute (overlapc calibrate, quick sweep) ...")
-    shared = [calibrate.run_in_group(None, quick=True)]
-    dist.broadcast_object_list(shared, src=0)   # one profile: every rank must choose the same counts
+    # One profile: every rank must choose the same counts.
+    shared = calibrate.broadcast_object(calibrate.run_in_group(None, quick=True), torch.device("cpu"))
     profile_path = os.path.join(tempfile.mkdtemp(prefix="tp_moe_profile_"), "profile.json")
-    calibrate.write(shared[0], profile_path)
+    calibrate.write(shared, profile_path)
     profile = costmodel.load_profile(profile_path)
     out = {"times": {}, "losses": {}, "peak_bytes": {}, "notes": {}, "profile": repr(profile)}
     for name in args.models:

@@ -17,9 +17,10 @@ h100:nvlink).
 With ``inner="inductor"`` (default) the schedule runs as Inductor's
 ``post_grad_custom_post_pass`` on the forward and backward graphs, after
 Inductor's own FX rewrites, and the compile is patched, for this compile only,
-with ``reorder_for_peak_memory=False`` (that pass moves each all-gather back
-next to its wait) and ``reorder_for_compute_comm_overlap=False``. Everything
-else in Inductor is unchanged. The pass's ``uuid()`` carries the config, so
+to turn off every Inductor pass that would move collectives or waits
+(``overlapc.torch_compat.inductor_patches()``: ``reorder_for_peak_memory``,
+which moves each all-gather back next to its wait, 2.14's
+``enable_simple_overlap``, ...). Everything else in Inductor is unchanged. The pass's ``uuid()`` carries the config, so
 Inductor's FX graph cache keys on it.
 
 Per graph, before it is compiled: the cross-rank check (``overlapc.rankcheck``,
@@ -49,14 +50,10 @@ import torch.fx as fx
 from overlapc import rankcheck
 from overlapc.config import OverlapConfig
 from overlapc.passes.pipeline import schedule, unscheduled_order
+from overlapc.torch_compat import inductor_patches, warn_if_untested
 
 log = logging.getLogger("overlapc")
 
-# Inductor passes that move collectives or waits; off while compiling a scheduled graph.
-INDUCTOR_PATCHES = {
-    "reorder_for_peak_memory": False,
-    "reorder_for_compute_comm_overlap": False,
-}
 
 _graph_name: contextvars.ContextVar[str] = contextvars.ContextVar("overlapc_graph", default="")
 _counter = {"graphs": 0}
@@ -388,7 +385,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     key -> ValueError naming the closest). The Inductor mode is
     ``options["inductor_mode"]`` (or ``mode``, for direct callers): its
     ``torch._inductor.list_mode_options`` settings are patched in with
-    overlapc's own (``INDUCTOR_PATCHES`` win where both set a key). ValueError
+    overlapc's own (``inductor_patches()`` win where both set a key). ValueError
     for an unknown mode, a mode with ``inner="aot_eager"``, both ``mode`` and
     ``inductor_mode``, or a profile that does not resolve."""
     cfg = OverlapConfig.from_options(options)
@@ -396,6 +393,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     if cfg.profile is not None:
         from overlapc import costmodel
         costmodel.resolve(cfg.profile)   # a bad path fails now, not in the first dump
+    warn_if_untested()
     index = _next_index()
     log.info("overlapc: compiling graph %d (fw_%d, bw_%d) with %s", index, index, index, cfg)
     if cfg.enabled and _uses_gloo():
@@ -414,7 +412,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     patches = dict(list_mode_options(mode)) if mode else {}
     if cfg.enabled:
         from torch._inductor.custom_graph_pass import get_custom_graph_passes
-        patches.update(INDUCTOR_PATCHES, post_grad_custom_post_pass=SchedulePass(cfg), joint_custom_pre_pass=[
+        patches.update(inductor_patches(), post_grad_custom_post_pass=SchedulePass(cfg), joint_custom_pre_pass=[
             *get_custom_graph_passes(torch._inductor.config.joint_custom_pre_pass), SaveSeededOps()])
         if cfg.dump_dir:
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump

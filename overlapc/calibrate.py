@@ -624,6 +624,21 @@ def _profiler(profiled: bool):
     return profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext()
 
 
+def broadcast_object(value, device: torch.device):
+    """Rank 0's ``value`` (a JSON-able object) on every rank of the default
+    group, sent as bytes in a tensor: ``dist.broadcast_object_list`` would need
+    numpy, which neither torch nor overlapc depends on."""
+    dist = torch.distributed
+    payload = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=0)
+    return json.loads(bytes(data.cpu().tolist()).decode())
+
+
 def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "ethernet",
                  say=lambda message: None, alone: bool = False, profiled: bool = False) -> dict:
     """Measure in the current default process group (compute only when there is
@@ -652,9 +667,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
     with _profiler(profiled):
         step = measure_step(device, quick, grouped and world_size > 1)
     if grouped and world_size > 1:
-        shared = [compute]
-        dist.broadcast_object_list(shared, src=0)
-        compute = shared[0]
+        compute = broadcast_object(compute, device)
     compute = {**compute, **step}
     if grouped and world_size > 1:
         dist.barrier()   # every rank computes at once, as in a training step

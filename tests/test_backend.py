@@ -19,11 +19,14 @@ from overlapc.backend import SchedulePass
 
 
 @pytest.fixture(autouse=True)
-def no_compile_cache(monkeypatch):
+def no_compile_cache():
     """A cached graph skips the pass (its code already holds the schedule), and
-    the cache outlives a test run: every test here compiles afresh."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    the cache outlives a test run: every test here compiles afresh. (torch's
+    config modules are patched with their own ``patch()``: pytest's monkeypatch
+    deletes such attributes on undo since pytest 9.2.)"""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 class GatheredMLP(torch.nn.Module):

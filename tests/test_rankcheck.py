@@ -62,8 +62,8 @@ def test_skeleton_names_kind_group_bytes_and_the_parameter_moved(fake_pg, monkey
     assert _recorded(monkeypatch, {"inner": "aot_eager", "check_ranks": False}) == []
 
 
+@torch._inductor.config.patch(fx_graph_cache=False)
 def test_the_check_runs_in_the_inductor_path_and_is_off_on_the_fake_backend(fake_pg, monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     calls = _recorded(monkeypatch, {"max_in_flight": 2})
     assert [c[4][:3] for c in calls] == ["fw_", "bw_"]
     monkeypatch.undo()

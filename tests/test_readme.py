@@ -10,8 +10,8 @@ import torch
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
+@torch._inductor.config.patch(fx_graph_cache=False)
 def test_readme_python_blocks_run(fake_pg, monkeypatch, tmp_path):
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.chdir(tmp_path)        # files the blocks write (profiler traces) land here
     with open(README, encoding="utf-8") as readme:
         blocks = re.findall(r"^```python\n(.*?)^```", readme.read(), flags=re.S | re.M)

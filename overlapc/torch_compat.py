@@ -1,0 +1,60 @@
+"""What differs between the torch versions overlapc runs on, in one place.
+
+overlapc is tested on the torch releases in ``TESTED_TORCH``; on any other it
+still runs and says once (WARNING on the "overlapc" logger) which releases are
+tested. Settings that depend on the version are keyed on what the installed
+torch actually has (a config key, an attribute), never on version strings.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("overlapc")
+
+# Releases the suite runs on (CI: one clean virtual environment each).
+TESTED_TORCH = ("2.13.0", "2.14.1")
+
+# Inductor passes that move collective starts or waits, and the value that
+# turns each off. Inductor must keep the order overlapc placed:
+# - reorder_for_peak_memory puts each hoisted all-gather back next to its wait;
+# - reorder_for_compute_comm_overlap runs Inductor's own comm reordering;
+# - aten_distributed_optimizations.enable_simple_overlap (new in 2.14, on by
+#   default, CPU and CUDA) swaps starts earlier and waits later, which raised
+#   overlapc's 2 all-gathers in flight to 4;
+# - aten_distributed_optimizations.enable_overlap_scheduling (off by default)
+#   is Inductor's whole overlap scheduler.
+_ORDER_MOVING_PASSES = {
+    "reorder_for_peak_memory": False,
+    "reorder_for_compute_comm_overlap": False,
+    "aten_distributed_optimizations.enable_simple_overlap": False,
+    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+}
+
+_warned = {"version": False}
+
+
+def inductor_patches() -> dict[str, object]:
+    """Inductor config patches (``torch._inductor.config.patch`` keys, dotted
+    for nested sections) that turn off every pass of the installed Inductor
+    that would move collectives or waits. Keys the installed torch does not
+    have are left out, so the dict is valid for ``config.patch`` as it is."""
+    from torch._inductor import config
+    known = config.get_config_copy()
+    return {key: value for key, value in _ORDER_MOVING_PASSES.items() if key in known}
+
+
+def release() -> str:
+    """The installed torch's release, without a local build tag ("2.14.1")."""
+    return torch.__version__.split("+")[0]
+
+
+def warn_if_untested() -> None:
+    """Say once per process when the installed torch is not one overlapc is tested on."""
+    if _warned["version"] or release() in TESTED_TORCH:
+        return
+    _warned["version"] = True
+    log.warning("overlapc: torch %s is not among the tested releases (%s); scheduling runs as usual, "
+                "but Inductor passes new in this release may move collectives: report what you see",
+                torch.__version__, ", ".join(TESTED_TORCH))
