@@ -1,0 +1,339 @@
+"""The order of collectives and compute in Inductor's generated wrapper code.
+
+Inductor writes, per compiled graph, a Python module (the "wrapper") whose
+``call`` runs the graph: it launches kernels (Triton kernels on CUDA,
+``cpp_fused_*`` on CPU), calls library kernels (``extern_kernels.mm``, ...)
+and ATen fallbacks, and calls the functional collectives and their waits, in
+the order they will run. ``events(code)`` reads that order from the source
+(``torch._inductor.utils.run_and_get_code``'s strings, or the source a
+``GraphLowering`` produced); the checks below read the events. This is how
+the tests and ``benchmarks/gpu_check.py`` see whether Inductor kept the order
+overlapc scheduled.
+
+Contract of ``events``:
+- Input: the full source of one wrapper module (Python wrapper; a C++ wrapper
+  from ``cpp_wrapper=True`` is refused with ValueError). The kernels' own
+  sources (string literals) are never read.
+- The body of ``call`` (a module-level function, or the method of the
+  ``Runner`` class newer Inductor emits) is walked statement by statement,
+  nested ``with``/``if`` blocks included. A call of a cudagraph partition
+  (``self.partitions[i](...)``) is replaced by the body of ``partition_<i>``,
+  so partitioned code reads in run order too (a partition uses the caller's
+  buffer names).
+- Events, in run order: ``start`` per collective call
+  (``torch.ops._c10d_functional.<op>``: all-gather, reduce-scatter,
+  all-reduce, all-to-all, broadcast; out=, in-place and coalesced variants),
+  ``wait`` per ``wait_tensor``, ``compute`` per kernel launch (``<name>.run(``
+  of a Triton kernel, ``cpp_fused_*(...)``, ``extern_kernels.<op>(...)``,
+  ``torch.ops.<ns>.<op>`` outside the collectives), and one ``output`` for
+  ``call``'s ``return``. Allocation, views, asserts, streams and ``del`` are
+  not events.
+- A collective's output is the assigned name, the ``out=`` argument or, for
+  in-place ops, the input. Buffer aliases (``buf2 = buf1``, ``buf2 = buf1[0]``,
+  ``reinterpret_tensor(buf1, ...)``) are followed, so a wait, and a read of the
+  result, is tied to the start it belongs to (``Event.start``), however
+  Inductor names the buffer. A coalesced collective is open until every one
+  of its outputs has been waited.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+
+# functional collective op (its name with the variant suffixes dropped) -> kind
+KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_reduce": "all_reduce", "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
+_NAMESPACES = ("_c10d_functional", "c10d_functional")
+_VARIANT = re.compile(r"(_coalesced)?(_out)?_?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One step of the wrapper's ``call``, in run order.
+
+    kind: "start" | "wait" | "compute" | "output". op: the collective op
+    ("all_gather_into_tensor_out"), "wait_tensor", the kernel or op that computes
+    ("triton_poi_fused_0", "extern_kernels.mm", "aten.convolution"), or "return".
+    collective, group: the collective kind ("all_gather", ...) and process group
+    name of a start, and of the start a wait belongs to. buffer: a start's
+    output buffer, a wait's argument. start: index (in the event list) of the
+    start a wait belongs to, or of the start itself; None for a wait whose
+    buffer no start produced. reads: indices of the starts whose outputs an
+    event's arguments name (through aliases). line: the line in the source;
+    where: "call" or the partition function it sits in."""
+
+    index: int
+    kind: str
+    op: str
+    line: int
+    where: str
+    collective: str | None = None
+    group: str | None = None
+    buffer: str | None = None
+    start: int | None = None
+    reads: tuple[int, ...] = ()
+
+
+def collective_kind(op: str) -> str | None:
+    """Kind of a functional collective op name ("all_gather_into_tensor_coalesced" -> "all_gather"),
+    None for other ops (wait_tensor included)."""
+    return KINDS.get(_VARIANT.sub("", op))
+
+
+def _dotted(node: ast.AST) -> str:
+    """'torch.ops.aten.mm.default' for an attribute chain; '' for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _names(node: ast.AST) -> list[str]:
+    """Every variable name read inside ``node``, in source order."""
+    return [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+
+
+def _find_functions(tree: ast.Module) -> tuple[ast.FunctionDef, dict[str, ast.FunctionDef]]:
+    """(``call``, {"partition_0": def, ...}) of a wrapper module."""
+    partitions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("partition_")}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "call":
+            return node, partitions
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "call":
+                    return item, partitions
+    raise ValueError("no `call` function in this code: not an Inductor Python wrapper module "
+                     "(pass the wrapper's source, e.g. the first string run_and_get_code returns)")
+
+
+class _Walker:
+    """Walks ``call`` (and the partitions it calls) and collects the events."""
+
+    def __init__(self, partitions: dict[str, ast.FunctionDef]):
+        self.partitions = partitions
+        self.events: list[Event] = []
+        self.root: dict[str, int] = {}      # buffer name -> index of the start whose output it is
+        self.outputs: dict[int, int] = {}   # start index -> outputs not yet waited
+
+    def walk(self, body: list[ast.stmt], where: str) -> None:
+        for stmt in body:
+            if isinstance(stmt, (ast.With, ast.If, ast.For)):
+                self.walk(stmt.body, where)
+                self.walk(getattr(stmt, "orelse", []), where)
+            elif isinstance(stmt, ast.Return) and where == "call" and stmt.value is not None:
+                self._add("output", "return", stmt, where, reads=self._reads(stmt.value))
+            elif isinstance(stmt, ast.Assign):
+                targets = [n.id for t in stmt.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+                self._statement(stmt.value, targets, stmt, where)
+            elif isinstance(stmt, ast.Expr):
+                self._statement(stmt.value, [], stmt, where)
+
+    def _statement(self, value: ast.expr, targets: list[str], stmt: ast.stmt, where: str) -> None:
+        partition = self._partition(value)
+        if partition is not None:
+            self.walk(self.partitions[partition].body, partition)
+            return
+        if not isinstance(value, ast.Call) or _dotted(value.func) == "reinterpret_tensor":
+            source = _names(value)   # an alias: buf2 = buf1, buf2 = buf1[0], reinterpret_tensor(buf1, ...)
+            for target in targets:
+                if len(source) >= 1 and source[0] in self.root:
+                    self.root[target] = self.root[source[0]]
+                else:
+                    self.root.pop(target, None)
+            return
+        for target in targets:
+            self.root.pop(target, None)
+        self._call(value, targets, stmt, where)
+
+    def _partition(self, value: ast.expr) -> str | None:
+        """"partition_<i>" when ``value`` calls ``self.partitions[i](...)`` (or ``partitions[i]``)."""
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Subscript)):
+            return None
+        holder, index = value.func.value, value.func.slice
+        if _dotted(holder).split(".")[-1] != "partitions" or not isinstance(index, ast.Constant):
+            return None
+        name = f"partition_{index.value}"
+        if name not in self.partitions:
+            raise ValueError(f"line {value.lineno}: calls {name}, which this code does not define")
+        return name
+
+    def _call(self, call: ast.Call, targets: list[str], stmt: ast.stmt, where: str) -> None:
+        dotted = _dotted(call.func)
+        parts = dotted.split(".")
+        if len(parts) >= 4 and parts[:2] == ["torch", "ops"] and parts[2] in _NAMESPACES:
+            self._collective_call(parts[3], call, targets, stmt, where)
+        elif dotted.startswith("extern_kernels."):
+            self._add("compute", dotted, stmt, where, reads=self._reads(call))
+        elif len(parts) == 2 and parts[1] == "run" and parts[0].startswith("triton_"):
+            self._add("compute", parts[0], stmt, where, reads=self._reads(call))
+        elif len(parts) == 1 and parts[0].startswith(("cpp_fused", "triton_")):
+            self._add("compute", parts[0], stmt, where, reads=self._reads(call))
+        elif len(parts) >= 4 and parts[:2] == ["torch", "ops"]:
+            self._add("compute", f"{parts[2]}.{parts[3]}", stmt, where, reads=self._reads(call))
+
+    def _collective_call(self, op: str, call: ast.Call, targets: list[str], stmt: ast.stmt, where: str) -> None:
+        if op == "wait_tensor":
+            buffer = (_names(call.args[0]) or [None])[0] if call.args else None
+            start = self.root.get(buffer) if buffer is not None else None
+            opened = self.events[start] if start is not None else None
+            self._add("wait", op, stmt, where, collective=opened and opened.collective,
+                      group=opened and opened.group, buffer=buffer, start=start)
+            if start is not None and self.outputs.get(start, 0) > 0:
+                self.outputs[start] -= 1
+            return
+        kind = collective_kind(op)
+        if kind is None:
+            self._add("compute", f"_c10d_functional.{op}", stmt, where, reads=self._reads(call))
+            return
+        out = [k.value for k in call.keywords if k.arg == "out"]
+        if out:
+            produced = _names(out[0])
+        elif op.endswith("_"):            # in place: the input is the output
+            produced = _names(call.args[0]) if call.args else []
+        else:
+            produced = targets
+        first = call.args[0] if call.args else None
+        count = len(first.elts) if "coalesced" in op and isinstance(first, (ast.List, ast.Tuple)) else 1
+        index = len(self.events)
+        self._add("start", op, stmt, where, collective=kind, group=_group(call),
+                  buffer=produced[0] if produced else None, start=index, reads=self._reads(call))
+        self.outputs[index] = count
+        for name in produced:
+            self.root[name] = index
+
+    def _reads(self, node: ast.AST) -> tuple[int, ...]:
+        found: list[int] = []
+        for name in _names(node):
+            start = self.root.get(name)
+            if start is not None and start not in found:
+                found.append(start)
+        return tuple(found)
+
+    def _add(self, kind: str, op: str, stmt: ast.stmt, where: str, **fields) -> None:
+        self.events.append(Event(len(self.events), kind, op, stmt.lineno, where, **fields))
+
+
+def _group(call: ast.Call) -> str | None:
+    """The group name a collective call passes: its ``group_name=`` or its last string argument."""
+    for keyword in call.keywords:
+        if keyword.arg in ("group_name", "tag") and isinstance(keyword.value, ast.Constant):
+            return str(keyword.value.value)
+    strings = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    return strings[-1] if strings else None
+
+
+def events(code: str) -> list[Event]:
+    """The events of one wrapper module's ``call``, in run order (see the module docstring)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as error:
+        raise ValueError(f"not Python wrapper code ({error.msg} at line {error.lineno}); C++ wrappers "
+                         f"(cpp_wrapper=True) are not read") from None
+    call, partitions = _find_functions(tree)
+    walker = _Walker(partitions)
+    walker.walk(call.body, "call")
+    return walker.events
+
+
+def _waited(events: list[Event]) -> dict[int, int]:
+    """start index -> index of the wait that closes it (its last output's wait)."""
+    closing: dict[int, int] = {}
+    for event in events:
+        if event.kind == "wait" and event.start is not None:
+            closing[event.start] = event.index
+    return closing
+
+
+def open_after(events: list[Event], kind: str | None = None, group: str | None = None) -> list[int]:
+    """After each event, how many collectives (of ``kind`` and ``group`` when given) are
+    started and not yet closed by the wait of their last output."""
+    closing = _waited(events)
+    open_now, counts = 0, []
+    for event in events:
+        if event.kind == "start" and (kind is None or event.collective == kind) \
+                and (group is None or event.group == group):
+            open_now += 1
+        elif event.kind == "wait" and event.start is not None and closing.get(event.start) == event.index:
+            start = events[event.start]
+            if (kind is None or start.collective == kind) and (group is None or start.group == group):
+                open_now -= 1
+        counts.append(open_now)
+    return counts
+
+
+def max_in_flight(events: list[Event], kind: str | None = None, group: str | None = None) -> int:
+    """The most collectives (of ``kind`` / ``group`` when given, else all) open at once."""
+    return max(open_after(events, kind, group), default=0)
+
+
+def never_waited(events: list[Event]) -> list[Event]:
+    """The starts no wait closes (the code leaves them in flight past its end)."""
+    closing = _waited(events)
+    return [e for e in events if e.kind == "start" and e.index not in closing]
+
+
+def first_use(events: list[Event], start: int) -> Event | None:
+    """The first event after ``start`` that reads its output (compute, another start, or the
+    output), waits excluded; None when nothing does."""
+    for event in events[start + 1:]:
+        if event.kind != "wait" and start in event.reads:
+            return event
+    return None
+
+
+def consumer_order_breaks(events: list[Event], kind: str = "all_gather") -> list[str]:
+    """Where collectives of ``kind`` are not started in the order of their first use, per
+    group: one message per start whose first use comes before the first use of a start of
+    the same group issued earlier. Starts whose output nothing reads are left out. Empty
+    when the order holds."""
+    breaks = []
+    latest: dict[str | None, tuple[Event, Event]] = {}   # group -> (start, its first use) with the latest use so far
+    for start in (e for e in events if e.kind == "start" and e.collective == kind):
+        use = first_use(events, start.index)
+        if use is None:
+            continue
+        previous = latest.get(start.group)
+        if previous is not None and use.index < previous[1].index:
+            breaks.append(f"{start.op} of {start.buffer} (line {start.line}, group {start.group}) is first used at "
+                          f"line {use.line} ({use.op}), before {previous[0].buffer} (started earlier, line "
+                          f"{previous[0].line}) is first used at line {previous[1].line} ({previous[1].op})")
+        else:
+            latest[start.group] = (start, use)
+    return breaks
+
+
+def compute_between(events: list[Event]) -> dict[int, int]:
+    """start index -> how many compute events run between the start and the wait that closes
+    it (to the end of the code when none does)."""
+    closing = _waited(events)
+    result = {}
+    for start in (e for e in events if e.kind == "start"):
+        end = closing.get(start.index, len(events))
+        result[start.index] = sum(1 for e in events[start.index + 1:end] if e.kind == "compute")
+    return result
+
+
+def starts(events: list[Event], kind: str | None = None) -> list[Event]:
+    """The start events (of ``kind`` when given), in issue order."""
+    return [e for e in events if e.kind == "start" and (kind is None or e.collective == kind)]
+
+
+def summary(events: list[Event]) -> dict:
+    """JSON-able counts of one wrapper's events: starts per kind, max in flight per kind and
+    overall, consumer-order breaks of all-gathers, starts with no compute before their wait."""
+    kinds = sorted({e.collective for e in starts(events)})
+    between = compute_between(events)
+    return {"starts": {k: len(starts(events, k)) for k in kinds},
+            "compute": sum(1 for e in events if e.kind == "compute"),
+            "max_in_flight": {**{k: max_in_flight(events, k) for k in kinds}, "all": max_in_flight(events)},
+            "consumer_order_breaks": consumer_order_breaks(events),
+            "never_waited": [e.buffer for e in never_waited(events)],
+            "no_compute_before_wait": [f"{events[i].op} {events[i].buffer} (line {events[i].line})"
+                                       for i, n in between.items() if n == 0]}
