@@ -235,17 +235,39 @@ def group_of(node: fx.Node) -> str:
     return str(group)
 
 
+def size_hint(size, unbacked: bool = False) -> int | None:
+    """A concrete int for an int or SymInt size, never adding a guard: a SymInt
+    gives its optimisation hint (the size it had when traced). Sizes overlapc
+    compares, sums or budgets go through here, so a dynamic dim stays dynamic;
+    a decision made on the hint must be valid for every size (or not taken).
+
+    A data-dependent (unbacked) size has no hint: None, unless ``unbacked`` asks
+    for torch's heuristic guess (estimates only). Also None for anything that
+    is not a size. ``int(symint)``, ``symint == n`` or ``symint % k`` would
+    guard instead: a graph compiled for one size, recompiled for the next."""
+    if type(size) is int:
+        return size
+    if not isinstance(size, torch.SymInt):
+        return int(size) if isinstance(size, int) else None
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, optimization_hint
+    try:
+        if not unbacked and free_unbacked_symbols(size):
+            return None
+        return int(optimization_hint(size))
+    except Exception:  # noqa: BLE001 - no hint torch can give without a guard: unknown
+        return None
+
+
 def tensor_nbytes(value) -> int | None:
-    """Bytes of a (fake) tensor or a list of them, from shapes; None when unknown."""
+    """Bytes of a (fake) tensor or a list of them, from shapes (size hints for
+    symbolic sizes: no guard is added); None when unknown (data-dependent sizes)."""
     if isinstance(value, (list, tuple)):
         parts = [tensor_nbytes(v) for v in value]
         return None if any(p is None for p in parts) else sum(parts)
     if not isinstance(value, torch.Tensor):
         return None
-    try:
-        return int(value.numel()) * value.element_size()
-    except Exception:  # unbacked symbolic sizes: the size is not known before running
-        return None
+    numel = size_hint(value.numel())
+    return None if numel is None else numel * value.element_size()
 
 
 def node_value(node: fx.Node):

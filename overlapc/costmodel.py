@@ -72,7 +72,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from overlapc.collectives import Collective, collective_op, is_alias, is_wait
+from overlapc.collectives import Collective, collective_op, is_alias, is_wait, size_hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,24 +353,13 @@ def load_profile(path: "str | os.PathLike") -> Profile:
 
 # -- compute --------------------------------------------------------------------------------------
 
-def _hint(size) -> int | None:
-    """A concrete int for an int or SymInt size (its optimisation hint), or None when unknown."""
-    if isinstance(size, int):
-        return size
-    try:
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-        return int(optimization_hint(size))
-    except Exception:
-        hint = getattr(getattr(size, "node", None), "hint", None)
-        return int(hint) if isinstance(hint, int) else None
-
-
 def _sizes(sizes) -> tuple[int, ...] | None:
-    """Sizes as concrete ints (hints for symbolic ones), or None when one is unknown."""
+    """Sizes as concrete ints (``size_hint``s for symbolic ones, torch's guess for
+    data-dependent ones: an estimate, never a guard), or None when one is unknown."""
     sizes = tuple(sizes)
     if all(type(s) is int for s in sizes):
         return sizes
-    sizes = tuple(_hint(s) for s in sizes)
+    sizes = tuple(size_hint(s, unbacked=True) for s in sizes)
     return None if any(s is None for s in sizes) else sizes
 
 

@@ -6,11 +6,11 @@ wait returns its collective's buffer, allocated at the start). A storage is
 freed after the last node that reads it or any alias of it; graph outputs live
 to the end. A collective's inputs are held until its last wait (the c10d work
 keeps them). Placeholders are live from the top until their last use, the same
-in every order. Unknown sizes count 0. Deterministic, O(nodes + edges).
+in every order. Symbolic sizes count their hint (no guard is
+added); unknown (data-dependent) sizes count 0. Deterministic, O(nodes + edges).
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from overlapc.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
@@ -86,12 +86,8 @@ def _aliases(node: fx.Node) -> bool:
 
 
 def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        try:
-            return int(value.numel() * value.element_size())
-        except Exception:  # unbacked symbolic sizes (data-dependent splits): counted 0
-            return 0
+    """Bytes of ``node``'s output: size hints for symbolic sizes (no guard), 0 for
+    data-dependent (unbacked) sizes and non-tensors."""
     return tensor_nbytes(node_value(node)) or 0
 
 
