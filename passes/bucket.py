@@ -80,6 +80,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
 from typing import Callable
 
 import torch
@@ -120,7 +121,11 @@ class BucketNote:
 
 
 def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None) -> list[tuple[str, ...]]:
-    """Make identical collectives one, in place: starts of the same op with the same
+    """Make identical collectives one, in place. First, a collective nothing
+    reads (every wait unused) that an identical collective later in the graph
+    repeats is erased: torch 2.14's min-cut partitioner gathers each
+    ``nn.MultiheadAttention`` ``in_proj_weight`` / ``in_proj_bias`` twice in
+    the forward and reads only the second. Then starts of the same op with the same
     arguments (the same input nodes, group and sizes), each read by exactly one
     ``wait_tensor``, with no other collective of their group and no barrier between
     them. DTensor emits them when several modules ask for the same redistribution
@@ -133,6 +138,54 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
     merges the same collectives. Returns the merged starts' names, each group
     first-kept, in graph order (also appended to ``gm.meta["overlapc_duplicates"]``).
     ``before_rewrite``: as for ``bucket_collectives``."""
+    names = _drop_unread_repeats(gm, before_rewrite)
+    names += _merge_identical_runs(gm, before_rewrite)
+    if names:
+        gm.graph.lint()
+    gm.meta.setdefault("overlapc_duplicates", []).extend(names)
+    return names
+
+
+def _drop_unread_repeats(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
+    """Erase every collective whose waits nobody reads when a later collective
+    with the same op and arguments exists (the same result is computed again
+    where it is read). Values are unchanged, and every rank traces the same
+    graph, so every rank erases the same collectives. Returns (kept, erased)
+    name pairs in graph order."""
+    from overlapc.collectives import collective_op, wait_nodes
+    seen: dict[tuple, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if collective_op(node) is not None:
+            seen.setdefault((node.target, _key(node.args), _key(node.kwargs)), []).append(node)
+    dropped: list[tuple[fx.Node, fx.Node]] = []
+    for starts in seen.values():
+        for earlier, later in zip(starts, starts[1:]):
+            waits = wait_nodes(earlier)
+            only_waits = all(u in waits or (u.target is operator.getitem and all(w in waits for w in u.users))
+                             for u in earlier.users)
+            if waits and only_waits and not any(w.users for w in waits):
+                dropped.append((later, earlier))
+    if not dropped:
+        return []
+    if before_rewrite is not None:
+        before_rewrite()
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    dropped.sort(key=lambda pair: position[pair[1]])
+    for _, earlier in dropped:
+        for wait in wait_nodes(earlier):
+            gm.graph.erase_node(wait)
+        for getitem in list(earlier.users):   # left without users by the waits' erasure
+            gm.graph.erase_node(getitem)
+        gm.graph.erase_node(earlier)
+    names = [(later.name, earlier.name) for later, earlier in dropped]
+    log.info("overlapc: erased %d collectives whose results nothing reads, each repeated later: %s",
+             len(names), "; ".join(f"{erased} (again as {kept})" for kept, erased in names))
+    return names
+
+
+def _merge_identical_runs(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
+    """Merge runs of identical, adjacent-in-their-group collectives (see
+    ``merge_duplicates``); returns the merged starts' names, first-kept."""
     from overlapc.collectives import collective_op, group_of, role, wait_nodes
     runs: list[list[fx.Node]] = []
     open_run: dict[tuple, list[fx.Node]] = {}   # identical starts so far, by their arguments
@@ -171,10 +224,8 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
             gm.graph.erase_node(other)
     names = [tuple(n.name for n in run) for run in merged]
     if merged:
-        gm.graph.lint()
         log.info("overlapc: merged %d identical collectives into %d: %s",
                  sum(len(n) - 1 for n in names), len(names), "; ".join(", ".join(n) for n in names))
-    gm.meta.setdefault("overlapc_duplicates", []).extend(names)
     return names
 
 

@@ -596,3 +596,75 @@ def test_regathers_across_other_collectives_barriers_or_groups_stay(fake_pg, two
     merged = merge_duplicates(gm)
     assert merged == [("all_gather_into_tensor_3", "all_gather_into_tensor_5")], merged
     assert count(gm, AG) == 5
+
+
+def test_a_gather_nothing_reads_is_erased_when_repeated_later(fake_pg, caplog):
+    """torch 2.14's min-cut partitioner gathers MHA's in_proj weight and bias twice
+    in the forward and reads only the second gather: the unread one goes, values
+    stay; an unread gather that nothing repeats, and a read one, stay."""
+    from overlapc.passes.bucket import merge_duplicates
+
+    def twice(x, w, v):
+        wait(ag(w))                     # unread, repeated below
+        wait(ag(v))                     # unread, never repeated
+        y = torch.relu(x)
+        return y @ wait(ag(w)).t()
+    gm = trace(twice, (4, 16), (2, 16), (2, 16))
+    original = copy.deepcopy(gm)
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        merged = merge_duplicates(gm)
+    assert merged == [("all_gather_into_tensor_2", "all_gather_into_tensor")], merged
+    assert count(gm, AG) == 2 and count(gm, F.wait_tensor.default) == 2
+    gathered = [n.args[0].name for n in gm.graph.nodes if n.target == AG]
+    assert gathered == ["v_1", "w_1"], gathered
+    assert "all_gather_into_tensor (again as all_gather_into_tensor_2)" in caplog.text
+    gm.recompile()
+    assert_same_values(original, gm)
+    scheduled = copy.deepcopy(original)
+    overlapc.schedule(scheduled, overlapc.OverlapConfig(on_error="raise"))
+    assert count(scheduled, AG) == 2
+    overlapc.verify(scheduled)
+
+
+def test_the_transformer_forward_compiled_by_inductor_gathers_each_parameter_once(fake_pg):
+    """The demo's model (nn.TransformerEncoderLayer blocks), sharded and compiled
+    through Inductor: the scheduled forward gathers every parameter shard once
+    (torch 2.14's partitioner emits two gathers of each MHA in_proj parameter) and
+    no graph falls back to the unscheduled order."""
+    import warnings
+
+    import overlapc.backend as backend
+    import overlapc.fsdp
+    from overlapc.demo import TinyTransformer
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    model = overlapc.fsdp.shard(TinyTransformer(2, 32, 4), mesh)
+    graphs = []
+    records = lambda record: graphs.append(record.gm)   # noqa: E731
+    real = backend.SchedulePass.__init__
+
+    def with_sink(self, cfg, sink=None):
+        real(self, cfg, records)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend.SchedulePass.__init__ = with_sink
+        try:
+            compiled = torch.compile(model, backend="overlapc", options={"check_ranks": False, "on_error": "raise"})
+            compiled(torch.randn(2, 8, 32)).sum().backward()
+        finally:
+            backend.SchedulePass.__init__ = real
+            torch._dynamo.reset()
+    shards = [p.name for n in graphs[0].graph.nodes if n.target == AG for p in _placeholders_behind(n.args[0])]
+    assert len(shards) == 26 and len(set(shards)) == len(shards), shards   # 13 per block, each once
+
+
+def _placeholders_behind(node):
+    """The graph inputs a node is computed from (a bucket's cat reads several shards)."""
+    found, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if current.op == "placeholder":
+            found.append(current)
+        stack.extend(current.all_input_nodes)
+    return found
