@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from multiprocessing import connection, get_context
 
@@ -65,6 +66,8 @@ def _trampoline(conn, where, rank, world_size, port, args):
     """Child entry point: import fn by (directory, module, name), run it, send back the outcome."""
     if _DUMP_SIGNAL is not None:
         faulthandler.register(_DUMP_SIGNAL, all_threads=True)
+    # As in the parent (pyproject's filterwarnings): a graph left unscheduled fails the test.
+    warnings.filterwarnings("error", message="overlapc left the graph unscheduled")
     try:
         directory, module, name = where
         if directory not in sys.path:
