@@ -26,7 +26,9 @@ Inductor's FX graph cache keys on it.
 Per graph, before it is compiled: the cross-rank check (``overlapc.rankcheck``,
 option ``check_ranks``), and one WARNING per compiled model whose graphs hold
 no collectives although its parameters are distributed (FSDP2, DDP, DTensor);
-a graph break in a DTensor-sharded model gets a WARNING too. Log records of
+a graph break in a DTensor-sharded model gets a WARNING too, and so does a
+sharded model compiled in pieces (``warn_if_cut``: per-block compiles, a
+forward Dynamo skipped). Every fw/bw graph gets an INFO line, cache hits included. Log records of
 the "overlapc" logger read "[rank R] fw_0: ..."; INFO on rank 0 only unless
 the logger is at DEBUG.
 """
@@ -112,6 +114,7 @@ def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
     before_order = [n.name for n in gm.graph.nodes] if want_record else []
     before_code = gm.print_readable(print_output=False) if want_record else ""
     schedule(gm, cfg, recompile=recompile)
+    _pass_runs["n"] += 1
     if not want_record:
         return
     # After bucketing/chunking, "before" is the rewritten graph's order before scheduling.
@@ -238,7 +241,10 @@ def _named(kind: str, compile_fn: Callable, index: int, cfg: OverlapConfig | Non
                 if seconds is not None:
                     log.debug("overlapc: every rank compiled the same collectives (checked in %.1f ms)",
                               seconds * 1e3)
-            return compile_fn(gm, example_inputs, *args, **kwargs)
+            _graphs_seen["n"] += 1
+            if cfg is None or not cfg.enabled:
+                return compile_fn(gm, example_inputs, *args, **kwargs)
+            return _compile_and_say(compile_fn, gm, example_inputs, *args, **kwargs)
         finally:
             _graph_name.reset(token)
     return compile_named
@@ -402,6 +408,8 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     model = _compiled_model() if cfg.enabled else None
     if model is not None:
         model.graph_break(gm, index)
+    if cfg.enabled:
+        warn_if_cut(gm)
     if cfg.inner == "aot_eager":
         if not cfg.enabled:
             from torch._dynamo.backends.debugging import aot_eager
@@ -418,7 +426,11 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
     inner = _named("fw", compile_fx_inner, index, cfg, names, model)
     if not rankcheck.enabled(cfg):
-        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        seen = _graphs_seen["n"]
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        if cfg.enabled:
+            _say_aot_cache_hit(index, seen)
+        return compiled
     # An AOTAutograd cache hit would skip the per-graph wrapper and with it the check.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
@@ -511,3 +523,223 @@ def backward_root(out) -> tuple[torch.Tensor | None, str]:
         return None, f"no backward: the output ({type(out).__name__}) holds no tensor"
     return None, (f"no backward: no floating tensor of the output requires grad "
                   f"({', '.join(f'{p}: {t.dtype}' for p, t in found[:4])}{', ...' if len(found) > 4 else ''})")
+
+
+# -- per-graph INFO when the pass did not run (cache hits, graphs without collectives) ------------
+
+_pass_runs = {"n": 0}   # how many times the schedule pass has run in this process
+
+
+def _compile_and_say(compile_fn: Callable, gm: fx.GraphModule, example_inputs, *args, **kwargs):
+    """``compile_fn(gm, example_inputs, ...)``; when the schedule pass did not run on
+    ``gm`` (an Inductor FX graph cache hit skips post-grad passes, and a graph with
+    no collective has no summary), one INFO line says so, so every compiled graph has one."""
+    runs = _pass_runs["n"]
+    compiled = compile_fn(gm, example_inputs, *args, **kwargs)
+    if _pass_runs["n"] == runs or not _has_collective(gm):
+        log.info("overlapc: %s", _unscheduled_note(gm))
+    return compiled
+
+
+def _has_collective(gm: fx.GraphModule) -> bool:
+    from overlapc.collectives import collective_op
+    return any(collective_op(n) for n in gm.graph.nodes)
+
+
+def _unscheduled_note(gm: fx.GraphModule) -> str:
+    """The INFO text of a graph without collectives, or one the pass did not see (a cache hit)."""
+    from overlapc.collectives import collective_op
+    count = sum(1 for n in gm.graph.nodes if collective_op(n))
+    if not count:
+        return "no collective in this graph: nothing to schedule"
+    return (f"from the FX graph cache: schedule as compiled before ({count} collectives; the cache key "
+            f"holds overlapc's options and source, so the order is the one scheduled then)")
+
+
+def _say_aot_cache_hit(index: int, seen_before: int) -> None:
+    """INFO when AOTAutograd's cache served Dynamo graph ``index`` (no fw/bw graph reached overlapc)."""
+    if _graphs_seen["n"] == seen_before:
+        log.info("overlapc: graph %d from the AOTAutograd cache: schedule as compiled before", index)
+
+
+_graphs_seen = {"n": 0}   # fw/bw graphs handed to overlapc's per-graph wrapper in this process
+
+
+# -- where overlap is cut: a sharded model compiled in pieces -----------------------------------
+
+_cut_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OVERLAPC_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, sys.modules[schedule.__module__].__file__))
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+
+
+def warn_if_cut(gm: fx.GraphModule) -> bool:
+    """One WARNING (rank 0) per model when Dynamo graph ``gm`` holds only part of a
+    sharded model: a module compiled on its own (``model.layers[i] =
+    torch.compile(block)``), a module Dynamo compiled alone because it skipped
+    the model's forward (a graph break inside a loop over blocks), or a compiled
+    function that reads only some of the model's parameters. Overlap stops at
+    every graph's edge, so it names where the cut is (file:line), what was
+    compiled, and which parameters' all-gathers can no longer be prefetched.
+    Returns True when ``gm`` is such a piece. A graph of the whole model (or of
+    its forward's pieces around a graph break: ``_Model.graph_break`` says those)
+    is not."""
+    try:
+        params = _graph_parameters(gm)
+        if not params:
+            return False
+        stack_modules = _stack_modules()
+        frame_locals, code, reachable = _compiled_frame()
+        root = _root_module(params, stack_modules, reachable)
+        compiled = _unwrap(frame_locals.get("self"))
+        if root is None or compiled is root:
+            return False
+        ids = {id(p) for p in params}
+        sharded = [(n.replace("._orig_mod", ""), id(p)) for n, p in root.named_parameters() if _is_dtensor(p)]
+        mine = [n for n, i in sharded if i in ids]
+        if len(mine) == len(sharded):
+            return False
+        sharded = [n for n, _ in sharded]
+    except Exception as error:   # noqa: BLE001 - a diagnosis must never break a compile
+        log.debug("overlapc: could not tell whether the graph holds the whole model: %s", error)
+        return False
+    if root not in _cut_warned:
+        _cut_warned.add(root)
+        if _rank() == 0:
+            log.warning("overlapc: %s", _cut_message(root, mine, sharded, compiled, code, stack_modules))
+    return True
+
+
+def _cut_message(root, mine: list[str], sharded: list[str], compiled, code, stack_modules) -> str:
+    part = ", ".join(_cover(mine, sharded)[:6])
+    others = _cover([n for n in sharded if n not in set(mine)], sharded)
+    model = type(root).__name__
+    wrapped = [m for m, optimized in stack_modules if optimized]
+    if compiled is not None and wrapped and wrapped[0] is compiled:
+        how = f"{part} is compiled on its own (torch.compile on the module, not on {model})"
+    elif root in wrapped:
+        how = (f"Dynamo runs {model}.forward uncompiled and compiles each module it calls on its own"
+               f"{_dynamo_skip_reason()}")
+    else:
+        how = f"the compiled {'module' if compiled is not None else 'function'} " \
+              f"{getattr(code, 'co_name', '?')} reads only {part}'s parameters"
+    return (f"graphs of {model} are cut at {_user_line()}: {how}. This graph holds {len(mine)} of the model's "
+            f"{len(sharded)} sharded parameters ({part}); overlap stops at its edges: the all-gathers of "
+            f"{', '.join(others[:6])}{', ...' if len(others) > 6 else ''} cannot be issued during its compute "
+            f"(they start when their own graph, or the eager code around it, starts), and what runs "
+            f"uncompiled gathers without prefetch. Compile the whole model (torch.compile(model), no graph "
+            f"break inside the loop over blocks: torch._dynamo.explain(model)(*inputs) lists them) to let "
+            f"overlapc schedule across blocks")
+
+
+def _graph_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The DTensor parameters Dynamo graph ``gm`` takes as inputs (real objects, by identity)."""
+    found = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        example = getattr(node.meta.get("grapharg"), "example", None)
+        if isinstance(example, torch.nn.Parameter) and _is_dtensor(example):
+            found.append(example)
+    return found
+
+
+def _is_dtensor(value) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(value, DTensor)
+
+
+def _unwrap(module):
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return module._orig_mod
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def _stack_modules() -> list[tuple[torch.nn.Module, bool]]:
+    """(module, called through an OptimizedModule) of every module call on the Python
+    stack, innermost first (only module-call frames have their locals read)."""
+    found: list[tuple[torch.nn.Module, bool]] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _MODULE_CALLS:
+            module = frame.f_locals.get("self")
+            optimized = isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+            module = _unwrap(module)
+            if module is not None:
+                if found and found[-1][0] is module:
+                    found[-1] = (module, found[-1][1] or optimized)
+                else:
+                    found.append((module, optimized))
+        frame = frame.f_back
+    return found
+
+
+def _compiled_frame() -> tuple[dict, object, list]:
+    """(locals, code, the modules it can reach by name: locals, closure cells, globals)
+    of the frame Dynamo is compiling, from its ``_compile`` call on the stack (torch
+    2.13 and 2.14 name it and its arguments so); ({}, None, []) when not found."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename.endswith(
+                os.path.join("_dynamo", "convert_frame.py")):
+            values = frame.f_locals
+            frame_locals = dict(values.get("locals") or {})
+            cells = [getattr(c, "cell_contents", None) for c in values.get("closure") or ()]
+            reachable = [*frame_locals.values(), *cells, *(values.get("globals") or {}).values()]
+            modules = [m for m in map(_unwrap, reachable) if m is not None]
+            return frame_locals, values.get("code"), modules
+        frame = frame.f_back
+    return {}, None, []
+
+
+def _root_module(params: list[torch.Tensor], stack_modules, reachable: list):
+    """The outermost module (calling the compiled code, or reachable from the compiled
+    frame) whose parameters include all of ``params``; None when there is none."""
+    wanted = {id(p) for p in params}
+    candidates = [m for m, _ in reversed(stack_modules)] + reachable
+    for module in candidates:
+        if wanted <= {id(p) for p in module.parameters()}:
+            return module
+    return None
+
+
+def _cover(chosen: list[str], everything: list[str], prefix: tuple = ()) -> list[str]:
+    """The fewest module paths (or parameter names) whose parameters, among
+    ``everything``, are exactly ``chosen``: ["embed", "layers.0"]. In ``everything``'s order."""
+    chosen_set = set(chosen)
+    groups: dict[str, list[str]] = {}
+    for name in everything:
+        parts = name.split(".")
+        if tuple(parts[:len(prefix)]) == prefix and len(parts) > len(prefix):
+            groups.setdefault(parts[len(prefix)], []).append(name)
+    paths = []
+    for key, names in groups.items():
+        mine = [n for n in names if n in chosen_set]
+        if len(mine) == len(names):
+            paths.append(".".join((*prefix, key)))
+        elif mine:
+            paths += _cover(mine, names, (*prefix, key))
+    return paths
+
+
+def _user_line() -> str:
+    """file:line of the innermost frame on the stack outside torch, overlapc and the
+    standard library: the user code that called the compiled piece."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith((_TORCH_DIR, _STDLIB_DIR, *_OVERLAPC_DIRS)) and not name.startswith("<"):
+            return f"{name}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "an unknown line"
+
+
+def _dynamo_skip_reason() -> str:
+    """Dynamo's latest reason for skipping a frame (its graph-break counters), as
+    "; Dynamo: frame skipped: forward (file line N) after: <first reason>", or ""."""
+    import re
+    reasons = list(torch._dynamo.utils.counters.get("unimplemented", {}))
+    for text in reversed(reasons):
+        skipped = re.search(r"frame skipped: (\S+) \((.+) line (\d+)\)", text)
+        if skipped:
+            first = text.strip().splitlines()[0][:160]
+            return f" (Dynamo skipped {skipped.group(1)} at {skipped.group(2)}:{skipped.group(3)} after: {first})"
+    return ""
