@@ -52,7 +52,7 @@ import torch.fx as fx
 from overlapc import rankcheck
 from overlapc.config import OverlapConfig
 from overlapc.passes.pipeline import schedule, unscheduled_order
-from overlapc.torch_compat import inductor_patches, warn_if_untested
+from overlapc.torch_compat import inductor_patches, warn_if_untested, with_joint_pre_pass
 
 log = logging.getLogger("overlapc")
 
@@ -419,9 +419,8 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     patches = dict(list_mode_options(mode)) if mode else {}
     if cfg.enabled:
-        from torch._inductor.custom_graph_pass import get_custom_graph_passes
-        patches.update(inductor_patches(), post_grad_custom_post_pass=SchedulePass(cfg), joint_custom_pre_pass=[
-            *get_custom_graph_passes(torch._inductor.config.joint_custom_pre_pass), SaveSeededOps()])
+        patches.update(inductor_patches(), post_grad_custom_post_pass=SchedulePass(cfg), joint_custom_pre_pass=
+                       with_joint_pre_pass(torch._inductor.config.joint_custom_pre_pass, SaveSeededOps()))
         if cfg.dump_dir:
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
     inner = _named("fw", compile_fx_inner, index, cfg, names, model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch._inductor.custom_graph_pass as custom_graph_pass
 
 log = logging.getLogger("overlapc")
 
@@ -43,6 +44,31 @@ def inductor_patches() -> dict[str, object]:
     from torch._inductor import config
     known = config.get_config_copy()
     return {key: value for key, value in _ORDER_MOVING_PASSES.items() if key in known}
+
+
+def with_joint_pre_pass(existing, added):
+    """Inductor's ``joint_custom_pre_pass`` value that runs the user's
+    ``existing`` pass(es), then ``added``. torch >= 2.13 takes a list
+    (``get_custom_graph_passes``); older Inductor takes one pass, so two are
+    chained in one ``CustomGraphPass``."""
+    if hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        return [*custom_graph_pass.get_custom_graph_passes(existing), added]
+    return added if existing is None else _Chained(existing, added)
+
+
+class _Chained(custom_graph_pass.CustomGraphPass):
+    """Two joint-graph passes run in order, for an Inductor that takes only one."""
+
+    def __init__(self, first, second):
+        self.passes = (first, second)
+
+    def __call__(self, graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self):
+        ids = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        return None if None in ids else f"overlapc.Chained {ids}"
 
 
 def release() -> str:

@@ -54,3 +54,17 @@ def test_a_tested_torch_is_not_said(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="overlapc"):
         torch_compat.warn_if_untested()
     assert "tested releases" not in caplog.text
+
+
+def test_the_joint_pre_pass_runs_the_users_pass_then_overlapcs(monkeypatch):
+    """Both the list form (torch >= 2.13) and the one-pass form of older Inductor."""
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+    ran = []
+    user, ours = (lambda graph: ran.append(("user", graph))), (lambda graph: ran.append(("ours", graph)))
+    if hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        assert torch_compat.with_joint_pre_pass(user, ours) == [user, ours]
+        assert torch_compat.with_joint_pre_pass(None, ours) == [ours]
+        monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes")
+    assert torch_compat.with_joint_pre_pass(None, ours) is ours
+    torch_compat.with_joint_pre_pass(user, ours)("g")
+    assert ran == [("user", "g"), ("ours", "g")]
