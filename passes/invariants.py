@@ -8,25 +8,20 @@
 2. waits: no wait after its target (first real consumer, region end, output);
    an all-gather's wait just before it (only waits, starts with their input
    chains and views of waited tensors in between);
-3. in-flight bound: per group and kind at most ``max_count`` open (a chunked
-   collective's pieces as one, ``inflight.piece_of``); per group
-   at most ``max_bytes`` held when a collective is issued, with two exceptions.
-   With a headroom (the "auto" budget, ``Budget.headroom``) the bytes may
-   exceed ``max_bytes`` when everything in flight fits the headroom from the
-   issuing point to the collective's wait target. And the bytes may exceed
-   the budget when nothing else of the group is open that could have been
-   waited first. For an all-gather that is every other open collective; for
-   any other kind, open all-gathers do not count (their waits stay just
-   before their consumers, 2.), so a reduce-scatter issued while all-gathers
-   fill the group may go over. The scheduler leaves
-   all-gathers issued ahead of need room for the group's largest other
-   collective (``Budget.reserve``); only all-gathers issued because their
-   consumer is due can fill that room;
+3. in-flight bound, without exception: per group and kind at most
+   ``max_count`` open (a chunked collective's pieces as one,
+   ``inflight.piece_of``); per group at most ``max_bytes`` held when a
+   collective is issued, unless nothing else of the group is open (one
+   collective larger than the budget goes alone) or, with a headroom (the
+   "auto" budget, ``Budget.headroom``), everything in flight fits the headroom
+   from the issuing point to the collective's wait target. Chained collectives
+   (a start that reads another collective's result) are no exception;
 4. memory: peak live bytes <= a reference order's peak + the most bytes held
    in flight at once. ``schedule`` compares with the order it started from;
-   ``verify`` on a graph alone with the serial order (same spine, all-gathers
-   issued right before their waits, everything else waited right after its
-   start: the least memory any placement of the collectives needs).
+   ``verify`` on a graph alone with ``serial_order`` (same spine, built here
+   without the scheduler: every collective other than an all-gather issued as
+   soon as its inputs are placed and waited right after its start, every
+   all-gather issued right before its wait, just before its first reader).
 
 Valid topological order (lint) and "nothing crossed a barrier / compute kept
 its order" need the order before scheduling; ``pipeline.schedule`` checks
@@ -36,12 +31,12 @@ the report, not an error.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import torch.fx as fx
 
-from overlapc.passes.inflight import Budget, InFlight
+from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.memory import Liveness
-from overlapc.passes.scheduler import schedule_order
 from overlapc.passes.structure import Structure
 
 
@@ -127,7 +122,7 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     peak = liveness.peak_bytes(order)
     what = "order before scheduling" if reference is not None else "serial order"
     if reference is None:
-        reference = room.serial if room is not None else schedule_order(s, mode="serial")
+        reference = room.serial if room is not None else serial_order(s)
     reference = liveness.peak_bytes(reference)
     if peak > reference + flight.peak_total:
         raise ScheduleError(f"peak live bytes {peak} exceed the {what}'s {reference} plus the "
@@ -189,16 +184,13 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
             flight.open(c)
             count = flight.count(c.group, c.kind)
             peak_count = max(peak_count, count)
-            at = o.pos[node]
-            if budget.max_count is not None and count > budget.max_count and (
-                    c.kind != "all_gather" or any(o.waitable(x, at) for x in flight.open_in(c.group)
-                                                  if x is not c and x.kind == c.kind)):
+            if budget.max_count is not None and count > budget.max_count:
                 raise o.fail(node, f"{count} {c.kind} collectives of group {c.group} in flight, "
                                    f"limit {budget.max_count}")
             limit = budget.max_bytes.get(c.group)
             if limit is not None and flight.nbytes(c.group) > limit:
-                others = [x for x in flight.open_in(c.group) if x is not c and o.waitable(x, at)
-                          and (c.kind == "all_gather" or x.kind != "all_gather")]
+                whole = piece_of(c)
+                others = [x for x in flight.open_in(c.group) if piece_of(x) != whole]
                 due = max(s.due(c), here)
                 if others and not budget.fits_headroom(flight.total, here, due):
                     raise o.fail(node, f"{flight.nbytes(c.group)} bytes in flight in group {c.group}, "
@@ -211,3 +203,146 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
             if waits_left[c.start] == 0:
                 flight.close(c)
     return flight, peak_count
+
+
+def serial_order(s: Structure, keep_starts: bool = False) -> list[fx.Node]:
+    """The serial order of the graph of ``s``, built here and not by the scheduler,
+    so that a scheduler bug cannot loosen the check meant to catch it.
+
+    The spine (every node outside the movable collectives' bundles) keeps its
+    order, and no two collectives are in flight at once: an all-gather is issued
+    right before its wait, just before the first node that reads it (a spine
+    node, another collective's start bundle, or the barrier or output closing
+    its region); every other collective is waited right after its start, which
+    goes as soon as its inputs are placed and its region is open, or, with
+    ``keep_starts``, where it stands in ``s`` (later if an input is placed
+    later). Without ``keep_starts`` every order of one graph with the same
+    spine (a schedule of it) has the same serial order, the memory reference of
+    ``verify``: ties break on spine positions, the order a node reads its inputs
+    and node names, never on where starts and waits stand. With it, the order is
+    the pipeline's fallback for a graph whose chained collectives the core could
+    not place within the guarantees: it keeps them all, by construction."""
+    return _Serial(s, keep_starts).run()
+
+
+class _Serial:
+    def __init__(self, s: Structure, keep_starts: bool):
+        self.s = s
+        self.members = {m: c for c in s.movable for m in s.start_bundle[c.start]}
+        self.members.update((m, s.coll_of_wait[w]) for w, bundle in s.wait_bundle.items() for m in bundle)
+        self.order: list[fx.Node] = []
+        self.placed: set[fx.Node] = set()
+        self.missing = {c.start: len(s.bundle_inputs[c.start]) for c in s.movable}
+        self.blocked_on: dict[fx.Node, list[fx.Node]] = {}
+        for c in s.movable:
+            for i in s.bundle_inputs[c.start]:
+                self.blocked_on.setdefault(i, []).append(c.start)
+        if keep_starts:   # each start also waits for the spine node it follows in ``s``
+            anchor = None
+            for node in s.nodes:
+                c = s.coll_of_start.get(node)
+                if c is not None and anchor is not None and c.kind != "all_gather":
+                    self.missing[node] += 1
+                    self.blocked_on.setdefault(anchor, []).append(node)
+                if node not in self.members:
+                    anchor = node
+        self.due_at: dict[fx.Node, list[fx.Node]] = {}    # spine node -> waits due there
+        for wait, target in s.spine_target.items():
+            self.due_at.setdefault(target, []).append(wait)
+        self.ready: list[tuple] = []                      # heap of (key, name, start)
+        self.later: dict[int, list[fx.Node]] = {}          # region -> ready starts of a region not open
+        self.region = 0
+        for c in s.movable:
+            if not self.missing[c.start]:
+                self._became_ready(c.start)
+
+    def _became_ready(self, start: fx.Node) -> None:
+        s = self.s
+        c = s.coll_of_start[start]
+        if c.kind == "all_gather":
+            return   # issued when read
+        if s.region_of(start) > self.region:
+            self.later.setdefault(s.region_of(start), []).append(start)
+        else:
+            key = min(s.wait_key(w)[:2] for w in c.waits)
+            heapq.heappush(self.ready, (key, start.name, start))
+
+    def _place(self, node: fx.Node) -> None:
+        self.order.append(node)
+        self.placed.add(node)
+        for start in self.blocked_on.get(node, ()):
+            self.missing[start] -= 1
+            if not self.missing[start]:
+                self._became_ready(start)
+
+    def _emit(self, start: fx.Node) -> None:
+        """Issue the collective of ``start`` and wait it, after what its start bundle reads."""
+        self._prepare(start)
+        self._put(start)
+
+    def _prepare(self, start: fx.Node) -> None:
+        """Place what the start bundle of ``start`` reads (collectives it chains on:
+        issued and waited now, so that they stand before anything placed after)."""
+        bundle = self.s.start_bundle[start]
+        for member in bundle:   # in the order each member reads its inputs (the consumer order's ties)
+            for i in member._input_nodes:
+                if i not in self.members or self.members[i].start is not start:
+                    self._ensure(i)
+
+    def _put(self, start: fx.Node) -> None:
+        s = self.s
+        if start in self.placed:
+            return
+        for member in s.start_bundle[start]:
+            self._place(member)
+        for wait in sorted(s.coll_of_start[start].waits, key=s.wait_key):
+            for member in s.wait_bundle[wait]:
+                self._place(member)
+
+    def _ensure(self, node: fx.Node) -> None:
+        if node in self.placed:
+            return
+        if node not in self.members:
+            raise AssertionError(f"overlapc internal error: serial order reads {node.name} before it is placed")
+        self._emit(self.members[node].start)
+
+    def _due(self, node: fx.Node) -> list[fx.Node]:
+        """Starts of the collectives to complete before spine node ``node``: other
+        kinds first, then all-gathers in the order ``node`` reads them, then
+        all-gathers due because their region ends at ``node``."""
+        s = self.s
+        found: dict[fx.Node, None] = {}
+        for i in node._input_nodes:
+            c = self.members.get(i)
+            if c is not None and i not in self.placed:
+                found[c.start] = None
+        for wait in sorted(self.due_at.get(node, ()), key=s.wait_key):
+            if wait not in self.placed:
+                found[s.coll_of_wait[wait].start] = None
+        gathers = [st for st in found if s.coll_of_start[st].kind == "all_gather"]
+        return [st for st in found if s.coll_of_start[st].kind != "all_gather"] + gathers
+
+    def _flush(self) -> None:
+        """Issue and wait every ready collective other than an all-gather, in key order."""
+        while self.ready:
+            start = heapq.heappop(self.ready)[2]
+            if start not in self.placed:
+                self._emit(start)
+
+    def run(self) -> list[fx.Node]:
+        s = self.s
+        spine = [n for n in s.nodes if n not in self.members]
+        for index, node in enumerate(spine):
+            due = self._due(node)
+            for start in due:   # chains first: what they pull in is read before ``node``
+                self._prepare(start)
+            for start in due:
+                self._put(start)
+            self._place(node)
+            if node in s.is_barrier:
+                self.region += 1
+                for start in self.later.pop(self.region, ()):
+                    self._became_ready(start)
+            if node.op != "placeholder" or index + 1 == len(spine) or spine[index + 1].op != "placeholder":
+                self._flush()
+        return self.order

@@ -59,7 +59,7 @@ def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
     headroom = None
     if cfg.max_in_flight_bytes == "auto":
         max_bytes: dict[str, int | None] = dict(auto_budget(collectives, held))
-        headroom = Headroom(s, schedule_order(s, mode="serial")) if collectives else None
+        headroom = Headroom(s, invariants.serial_order(s)) if collectives else None
     else:
         max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
     reserve: dict[str, int] = {}
@@ -88,21 +88,50 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
              kinds: tuple[str, ...] | None = None, s: Structure | None = None) -> PassResult:
     """Schedule ``gm.graph`` in place with the core and check the result.
     ``budget_of(structure)`` gives the Budget; ``s``: the graph's Structure when
-    the caller has it (the graph unchanged since). Each placed start and wait
-    gets its reason in ``meta["overlapc_reason"]`` once the check passed."""
+    the caller has it (the graph unchanged since). A graph with chained
+    collectives whose schedule fails the check (or the core) is placed
+    serially instead (``_serial_fallback``). Each placed start and wait gets its
+    reason in ``meta["overlapc_reason"]`` once the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
         return PassResult(0, False)
     budget: Budget = budget_of(s)
     reasons: dict[fx.Node, str] = {}
-    order = schedule_order(s, budget, mode, kinds, reasons)
-    _check_kept(s, order)
+    try:
+        order = schedule_order(s, budget, mode, kinds, reasons)
+        _check_kept(s, order)
+        # starts not placed by the core (sink mode) are checked by the above only
+        peaks = None if mode == "sink" else invariants.check(s, order, budget, reference=s.nodes)
+    except (ScheduleError, AssertionError) as error:
+        if mode == "sink" or not _has_chains(s):
+            raise
+        order, reasons = _serial_fallback(s, error)
+        _check_kept(s, order)
+        peaks = invariants.check(s, order, budget, reference=s.nodes)
     apply_order(gm, order)
-    # starts not placed by the core (sink mode) are checked by the above only
-    peaks = None if mode == "sink" else invariants.check(s, order, budget, reference=s.nodes)
     for node, reason in reasons.items():
         node.meta["overlapc_reason"] = reason
     return PassResult(len(s.movable), order != s.nodes, peaks)
+
+
+def _has_chains(s: Structure) -> bool:
+    """Whether a movable collective's start reads another one's result (a chain)."""
+    return any(i in s.wait_of_member for c in s.movable for i in s.bundle_inputs[c.start])
+
+
+def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dict[fx.Node, str]]:
+    """The serial order that keeps starts in place (``invariants.serial_order``): every
+    guarantee holds by construction, no overlap. For chained collectives the core
+    could not place within the guarantees (``error``); logged at INFO."""
+    log.info("overlapc: chained collectives placed serially (starts kept, each waited first): %s", error)
+    order = invariants.serial_order(s, keep_starts=True)
+    reasons: dict[fx.Node, str] = {}
+    for c in s.movable:
+        gather = c.kind == "all_gather"
+        reasons[c.start] = "forced by consumer" if gather else "not moved"
+        for wait in c.waits:
+            reasons[wait] = "before consumer" if gather else "serial"
+    return order, reasons
 
 
 def _check_kept(s: Structure, order: list[fx.Node]) -> None:

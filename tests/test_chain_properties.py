@@ -1,0 +1,211 @@
+"""Property tests where chained collectives fail: up-front issue, barriers inside chains.
+
+Random make_fx programs of 1-5 stages. Each stage is a chain of 1-5
+collectives of any kind (all-gather, reduce-scatter, all-reduce, all-to-all)
+over three groups, each link reading the previous one's result through
+nothing, a view, a cast, a reshape or a matmul, with barriers (an in-place
+add into a graph input, or a copy of the chain's result into one) between
+links; the chain's result feeds the stage's compute. Stages whose first
+collective reads a weight may be issued up front, as thunder and hand-written
+code emit them: every such start at the top of the graph in stage order, in
+a random order or reversed, their waits at the top (the rest of the chain too,
+optionally), at a random earlier stage, or at their use.
+
+Every program is scheduled under max_in_flight 1..3 or none, byte budgets from
+smaller than one collective to none and "auto", with and without buckets,
+with on_error="raise" (no refusal is acceptable), and then checked:
+values and determinism; ``overlapc.verify``; and the guarantees recomputed
+here without overlapc's scheduling code (``independent_checks``): consumer
+order, waits, the count and byte bounds without exception, and peak live
+bytes (counted here, ``live_peak``) within the original order's peak and
+within the serial order's peak (built here, ``serial_order``) plus the bytes
+in flight.
+"""
+import os
+
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import overlapc
+from graphs import F, WORLD, trace, wait
+from test_properties import LocalCollectives, independent_checks, order
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+DRAWN = KINDS + ("all_gather", "all_gather")   # all-gathers twice as often: lanes are where chains collide
+LINKS = ("none", "view", "cast", "reshape", "matmul")
+BARRIERS = (None, None, None, "add_", "copy_")
+
+
+@st.composite
+def programs(draw):
+    stages = []
+    for _ in range(draw(st.integers(1, 5))):
+        stages.append(dict(
+            head=draw(st.sampled_from(DRAWN)),
+            from_weight=draw(st.booleans()),
+            links=[dict(kind=draw(st.sampled_from(DRAWN)), group=draw(st.integers(0, 2)),
+                        how=draw(st.sampled_from(LINKS)), barrier=draw(st.sampled_from(BARRIERS)))
+                   for _ in range(draw(st.sampled_from([0, 1, 1, 2, 3, 4])))],
+            group=draw(st.integers(0, 2)),
+            bf16=draw(st.booleans()),
+            out=draw(st.booleans()),
+            barrier_after=draw(st.integers(0, 4)) == 0,
+        ))
+    n = len(stages)
+    return dict(
+        stages=stages,
+        issue=draw(st.sampled_from(["inline", "stage", "random", "reversed"])),
+        perm=draw(st.permutations(range(n))),
+        waits=draw(st.sampled_from(["top", "use", "random"])),
+        wait_stage=[draw(st.integers(0, i)) for i in range(n)],
+        chain_at_top=draw(st.booleans()),
+    )
+
+
+def start(kind, x, group):
+    if kind == "all_gather":
+        return F.all_gather_into_tensor(x, WORLD, group)
+    if kind == "reduce_scatter":
+        return F.reduce_scatter_tensor(x, "sum", WORLD, group)
+    if kind == "all_reduce":
+        return F.all_reduce(x, "sum", group)
+    split = [x.shape[0] // WORLD] * WORLD
+    return F.all_to_all_single(x, split, split, group)
+
+
+def feasible(kind, rows):
+    """Every tensor between 1 and 128 rows, divisible where the kind splits rows."""
+    return rows * WORLD <= 128 if kind == "all_gather" else rows % WORLD == 0
+
+
+def fit(kind, rows):
+    if feasible(kind, rows):
+        return kind
+    return "all_reduce" if rows % WORLD else "reduce_scatter"
+
+
+def link(how, y, eye):
+    if how == "view":
+        return y.view(-1, 16)
+    if how == "cast":
+        return y.to(torch.bfloat16).float() if y.dtype == torch.float32 else y.float().to(y.dtype)
+    if how == "reshape":
+        return y.reshape(y.shape[0], 4, 4).reshape(-1, 16)
+    if how == "matmul":
+        return y @ eye.to(y.dtype)
+    return y
+
+
+def barrier(how, scratch, y):
+    if how == "add_":
+        torch.ops.aten.add_(scratch, 1)
+    elif how == "copy_":
+        torch.ops.aten.copy_(scratch, y[:1])
+
+
+def build(p, groups):
+    stages = p["stages"]
+    upfront = [] if p["issue"] == "inline" else [i for i in (
+        range(len(stages)) if p["issue"] == "stage" else p["perm"] if p["issue"] == "random"
+        else reversed(range(len(stages)))) if stages[i]["from_weight"]]
+
+    def fn(x, eye, scratch, *ws):
+        handle, value, done = {}, {}, set()
+
+        def head(i, x):
+            s = stages[i]
+            src = ws[i] if s["from_weight"] else x
+            src = src.to(torch.bfloat16) if s["bf16"] else src
+            if not feasible(s["head"], src.shape[0]):
+                src = torch.cat([src] * WORLD) if s["head"] != "all_gather" else src[:1]
+            handle[i] = start(s["head"], src, groups[s["group"]])
+
+        def take(i):
+            value[i] = wait(handle.pop(i))
+
+        def chain(i):
+            y = value[i]
+            for k in stages[i]["links"]:
+                y = link(k["how"], y, eye)
+                barrier(k["barrier"], scratch, y)
+                y = wait(start(fit(k["kind"], y.shape[0]), y, groups[k["group"]]))
+            value[i] = y
+            done.add(i)
+
+        for i in upfront:
+            head(i, x)
+        if p["waits"] == "top":
+            for i in upfront:
+                take(i)
+                if p["chain_at_top"]:
+                    chain(i)
+        outs = []
+        for i, s in enumerate(stages):
+            if p["waits"] == "random":   # waits of later up-front stages due here
+                for j in upfront:
+                    if j in handle and p["wait_stage"][j] == i:
+                        take(j)
+            if i not in handle and i not in value:
+                head(i, x)
+            if i in handle:
+                take(i)
+            if i not in done:
+                chain(i)
+            y = value[i]
+            if s["out"]:
+                outs.append(y)
+            x = torch.tanh(x @ eye + y.float().sum(0, keepdim=True))
+            if s["barrier_after"]:
+                torch.ops.aten.add_(scratch, 1)
+        return (x, *outs)
+    return fn
+
+
+class Stand(LocalCollectives):
+    def call_function(self, target, args, kwargs):
+        if target == F.all_to_all_single.default:
+            return args[0].roll(1, 0) * 0.5
+        return super().call_function(target, args, kwargs)
+
+
+def inputs_for(p):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(16, 16, generator=g), torch.eye(16) * 0.5, torch.zeros(1, 16)] + \
+        [torch.randn(2, 16, generator=g) for _ in p["stages"]]
+
+
+def shapes_for(p):
+    return [(16, 16), (16, 16), (1, 16)] + [(2, 16)] * len(p["stages"])
+
+
+def run_example(groups, p, limit, byte_limit, bucket):
+    """Schedule program ``p`` and check everything (raises on the first failure)."""
+    cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, bucket=bucket,
+                                 on_error="raise")
+    gm = trace(build(p, groups), *shapes_for(p))
+    expected = Stand(gm).run(*inputs_for(p))
+    before = list(gm.graph.nodes)
+
+    overlapc.schedule(gm, cfg)
+
+    gm.graph.lint()
+    got = Stand(gm).run(*inputs_for(p))
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    overlapc.verify(gm, cfg)
+    independent_checks(gm, cfg, before if bucket is None else None)
+    again = trace(build(p, groups), *shapes_for(p))
+    overlapc.schedule(again, cfg)
+    assert order(again) == order(gm)
+
+
+BUDGETS = [None, 64, 512, 4096, 16384, "auto"]   # 64 and 512 B: smaller than one collective
+
+
+@settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "250")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(p=programs(), limit=st.sampled_from([1, 2, 3, None]), byte_limit=st.sampled_from(BUDGETS),
+       bucket=st.sampled_from([None, "auto"]))
+def test_chains_schedule_within_every_bound(fake_pg, two_groups, p, limit, byte_limit, bucket):
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    run_example(groups, p, limit, byte_limit, bucket)
