@@ -52,7 +52,7 @@ import torch.fx as fx
 from overlapc import rankcheck
 from overlapc.config import OverlapConfig
 from overlapc.passes.pipeline import schedule, unscheduled_order
-from overlapc.torch_compat import inductor_patches, warn_if_untested, with_joint_pre_pass
+from overlapc.torch_compat import inductor_patches, is_opaque_input, warn_if_untested, with_joint_pre_pass
 
 log = logging.getLogger("overlapc")
 
@@ -160,11 +160,10 @@ def save_seeded_ops_in_checkpoints(graph: fx.Graph) -> int:
     objects, so AOTAutograd's runtime takes the DeviceMesh for a saved tensor
     ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh").
     HF gradient checkpointing with SDPA on a sharded model hits it."""
-    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
     from torch._functorch.partitioners import must_recompute
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if not any(is_opaque_node(n) for n in graph.find_nodes(op="placeholder")):
+    if not any(is_opaque_input(n) for n in graph.find_nodes(op="placeholder")):
         return 0
     marked = 0
     for node in graph.nodes:

@@ -71,6 +71,16 @@ class _Chained(custom_graph_pass.CustomGraphPass):
         return None if None in ids else f"overlapc.Chained {ids}"
 
 
+def is_opaque_input(placeholder) -> bool:
+    """Whether a joint graph's placeholder is an opaque object (a DTensor's
+    DeviceMesh). torch < 2.13 passes no opaque objects into graphs: False."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    except ImportError:
+        return False
+    return is_opaque_node(placeholder)
+
+
 def release() -> str:
     """The installed torch's release, without a local build tag ("2.14.1")."""
     return torch.__version__.split("+")[0]
