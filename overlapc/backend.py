@@ -144,8 +144,10 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
         _schedule_and_record(gm, self.cfg, self.sink, recompile=False)  # Inductor reads the graph
 
     def uuid(self) -> str:
-        """Changes with the config and with overlapc's own source."""
-        return hashlib.sha256(f"{dataclasses.astuple(self.cfg)!r} {rankcheck.source_hash()}".encode()).hexdigest()
+        """Changes with the config, the content of the profile the schedule reads (a
+        recalibrated file at the same path too) and overlapc's own source."""
+        return hashlib.sha256(f"{dataclasses.astuple(self.cfg)!r} {rankcheck.profile_digest(self.cfg)} "
+                              f"{rankcheck.source_hash()}".encode()).hexdigest()
 
 
 def save_seeded_ops_in_checkpoints(graph: fx.Graph) -> int:

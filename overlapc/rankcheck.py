@@ -7,9 +7,12 @@ passes, the schedule and Inductor's FX graph cache, so a cache hit on some
 ranks and a miss on others checks the same thing). Each graph's *skeleton*
 is its collectives in graph order with their waits (kind, group as a
 rank-independent pattern, bytes, dtype, the parameter or input each one
-moves, its module) plus what decides the schedule (overlapc's options and
-source, torch's version); the schedule is a deterministic function of these
-and the graph.
+moves, its module) plus what decides the schedule (overlapc's options, every
+OverlapConfig field but those in ``NOT_SCHEDULE_INPUTS``; the cost profile's
+content where it chooses piece counts, ``chunks="auto"``; overlapc's source
+and torch's version); the schedule is a deterministic function of these and
+the graph. With ``chunks="auto"`` every rank first takes rank 0's profile
+through the Store (``share_profile``), so the ranks agree by construction.
 
 Protocol, through the default process group's c10d Store, never a collective
 (so the check cannot hang on the mismatch it looks for), for the n-th graph
@@ -97,16 +100,79 @@ def skeleton(gm: fx.GraphModule, input_names: list[str]) -> tuple[list[Step], li
 
 def check(gm: fx.GraphModule, graph: str, cfg: OverlapConfig, input_names: list[str]) -> float | None:
     """Compare ``gm``'s skeleton with rank 0's through the default group's Store
-    (``agree``). Returns the seconds it took, None when the graph has no
-    collectives (nothing is exchanged and the graph is not counted)."""
+    (``agree``), after taking rank 0's profile when it decides the schedule
+    (``share_profile``). Returns the seconds it took, None when the graph has
+    no collectives (nothing is exchanged and the graph is not counted)."""
     began = time.perf_counter()
     steps, events = skeleton(gm, input_names)
     if not steps:
         return None
     dist = torch.distributed
-    agree(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), next(_sequence),
-          graph, steps, events, cfg)
+    store, rank, world, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), \
+        next(_sequence)
+    share_profile(store, rank, world, n, graph, cfg)
+    agree(store, rank, world, n, graph, steps, events, cfg)
     return time.perf_counter() - began
+
+
+def share_profile(store, rank: int, world: int, n: int, graph: str, cfg: OverlapConfig) -> None:
+    """With ``chunks="auto"`` (the cost profile chooses piece counts), make every
+    rank schedule the ``n``-th checked graph with rank 0's profile: rank 0
+    publishes its resolved profile through the Store, every other rank reads
+    it and schedules with it wherever its config names its own
+    (``pipeline.use_profile``), so a profile calibrated on one node only, or
+    files that differ, cannot give ranks different schedules. Nothing is
+    exchanged otherwise. RankMismatchError when rank 0 does not publish within
+    ``cfg.check_ranks_timeout``."""
+    if not profile_decides(cfg):
+        return
+    from overlapc import costmodel
+    from overlapc.passes import pipeline
+    key = f"{_PREFIX}/{n}/profile"
+    if rank == 0:   # read afresh: a recalibrated file counts from the next graph on
+        profile = costmodel.resolve(cfg.profile)
+        store.set(key, _encode_profile(profile))
+    else:
+        store.set(f"{_PREFIX}/{n}/rank{rank}", "")   # arrived (agree sets it too)
+        where = f"graph {graph} (the {_ordinal(n + 1)} graph with collectives compiled on each rank)"
+        timeout = timedelta(seconds=cfg.check_ranks_timeout)
+        _wait(store, [key], timeout, rank, world, f"{_PREFIX}/{n}/", where, f"rank 0's profile for {where}", [])
+        profile = _decode_profile(store.get(key).decode())
+    pipeline.use_profile(cfg.profile, profile)
+
+
+def profile_decides(cfg: OverlapConfig) -> bool:
+    """Whether the cost profile can change the schedule (it chooses piece counts)."""
+    return cfg.chunks == "auto"
+
+
+def profile_digest(cfg: OverlapConfig) -> str:
+    """sha256 of the content of the profile the schedule of ``cfg`` reads (rank 0's
+    when ranks shared it, else ``cfg.profile`` resolved): its device and link
+    numbers, not its name or path, so a recalibrated file changes it."""
+    from overlapc import costmodel
+    from overlapc.passes import pipeline
+    profile = costmodel.resolve(pipeline.schedule_profile(cfg.profile))
+    content = dataclasses.asdict(profile)
+    content.pop("name")
+    content.pop("source")
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _encode_profile(profile) -> str:
+    return json.dumps(dataclasses.asdict(profile), sort_keys=True)
+
+
+def _decode_profile(text: str):
+    """The Profile ``_encode_profile`` wrote (tuples come back from JSON lists)."""
+    from overlapc import costmodel
+    document = json.loads(text)
+
+    def link(fields: dict):
+        return costmodel.LinkProfile(**{**fields, "per_kind": tuple(tuple(k) for k in fields["per_kind"])})
+    return costmodel.Profile(costmodel.DeviceProfile(**document["device"]), link(document["link"]),
+                             document["name"], f"rank 0's profile ({document['source']})",
+                             tuple((key, link(value)) for key, value in document["links"]))
 
 
 def agree(store, rank: int, world: int, n: int, graph: str, steps: list[Step], events: list[str],
@@ -238,11 +304,26 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+# OverlapConfig fields that cannot change the collectives' order, and why; every other
+# field (one added later too) is a schedule input.
+NOT_SCHEDULE_INPUTS = {
+    "check_ranks": "turns this check on or off",
+    "check_ranks_timeout": "how long this check waits",
+    "dump_dir": "where artifacts are written",
+    "profile": "its content counts instead (profile_digest), where it decides the schedule",
+}
+
+
+def schedule_options(cfg: OverlapConfig) -> dict:
+    """Every OverlapConfig field that may change the schedule (all but ``NOT_SCHEDULE_INPUTS``)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in NOT_SCHEDULE_INPUTS}
+
+
 def _schedule_inputs(cfg: OverlapConfig) -> str:
-    """What decides the schedule besides the graph: the scheduling options, overlapc's source, torch."""
-    options = {f: getattr(cfg, f) for f in ("max_in_flight", "max_in_flight_bytes", "bucket", "chunks",
-                                            "on_error", "enabled", "inner")}
-    return f"options {options}, overlapc source {source_hash()}, torch {torch.__version__}"
+    """What decides the schedule besides the graph: the options, the profile's content
+    when it decides (chunks="auto"), overlapc's source, torch's version."""
+    profile = f", profile content {profile_digest(cfg)}" if profile_decides(cfg) else ""
+    return f"options {schedule_options(cfg)}{profile}, overlapc source {source_hash()}, torch {torch.__version__}"
 
 
 def _ordinal(n: int) -> str:

@@ -151,6 +151,23 @@ def _check_kept(s: Structure, order: list[fx.Node]) -> None:
                 raise fail(s, node, "moved across a barrier", order)
 
 
+# profile spec -> the Profile to schedule with instead (the cross-rank check installs rank 0's)
+_agreed_profiles: dict = {}
+
+
+def use_profile(spec: str | None, profile) -> None:
+    """Schedule with ``profile`` (a ``costmodel.Profile``) wherever a config names
+    ``spec``: ``rankcheck.share_profile`` installs rank 0's profile here, so that
+    every rank's chunk pass chooses its piece counts from the same numbers."""
+    _agreed_profiles[spec] = profile
+
+
+def schedule_profile(spec: str | None):
+    """What the chunk pass reads for a config's ``profile``: the profile installed by
+    ``use_profile`` for it, else the spec itself."""
+    return _agreed_profiles.get(spec, spec)
+
+
 def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> PassResult:
     """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured.
     ``snapshot()`` runs before a rewrite first changes the graph."""
@@ -160,7 +177,7 @@ def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> PassResult:
     if cfg.chunks != 1:
         from overlapc.passes.chunk import chunk_collectives
         snapshot()
-        chunk_collectives(gm, cfg.chunks, cfg.profile)
+        chunk_collectives(gm, cfg.chunks, schedule_profile(cfg.profile))
     s = None
     if cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives

@@ -241,3 +241,125 @@ def test_any_difference_fails_every_rank_at_the_first_differing_collective(refer
         text = results[rank]
         assert text.startswith(f"overlapc (rank {rank}): rank 1 differs from rank 0 in graph fw_"), text
         assert f"collective #{first} of {len(reference)} on rank 0" in text or f"(#{first}, on rank" in text, text
+
+
+# -- every schedule input: the options from OverlapConfig's fields, the profile's content ------------
+
+def _profile_file(path, link_gbps, latency_us, issue_us=0.0):
+    """A profile file (``overlapc.costmodel.PROFILE_SCHEMA``) at ``path`` with these link numbers."""
+    import json
+    from overlapc import costmodel
+    with open(path, "w") as out:
+        json.dump({"schema": costmodel.PROFILE_SCHEMA,
+                   "device": {"name": "cpu", "tflops": 1e-5, "mem_gbps": 20.0},
+                   "link": {"name": "ethernet", "gbps": link_gbps, "latency_us": latency_us,
+                            "issue_us": issue_us}}, out)
+    return str(path)
+
+
+def _pipelines(path):    # the chunk pass pipelines on this profile (slow link, slow compute)
+    return _profile_file(path, 0.002, 1.0)
+
+
+def _one_piece(path):    # and not on this one (latency and issue cost 5 ms per piece)
+    return _profile_file(path, 1000.0, 5000.0, issue_us=5000.0)
+
+
+def test_every_config_field_but_the_named_ones_is_a_schedule_input():
+    import dataclasses
+    cfg = overlapc.OverlapConfig()
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    assert set(rankcheck.schedule_options(cfg)) == fields - set(rankcheck.NOT_SCHEDULE_INPUTS)
+    assert set(rankcheck.NOT_SCHEDULE_INPUTS) <= fields
+    other = {"max_in_flight": 1, "max_in_flight_bytes": 4096, "bucket": None, "chunks": 2,
+             "inductor_mode": "default", "on_error": "raise", "enabled": False, "inner": "aot_eager"}
+    assert set(other) == set(rankcheck.schedule_options(cfg))   # a new field needs a value here
+    for name, value in other.items():
+        changed = dataclasses.replace(cfg, **{name: value})
+        assert rankcheck._schedule_inputs(changed) != rankcheck._schedule_inputs(cfg), name
+
+
+def test_the_profiles_content_is_a_schedule_input_where_it_chooses_piece_counts(tmp_path):
+    a, b = _pipelines(tmp_path / "a.json"), _one_piece(tmp_path / "b.json")
+    same_as_a = _pipelines(tmp_path / "copy_of_a.json")
+    inputs = {name: rankcheck._schedule_inputs(overlapc.OverlapConfig(chunks="auto", profile=path))
+              for name, path in (("a", a), ("b", b), ("copy", same_as_a))}
+    assert "profile content" in inputs["a"] and inputs["a"] != inputs["b"]
+    assert inputs["a"].split("profile content")[1] == inputs["copy"].split("profile content")[1]
+    fixed = [rankcheck._schedule_inputs(overlapc.OverlapConfig(chunks=2, profile=p)) for p in (a, b)]
+    assert fixed[0] == fixed[1] and "profile" not in fixed[0].split("options")[0]
+
+
+def test_a_recalibrated_profile_changes_the_inductor_cache_key(tmp_path):
+    from overlapc.backend import SchedulePass
+    path = _pipelines(tmp_path / "profile.json")
+    cfg = overlapc.OverlapConfig(chunks="auto", profile=path)
+    before = SchedulePass(cfg).uuid()
+    assert SchedulePass(cfg).uuid() == before
+    _one_piece(path)   # recalibrated in place: same path, other numbers
+    assert SchedulePass(cfg).uuid() != before
+
+
+def test_every_rank_schedules_with_rank_0s_profile_through_the_store(tmp_path):
+    from overlapc.passes import pipeline
+    store = dist.HashStore()
+    paths = [_pipelines(tmp_path / "rank0.json"), _one_piece(tmp_path / "rank1.json")]
+    cfgs = [overlapc.OverlapConfig(chunks="auto", profile=p, check_ranks_timeout=5) for p in paths]
+    assert rankcheck.profile_digest(cfgs[0]) != rankcheck.profile_digest(cfgs[1])
+    errors = {}
+
+    def rank_main(rank):
+        try:
+            rankcheck.share_profile(store, rank, 2, 0, "fw_0", cfgs[rank])
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors[rank] = error
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    try:
+        assert errors == {}
+        assert rankcheck.profile_digest(cfgs[1]) == rankcheck.profile_digest(cfgs[0])
+        assert "rank 0's profile" in pipeline.schedule_profile(paths[1]).source
+    finally:
+        pipeline._agreed_profiles.clear()
+
+
+def _sp_block(x, w1, w2):
+    """Sequence parallel: all-gather the rows, an MLP, reduce-scatter (the chunk pass's pattern)."""
+    full = fc.all_gather_tensor(x, 0, dist.group.WORLD)
+    return fc.reduce_scatter_tensor(torch.relu(full @ w1) @ w2, "sum", 0, dist.group.WORLD)
+
+
+def _job_different_profiles(rank, world_size, port, folder):
+    import os
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import overlapc.backend
+    from overlapc.passes.chunk import chunk_collectives
+    init_gloo(rank, world_size, port)
+    path = (_pipelines if rank == 0 else _one_piece)(os.path.join(folder, f"rank{rank}.json"))
+    args = [torch.randn(32, 64), torch.randn(64, 128), torch.randn(128, 64)]
+    # what this rank's own profile would choose, without the check
+    alone = [n.chunks for n in chunk_collectives(make_fx(_sp_block)(*args), "auto", path)]
+    scheduled, schedule = [], overlapc.backend.schedule
+
+    def recording(gm, cfg, **kwargs):
+        out = schedule(gm, cfg, **kwargs)
+        scheduled.append([(n.name, str(n.target)) for n in gm.graph.nodes])
+        return out
+    overlapc.backend.schedule = recording
+    options = {"chunks": "auto", "profile": path, "inner": "aot_eager", "on_error": "raise",
+               "check_ranks_timeout": 120}
+    out = torch.compile(_sp_block, backend="overlapc", options=options)(*args)
+    return alone, scheduled, out.shape
+
+
+def test_ranks_with_different_profile_files_schedule_alike_under_chunks_auto(tmp_path):
+    (alone0, graphs0, shape0), (alone1, graphs1, shape1) = run_ranks(
+        _job_different_profiles, world_size=2, args=(str(tmp_path),), timeout=300)
+    assert alone0 != alone1 and alone0[0] > 1 == alone1[0]   # on its own, each rank would choose otherwise
+    assert len(graphs0) == 1 and graphs0 == graphs1             # with the check: rank 0's profile everywhere
+    pieces = sum("all_gather_into_tensor" in target for _, target in graphs0[0])
+    assert pieces == alone0[0] and shape0 == shape1
