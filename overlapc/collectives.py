@@ -10,7 +10,10 @@ classified for the passes:
 * cheap ops (aliasing ops plus dtype casts and copies) may travel with a
   collective start as its input chain;
 * barriers (anything that may communicate or have side effects that overlapc
-  does not understand) are never crossed by a collective start or wait.
+  does not understand) are never crossed by a collective start or wait. A
+  write in place or into ``out=`` is a barrier only when what it writes can be
+  seen outside it (a graph input or output, a collective's input or result, a
+  view of those); into a temporary it is compute, which keeps its order.
 """
 from __future__ import annotations
 
@@ -145,29 +148,45 @@ def is_cheap(node: fx.Node) -> bool:
     return False
 
 
-_ROLE_BY_ID: dict[int, tuple[object, tuple[str | None, bool, str | None]]] = {}
+_ROLE_BY_ID: dict[int, tuple[object, tuple[str | None, bool, str | None], bool]] = {}
 
 
 def role(node: fx.Node) -> tuple[str | None, bool, str | None]:
-    """(collective op it starts or None, is it a wait, barrier reason or None) in
-    one cached lookup per call target: the passes ask this of every node."""
+    """(collective op it starts or None, is it a wait, barrier reason or None).
+
+    What the call target decides is one cached lookup per target: the passes ask
+    this of every node. Only an op that writes in place or into ``out=`` adds a
+    look at this node's neighbourhood (``_visible_write``): it is a barrier when
+    what it writes can be seen outside it, and compute otherwise."""
     if node.op != "call_function":
-        return None, False, barrier_reason(node)
+        return None, False, _non_call_barrier_reason(node)
     entry = _ROLE_BY_ID.get(id(node.target))
     if entry is None or entry[0] is not node.target:  # the entry keeps the target alive
+        reason, per_node = _call_barrier_reason(node.target)
         entry = _ROLE_BY_ID[id(node.target)] = (
-            node.target, (collective_op(node), is_wait(node), barrier_reason(node)))
-    return entry[1]
+            node.target, (collective_op(node), is_wait(node), reason), per_node)
+    if not entry[2]:
+        return entry[1]
+    where = _visible_write(node)
+    return entry[1][0], entry[1][1], None if where is None else f"{entry[1][2]} writes into {where}"
 
 
 def barrier_reason(node: fx.Node) -> str | None:
     """Why nothing may move across this node, or None when it is an ordinary node."""
-    if node.op == "call_function":
-        entry = _BARRIER_BY_ID.get(id(node.target))
-        if entry is None or entry[0] is not node.target:
-            # The entry keeps the target alive, so its id cannot be reused.
-            entry = _BARRIER_BY_ID[id(node.target)] = (node.target, _call_barrier_reason(node.target))
-        return entry[1]
+    return role(node)[2]
+
+
+def barrier_reason_when_compute_moves(node: fx.Node) -> str | None:
+    """``barrier_reason`` for a pass that reorders compute too (the chunk pass):
+    every in-place or out= write is then a barrier, since a write into a
+    temporary is compute only while compute keeps its order."""
+    reason = role(node)[2]
+    if reason is None and node.op == "call_function" and _ROLE_BY_ID[id(node.target)][2]:
+        return f"{_ROLE_BY_ID[id(node.target)][1][2]} (writes in place)"
+    return reason
+
+
+def _non_call_barrier_reason(node: fx.Node) -> str | None:
     if node.op == "call_method":
         name = str(node.target)
         if name.endswith("_") and not name.endswith("__"):
@@ -178,33 +197,154 @@ def barrier_reason(node: fx.Node) -> str | None:
     return None
 
 
-_BARRIER_BY_ID: dict[int, tuple[object, str | None]] = {}
+# Mutating ops that change what a tensor is (its storage or geometry), not only
+# its values: what they write cannot be followed through the graph.
+_RESTRUCTURING_OPS = {"set_", "resize_", "resize_as_", "_resize_output_", "as_strided_", "swap_"}
 
 
-def _call_barrier_reason(target) -> str | None:
+def _call_barrier_reason(target) -> tuple[str | None, bool]:
+    """(barrier reason or None, whether the reason holds only when what the node
+    writes is visible: an aten / prims op writing in place or into ``out=``)."""
     from torch._library.utils import is_impure
     if target is operator.getitem:
-        return None
+        return None, False
     parts = _target_parts(target)
     if parts is not None:
         namespace, opname = parts
         if namespace in _FUNCTIONAL_NAMESPACES:
             if opname in _MOVABLE_KINDS or opname == "wait_tensor":
-                return None
+                return None, False
             if opname in _FIXED_KINDS:
-                return f"collective {opname} is kept in place"
-            return f"communication op {namespace}.{opname}"
+                return f"collective {opname} is kept in place", False
+            return f"communication op {namespace}.{opname}", False
         if namespace == "c10d":
-            return f"communication op {namespace}.{opname}"
+            return f"communication op {namespace}.{opname}", False
         schema = getattr(target, "_schema", None)
         if schema is not None and schema.is_mutable:
-            return f"mutating op {namespace}.{opname}"
+            per_node = (namespace in ("aten", "prims") and isinstance(target, torch._ops.OpOverload)
+                        and opname not in _RESTRUCTURING_OPS)
+            return f"mutating op {namespace}.{opname}", per_node
         if namespace not in ("aten", "prims"):
-            return f"custom op {namespace}.{opname}"
-        return "side-effectful op" if is_impure(target, impure_random=False) else None
+            return f"custom op {namespace}.{opname}", False
+        return ("side-effectful op" if is_impure(target, impure_random=False) else None), False
     if isinstance(target, torch._ops.HigherOrderOperator):
-        return f"higher-order op {target.name()}"
-    return "side-effectful call" if is_impure(target, impure_random=False) else None
+        return f"higher-order op {target.name()}", False
+    return ("side-effectful call" if is_impure(target, impure_random=False) else None), False
+
+
+# -- in-place writes: visible or not -------------------------------------------
+_ALIAS_ARGS_BY_ID: dict[int, tuple[object, tuple | None]] = {}
+_ALIAS_FAMILY_LIMIT = 256   # nodes followed before a write counts as visible
+
+
+def _alias_args(target) -> tuple[tuple[tuple[int, str | None], ...], tuple[tuple[int, str | None], ...]] | None:
+    """((index, name) of the arguments the op's result may alias, of those it
+    writes), from the schema's alias annotations (``Tensor(a)``, ``Tensor(a!)``);
+    None when the target has no schema, so its aliasing is unknown."""
+    entry = _ALIAS_ARGS_BY_ID.get(id(target))
+    if entry is None or entry[0] is not target:
+        if target is operator.getitem:
+            found = (((0, None),), ())
+        elif isinstance(target, torch._ops.OpOverload):
+            arguments = list(enumerate(target._schema.arguments))
+            found = (tuple((i, a.name) for i, a in arguments if a.alias_info is not None),
+                     tuple((i, a.name) for i, a in arguments if a.alias_info is not None and a.alias_info.is_write))
+        else:
+            found = None
+        entry = _ALIAS_ARGS_BY_ID[id(target)] = (target, found)
+    return entry[1]
+
+
+def _arg_values(node: fx.Node, positions) -> list:
+    """The values ``node`` passes at ``positions`` (lists flattened, absent ones left out)."""
+    values = []
+    for index, name in positions:
+        if name is not None and name in node.kwargs:
+            value = node.kwargs[name]
+        elif index < len(node.args):
+            value = node.args[index]
+        else:
+            continue
+        values.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [v for v in values if v is not None]
+
+
+def _visible_write(node: fx.Node) -> str | None:
+    """What makes the tensor ``node`` writes in place visible outside it, or None.
+
+    The written tensor's alias family is followed through the graph: arguments
+    its members alias (views, in-place results, getitem) and users that alias or
+    write a member. The write is visible, and ``node`` a barrier, when a member
+    is a graph input or attribute, a graph output, a collective's input or
+    result, or is read by a node that may move with a collective (a cast or copy
+    that can join a start's input chain, a copy of a collective's result), or
+    when the family cannot be followed (an op without a schema, too many
+    members). Otherwise only compute that keeps its order reads the memory."""
+    members: dict[fx.Node, None] = {}
+    todo: list[fx.Node] = []
+    for value in _arg_values(node, _alias_args(node.target)[1]):
+        if not isinstance(value, fx.Node):
+            return f"a value that is not a graph node ({type(value).__name__})"
+        members.setdefault(value)
+        todo.append(value)
+    while todo:
+        member = todo.pop()
+        why = _outside(member)
+        if why is not None:
+            return why
+        for value in _arg_values(member, _alias_args(member.target)[0]):
+            if isinstance(value, fx.Node) and value not in members:
+                members[value] = None
+                todo.append(value)
+        for user in member.users:
+            if user in members:
+                continue
+            if user.op == "output":
+                return f"graph output {member.name}"
+            if collective_op(user) is not None or is_wait(user):
+                return f"{member.name}, which collective {user.name} reads"
+            if user.op != "call_function":
+                return f"{member.name}, read by {user.name} ({user.op} {user.target}), whose aliasing is not known"
+            aliases = _alias_args(user.target)
+            if aliases is None:
+                return f"{user.name} ({user.target}), whose aliasing is not known"
+            if any(v is member for v in _arg_values(user, aliases[0])):
+                members[user] = None
+                todo.append(user)
+            elif is_cheap(user) or user.meta.get("overlapc_input_chain"):
+                return f"{member.name}, read by {user.name}, which may move with a collective"
+        if len(members) > _ALIAS_FAMILY_LIMIT:
+            return f"more than {_ALIAS_FAMILY_LIMIT} aliases of {node.name}"
+    return None
+
+
+def _outside(member: fx.Node) -> str | None:
+    """Why a member of a written alias family is visible by itself, or None."""
+    if member.op in ("placeholder", "get_attr"):
+        return f"graph input {member.name}"
+    if member.op != "call_function" or _alias_args(member.target) is None:
+        return f"{member.name} ({member.op} {member.target}), whose aliasing is not known"
+    if collective_op(member) is not None or is_wait(member):
+        return f"{member.name}, a collective's result"
+    if is_cheap(member) and _copies_a_collective(member):
+        return f"{member.name}, a copy of a collective's result"
+    return None
+
+
+def _copies_a_collective(node: fx.Node, limit: int = 16) -> bool:
+    """Whether ``node`` reads a collective's result through cheap nodes alone (it
+    may then join a chain that moves with that collective)."""
+    frontier, seen = list(node._input_nodes), set()
+    while frontier and len(seen) < limit:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if collective_op(current) is not None or is_wait(current):
+            return True
+        if is_cheap(current):
+            frontier.extend(current._input_nodes)
+    return bool(frontier)
 
 
 _ARG_INDEX: dict[tuple[int, str], tuple[object, int | None, object]] = {}

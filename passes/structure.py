@@ -10,7 +10,8 @@ collectives the scheduler may move:
   getitems of list results;
 * wait bundles: the wait and the aliasing views that read only through it;
 * regions: barriers (``overlapc.collectives.barrier_reason``) cut the graph
-  into regions; nothing moves from one region to another;
+  into regions; nothing moves from one region to another (an in-place write
+  into a temporary is no barrier: it stays on the spine, whose order is kept);
 * each wait's target: its first real consumer, else the barrier that closes
   its region, else the output node; its spine target: the same, skipping
   consumers inside start bundles (a *chained* wait feeds another collective's

@@ -159,9 +159,9 @@ def test_wait_consumed_through_views_moves_with_its_views(fake_pg):
 
 def with_barrier(x, w0, w1, w2):
     a = ag(w0)
-    x = torch.relu(x) @ wait(a).t()
-    x = torch.ops.aten.add_(x, 1)        # mutating: a barrier
-    x = torch.tanh(x)
+    y = torch.relu(x) @ wait(a).t()
+    torch.ops.aten.add_(x, 1)            # writes into a graph input: a barrier
+    x = torch.tanh(y)
     b = ag(w1)                            # may not rise above the barrier
     x = x @ wait(b).t()
     return x @ wait(ag(w2)).t()

@@ -16,7 +16,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import node_value, role, wait_nodes
+from overlapc.collectives import barrier_reason_when_compute_moves, node_value, wait_nodes
 
 aten = torch.ops.aten
 
@@ -196,8 +196,8 @@ def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
     why = f"{node.name} ({opname(node)}) is not row-wise"
     if node.op != "call_function":
         raise Skip(why)
-    if role(node)[2] is not None:
-        raise Skip(f"barrier {node.name} ({role(node)[2]})")
+    if barrier_reason_when_compute_moves(node) is not None:
+        raise Skip(f"barrier {node.name} ({barrier_reason_when_compute_moves(node)})")
     args = list(node._input_nodes)
     ins = [a for a in args if a in layouts]
     if not ins:

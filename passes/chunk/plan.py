@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import collective_op, group_of, role
+from overlapc.collectives import barrier_reason_when_compute_moves, collective_op, group_of
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.legality import Skip
 
@@ -183,7 +183,7 @@ class Planner:
                     raise Skip(f"{shard.name} is not in one block")
                 L.check_no_feedback(bridge, join, reach)
                 for node in self.original[joined.prefix[0] + 1:end]:
-                    if role(node)[2] is not None:
+                    if barrier_reason_when_compute_moves(node) is not None:
                         raise Skip(f"barrier {node.name}")
             except Skip:
                 return None
@@ -306,7 +306,7 @@ class Planner:
         first = plan.source or plan.region[0]
         last = plan.sink or plan.anchor
         for node in between(first, last):
-            reason = role(node)[2]
+            reason = barrier_reason_when_compute_moves(node)
             if reason is not None:
                 raise Skip(f"barrier {node.name} ({L.opname(node)}: {reason}) between "
                            f"{first.name} and {last.name}")

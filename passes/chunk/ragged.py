@@ -47,7 +47,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import collective_op, group_of, is_wait, node_value, role
+from overlapc.collectives import (
+    barrier_reason_when_compute_moves, collective_op, group_of, is_wait, node_value,
+)
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.legality import Skip
 from overlapc.passes.chunk.plan import between, first_sink
@@ -163,8 +165,9 @@ def plan_ragged(start: fx.Node, k: int) -> RaggedPlan:
     for node in reversed(span):
         if node in on_path:
             on_path.update(i for i in node._input_nodes if i in depends)
-        if role(node)[2] is not None:
-            raise Skip(f"barrier {node.name} ({L.opname(node)}: {role(node)[2]}) between {start.name} and {sink.name}")
+        if barrier_reason_when_compute_moves(node) is not None:
+            raise Skip(f"barrier {node.name} ({L.opname(node)}: {barrier_reason_when_compute_moves(node)}) "
+                       f"between {start.name} and {sink.name}")
     on_path.discard(wait)
     region = [n for n in span if n in on_path]
     inside = {wait, *region}
