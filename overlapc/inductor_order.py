@@ -40,6 +40,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+from typing import Mapping
 
 # functional collective op (its name with the variant suffixes dropped) -> kind
 KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -251,26 +252,35 @@ def _waited(events: list[Event]) -> dict[int, int]:
     return closing
 
 
-def open_after(events: list[Event], kind: str | None = None, group: str | None = None) -> list[int]:
+def open_after(events: list[Event], kind: str | None = None, group: str | None = None,
+               whole: Mapping[int, str] | None = None) -> list[int]:
     """After each event, how many collectives (of ``kind`` and ``group`` when given) are
-    started and not yet closed by the wait of their last output."""
+    started and not yet closed by the wait of their last output. ``whole``: start index ->
+    name of the collective it is a piece of (overlapc's chunked collectives count as one
+    while any piece is open); a start it leaves out is a whole of its own."""
     closing = _waited(events)
-    open_now, counts = 0, []
+    pieces: dict[object, int] = {}    # whole -> its open pieces
+    counts = []
     for event in events:
-        if event.kind == "start" and (kind is None or event.collective == kind) \
-                and (group is None or event.group == group):
-            open_now += 1
-        elif event.kind == "wait" and event.start is not None and closing.get(event.start) == event.index:
-            start = events[event.start]
-            if (kind is None or start.collective == kind) and (group is None or start.group == group):
-                open_now -= 1
-        counts.append(open_now)
+        start = events[event.start] if event.start is not None else None
+        if start is not None and (kind is None or start.collective == kind) \
+                and (group is None or start.group == group):
+            key = whole.get(start.index, start.index) if whole is not None else start.index
+            if event.kind == "start":
+                pieces[key] = pieces.get(key, 0) + 1
+            elif event.kind == "wait" and closing.get(start.index) == event.index:
+                pieces[key] -= 1
+                if not pieces[key]:
+                    del pieces[key]
+        counts.append(len(pieces))
     return counts
 
 
-def max_in_flight(events: list[Event], kind: str | None = None, group: str | None = None) -> int:
-    """The most collectives (of ``kind`` / ``group`` when given, else all) open at once."""
-    return max(open_after(events, kind, group), default=0)
+def max_in_flight(events: list[Event], kind: str | None = None, group: str | None = None,
+                  whole: Mapping[int, str] | None = None) -> int:
+    """The most collectives (of ``kind`` / ``group`` when given, else all) open at once;
+    ``whole`` as in ``open_after``."""
+    return max(open_after(events, kind, group, whole), default=0)
 
 
 def never_waited(events: list[Event]) -> list[Event]:

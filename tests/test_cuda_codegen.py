@@ -1,0 +1,157 @@
+"""Inductor's CUDA code keeps overlapc's order: checked without a GPU, for a fake H100.
+
+Each case (tests/fake_cuda.py: the Llama example sharded over a fake group of 8,
+and a TP+SP block with its collectives chunked in 4) traces one training step
+on CPU, re-traces forward and backward on fake CUDA tensors and compiles them
+with Inductor's CUDA backend, overlapc's schedule running as Inductor's
+post-grad pass under overlapc's Inductor patches, in a process of its own (the
+fakes are process-wide). The wrapper code that comes back (Python launching
+Triton kernels, cuBLAS matmuls and the collectives) is read with
+``overlapc.inductor_order`` and checked against the schedule overlapc placed:
+
+- every collective started in the same order and kinds as scheduled, and waited;
+- all-gathers started in the order of their first use (consumer order);
+- never more than ``max_in_flight`` collectives of one kind and group in flight;
+- every start overlapc placed before a matmul that precedes its wait still has
+  compute between it and its wait in the code (a start put back next to its wait,
+  as Inductor's own reorderings do, fails this);
+
+with and without cudagraph partitions. Controls show the checks can fail: on
+torch >= 2.14, Inductor's simple_overlap pass (which overlapc turns off) breaks
+the in-flight bound; a wait moved up to its start loses the overlap.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlapc import inductor_order
+
+HERE = Path(__file__).resolve().parent
+MAX_IN_FLIGHT = 2
+
+pytest.importorskip("triton", reason="Inductor's CUDA code generation needs the triton package (pip install triton)")
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """Both cases, each in its own process, run side by side: {case: result JSON}."""
+    folder = tmp_path_factory.mktemp("fake_cuda")
+    running = {}
+    for case in ("llama", "tp_sp"):
+        out = folder / f"{case}.json"
+        running[case] = (out, subprocess.Popen([sys.executable, str(HERE / "fake_cuda.py"), case, str(out)],
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = {}
+    for case, (out, process) in running.items():
+        log, _ = process.communicate(timeout=900)
+        assert process.returncode == 0, f"fake_cuda.py {case} failed:\n{log[-6000:]}"
+        results[case] = json.loads(out.read_text())
+    return results
+
+
+def _graphs(cases, case, variant):
+    return [(g["graph"], g, inductor_order.events(g["code"])) for g in cases[case]["variants"][variant]]
+
+
+def lost_overlap(graph: dict, events: list) -> list[str]:
+    """Starts overlapc placed before a matmul ahead of their wait that have no compute
+    between start and wait in the code."""
+    between = inductor_order.compute_between(events)
+    starts = inductor_order.starts(events)
+    return [f"{row['start']} (over {row['over_matmuls'][:3]}) at line {start.line}"
+            for row, start in zip(graph["scheduled"], starts) if row["over_matmuls"] and between[start.index] == 0]
+
+
+def check_order_and_bound(name: str, graph: dict, events: list) -> None:
+    starts = inductor_order.starts(events)
+    assert [e.collective for e in starts] == [row["kind"] for row in graph["scheduled"]], \
+        f"{name}: Inductor's starts differ from overlapc's schedule"
+    assert inductor_order.never_waited(events) == [], name
+    assert inductor_order.consumer_order_breaks(events) == [], name
+    whole = {start.index: row["whole"] for row, start in zip(graph["scheduled"], starts)}
+    for kind, group in sorted({(e.collective, e.group) for e in starts}):
+        count = inductor_order.max_in_flight(events, kind, group, whole)
+        assert count <= MAX_IN_FLIGHT, f"{name}: {count} {kind} in flight in group {group}"
+
+
+VARIANTS = [pytest.param(case, variant, id=f"{case}-{variant}")
+            for case in ("llama", "tp_sp") for variant in ("kept", "partitions")]
+PIPELINE_FUSED = ("Inductor fuses the consumers of a chunked reduce-scatter's pieces (the residual add + "
+                  "norm over the pieces, written into one cat buffer) into one kernel, so every piece is "
+                  "waited before it: 5 of 30 overlapped starts per graph lose their compute (2.13 and 2.14)")
+
+
+@pytest.mark.parametrize("case, variant", VARIANTS)
+def test_cuda_wrapper_keeps_start_order_consumer_order_and_bound(cases, case, variant):
+    graphs = _graphs(cases, case, variant)
+    assert [name for name, _, _ in graphs] == ["fw", "bw"]
+    for name, graph, events in graphs:
+        check_order_and_bound(f"{case} {variant} {name}", graph, events)
+    forward, backward = graphs[0][2], graphs[1][2]
+    assert inductor_order.starts(backward, "reduce_scatter")
+    if case == "llama":                                         # the bound is reached, not just kept
+        assert inductor_order.max_in_flight(forward, "all_gather") == MAX_IN_FLIGHT
+    if variant == "partitions":
+        assert all("def partition_0(" in graph["code"] for _, graph, _ in graphs)
+        assert any(e.where.startswith("partition_") for _, _, events in graphs for e in events)
+
+
+@pytest.mark.parametrize("case, variant", [
+    param if param.values[0] == "llama" else pytest.param(
+        *param.values, id=param.id, marks=pytest.mark.xfail(strict=True, reason=PIPELINE_FUSED))
+    for param in VARIANTS])
+def test_cuda_wrapper_keeps_compute_between_each_hoisted_start_and_its_wait(cases, case, variant):
+    graphs = _graphs(cases, case, variant)
+    hoisted = sum(bool(row["over_matmuls"]) for _, graph, _ in graphs for row in graph["scheduled"])
+    assert hoisted >= 4                                         # the schedule overlaps something to keep
+    lost = {name: lost_overlap(graph, events) for name, graph, events in graphs}
+    assert lost == {"fw": [], "bw": []}
+
+
+def test_the_tp_sp_case_is_chunked(cases):
+    """chunks=4 splits each of the block's all-gathers and reduce-scatters into 4 pieces,
+    which the in-flight check counts as one collective."""
+    assert cases["tp_sp"]["options"]["chunks"] == 4
+    for name, graph, events in _graphs(cases, "tp_sp", "kept"):
+        pieces: dict[str, int] = {}
+        for row in graph["scheduled"]:
+            pieces[row["whole"]] = pieces.get(row["whole"], 0) + 1
+        assert len(pieces) >= 4 and set(pieces.values()) == {4}, (name, pieces)
+        assert inductor_order.max_in_flight(events, "all_gather") > MAX_IN_FLIGHT   # pieces, not wholes
+
+
+def test_simple_overlap_control_breaks_the_bound(cases):
+    """torch >= 2.14: with Inductor's enable_simple_overlap left on, the in-flight check fails."""
+    variants = cases["llama"]["variants"]
+    if "simple_overlap" not in variants:
+        pytest.skip(f"torch {cases['llama']['torch']} has no enable_simple_overlap")
+    counts = [inductor_order.max_in_flight(events, kind, group)
+              for _, _, events in _graphs(cases, "llama", "simple_overlap")
+              for kind, group in {(e.collective, e.group) for e in inductor_order.starts(events)}]
+    assert max(counts) > MAX_IN_FLIGHT
+
+
+def test_a_wait_moved_to_its_start_is_caught(cases):
+    """The overlap check fails when each hoisted start's wait is moved up to right after it."""
+    name, graph, events = _graphs(cases, "llama", "kept")[0]
+    lines = graph["code"].splitlines()
+    moved = lines[:]
+    for start in inductor_order.starts(events):
+        wait = next(e for e in events if e.kind == "wait" and e.start == start.index)
+        text = lines[wait.line - 1]
+        moved[wait.line - 1] = ""
+        indent = len(lines[start.line - 1]) - len(lines[start.line - 1].lstrip())
+        moved[start.line - 1] = lines[start.line - 1] + "\n" + " " * indent + text.strip()
+    broken = inductor_order.events("\n".join(moved))
+    assert len(lost_overlap(graph, broken)) == sum(bool(row["over_matmuls"]) for row in graph["scheduled"])
+    assert inductor_order.max_in_flight(broken) == 1
+
+
+def test_peak_memory_reorder_control_loses_the_overlap(cases):
+    """With Inductor's reorder_for_peak_memory left on (overlapc turns it off), starts go
+    back next to their waits: the overlap check fails."""
+    lost = [lost_overlap(graph, events) for _, graph, events in _graphs(cases, "llama", "peak_memory_reorder")]
+    assert any(lost)
