@@ -32,12 +32,10 @@ from overlapc import inductor_order
 HERE = Path(__file__).resolve().parent
 MAX_IN_FLIGHT = 2
 
-pytest.importorskip("triton", reason="Inductor's CUDA code generation needs the triton package (pip install triton)")
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """Both cases, each in its own process, run side by side: {case: result JSON}."""
+    pytest.importorskip("triton", reason="Inductor's CUDA code generation needs the triton package")
     folder = tmp_path_factory.mktemp("fake_cuda")
     running = {}
     for case in ("llama", "tp_sp"):
@@ -155,3 +153,93 @@ def test_peak_memory_reorder_control_loses_the_overlap(cases):
     back next to their waits: the overlap check fails."""
     lost = [lost_overlap(graph, events) for _, graph, events in _graphs(cases, "llama", "peak_memory_reorder")]
     assert any(lost)
+
+
+WRAPPER = """
+async_compile = AsyncCompile()
+triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''
+def triton_poi_fused_0(in_ptr0):
+    buf9 = torch.ops._c10d_functional.wait_tensor.default(buf0)
+''')
+def partition_0(args):
+    buf3, = args
+    args.clear()
+    with torch.cuda._DeviceGuard(0):
+        triton_poi_fused_0.run(buf3, 16, stream=raw_stream0)
+        buf4 = torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default([buf3, buf3], 8, '1')
+        buf5 = buf4[0]
+        buf6 = buf4[1]
+    return (buf5, buf6)
+class Runner:
+    def call(self, args):
+        primals_1, primals_2 = args
+        buf0 = empty_strided_cuda((64, 8), (8, 1), torch.float32)
+        torch.ops._c10d_functional.all_gather_into_tensor_out.default(primals_1, 8, '0', out=buf0)
+        buf1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(primals_2, 'sum', 8, '0')
+        buf2 = buf0; del buf0  # reuse
+        torch.ops._c10d_functional.wait_tensor.default(buf2)
+        extern_kernels.mm(reinterpret_tensor(buf2, (8, 64), (1, 8), 0), primals_2, out=buf7)
+        (buf5, buf6) = self.partitions[0]([buf7])
+        torch.ops._c10d_functional.wait_tensor.default(buf5)
+        torch.ops._c10d_functional.all_reduce_.default(buf7, 'sum', '0')
+        torch.ops._c10d_functional.wait_tensor.default(buf6)
+        buf8 = torch.ops.aten._scaled_dot_product_flash_attention.default(buf5, buf6, buf7)
+        torch.ops._c10d_functional.wait_tensor.default(buf1)
+        torch.ops._c10d_functional.wait_tensor.default(buf7)
+        return (buf8, buf1)
+"""
+
+
+def test_events_follow_aliases_partitions_and_op_variants():
+    events = inductor_order.events(WRAPPER)
+    brief = [(e.kind, e.op, e.buffer, e.start, e.where) for e in events]
+    assert brief == [
+        ("start", "all_gather_into_tensor_out", "buf0", 0, "call"),
+        ("start", "reduce_scatter_tensor", "buf1", 1, "call"),
+        ("wait", "wait_tensor", "buf2", 0, "call"),                 # buf2 = buf0: the out= gather's
+        ("compute", "extern_kernels.mm", None, None, "call"),
+        ("compute", "triton_poi_fused_0", None, None, "partition_0"),   # the kernel source is not read
+        ("start", "all_gather_into_tensor_coalesced", "buf4", 5, "partition_0"),
+        ("wait", "wait_tensor", "buf5", 5, "call"),
+        ("start", "all_reduce_", "buf7", 7, "call"),                # in place: the input is the output
+        ("wait", "wait_tensor", "buf6", 5, "call"),
+        ("compute", "aten._scaled_dot_product_flash_attention", None, None, "call"),
+        ("wait", "wait_tensor", "buf1", 1, "call"),
+        ("wait", "wait_tensor", "buf7", 7, "call"),
+        ("output", "return", None, None, "call")]
+    assert [e.group for e in inductor_order.starts(events)] == ["0", "0", "1", "0"]
+    assert events[3].reads == (0,) and events[9].reads == (5, 7) and events[12].reads == (1,)
+    # the coalesced gather stays open until its second output is waited
+    assert inductor_order.open_after(events) == [1, 2, 1, 1, 1, 2, 2, 3, 2, 2, 1, 0, 0]
+    assert inductor_order.max_in_flight(events) == 3 and inductor_order.max_in_flight(events, "all_gather") == 1
+    assert inductor_order.max_in_flight(events, group="0", whole={0: "x", 1: "x", 7: "x"}) == 1
+    assert inductor_order.compute_between(events) == {0: 0, 1: 3, 5: 0, 7: 1}
+    assert inductor_order.never_waited(events) == []
+    assert inductor_order.consumer_order_breaks(events) == []
+
+
+def test_consumer_order_break_is_named():
+    code = """
+def call(args):
+    buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(a, 8, '0')
+    buf1 = torch.ops._c10d_functional.all_gather_into_tensor.default(b, 8, '0')
+    torch.ops._c10d_functional.wait_tensor.default(buf1)
+    extern_kernels.mm(x, buf1, out=buf2)
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+    extern_kernels.mm(buf2, buf0, out=buf3)
+    buf4 = torch.ops._c10d_functional.all_gather_into_tensor.default(c, 8, '0')
+    return (buf3,)
+"""
+    events = inductor_order.events(code)
+    (message,) = inductor_order.consumer_order_breaks(events)
+    assert message.startswith("all_gather_into_tensor of buf1 (line 4, group 0) is first used at line 6")
+    assert "before buf0" in message
+    assert [e.buffer for e in inductor_order.never_waited(events)] == ["buf4"]
+    assert inductor_order.compute_between(events)[6] == 0 and inductor_order.first_use(events, 6) is None
+
+
+def test_code_that_is_not_a_python_wrapper_is_refused():
+    with pytest.raises(ValueError, match="not Python wrapper code"):
+        inductor_order.events('extern "C" void kernel(float* in_ptr0) {}')
+    with pytest.raises(ValueError, match="no `call` function"):
+        inductor_order.events("def forward(x):\n    return x\n")
