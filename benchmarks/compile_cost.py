@@ -1,0 +1,268 @@
+"""What overlapc adds to a compile: cold and warm first steps against plain Inductor.
+
+2 local gloo ranks (tests/multiproc.py, the project's rank runner) train
+examples/llama.py's sharded model (``overlapc.fsdp.shard``); the first step
+(forward + backward) includes every compile. Per round, model and variant:
+
+* cold: a fresh process pair on a fresh, empty Inductor cache directory
+  (FX graph cache and AOTAutograd cache both live there);
+* warm: a second fresh process pair on the same directory (a restart after
+  preemption or a checkpoint resume).
+
+Variants: ``inductor`` (backend="inductor"), ``overlapc`` (defaults: the rank
+check on, which turns AOTAutograd's cache off for the compile) and
+``overlapc_nocheck`` (check_ranks=False: AOTAutograd's cache on, so the gap
+between the two is what bypassing that cache costs). Variants are interleaved
+within each round, rotated between rounds; medians over rounds, and ratios
+against Inductor's median from the same run.
+
+Time split (rank 0, seconds), from torch._dynamo.utils.compile_times() and
+overlapc's own functions timed in the ranks:
+  dynamo    = _compile.compile_inner - OutputGraph.call_user_compiler
+  aot       = call_user_compiler - the forward's compile_fx_inner - the forward's
+              rank check (AOTAutograd's trace, the partitioner, cache lookups)
+  passes    = overlapc's schedule pass (bucket, chunk, schedule, verify), all graphs
+  check     = overlapc's rank check, all graphs (it waits for the slower rank's
+              compile: mostly waiting, not work)
+  inductor  = compile_fx_inner (forward and backward) - the schedule pass
+(forward: read when the forward returns; the backward is compiled at the first
+backward call.) Why AOTAutograd's cache was bypassed, and the FX graph /
+AOTAutograd cache counters, are recorded per run.
+
+    python benchmarks/compile_cost.py [--rounds 2] [--models small,big]
+        [--variants inductor,overlapc,overlapc_nocheck] [--json out.json]
+
+Prints a table and writes JSON with provenance (commit, torch, date, command,
+load average). The machine may be shared: the load average is recorded with
+each run; say so when quoting the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for path in (os.path.join(REPO, "tests"), os.path.join(REPO, "examples")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from multiproc import init_gloo, run_ranks  # noqa: E402
+
+# examples/llama.py build() arguments; "small" is issue 28's 8-layer Llama ("tiny": a smoke test)
+MODELS = {
+    "tiny": dict(vocab=128, dim=64, heads=4, hidden=128, depth=1, batch=2, seq=16),
+    "small": dict(vocab=1024, dim=256, heads=4, hidden=688, depth=8, batch=2, seq=128),
+    "big": dict(vocab=2048, dim=512, heads=8, hidden=1376, depth=16, batch=2, seq=128),
+}
+VARIANTS = {
+    "inductor": ("inductor", None),
+    "overlapc": ("overlapc", {}),
+    "overlapc_nocheck": ("overlapc", {"check_ranks": False}),
+}
+PHASES = ("dynamo", "aot", "passes", "check", "inductor")
+
+
+def _timed(module, name: str, into: dict, key: str) -> None:
+    """Replace ``module.name`` with a wrapper adding its wall time to ``into[key]``."""
+    original = getattr(module, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into[key] = into.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(module, name, timed)
+
+
+def _compile_seconds() -> dict:
+    """Total seconds per dynamo_timed function of this process (torch's own counters)."""
+    import torch
+    rows = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    names, values = rows
+    return {n: float(v) for n, v in zip(names, values)}
+
+
+def _job(rank, world_size, port, model_name, variant, cache_dir):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch
+    import torch.distributed as dist
+    from torch._inductor import config as inductor_config
+
+    import llama
+    init_gloo(rank, world_size, port)
+    inductor_config.compile_threads = 1   # 2 shared cores: no worker pool, for both backends
+    ours = {}
+    backend, options = VARIANTS[variant]
+    if backend == "overlapc":
+        import overlapc.backend
+        from overlapc import rankcheck
+        _timed(overlapc.backend, "schedule", ours, "pass")
+        _timed(rankcheck, "check", ours, "rankcheck")
+    bypass = _Reasons()
+    logging.getLogger("torch._functorch._aot_autograd.autograd_cache").addHandler(bypass)
+    logging.getLogger("torch._functorch._aot_autograd.autograd_cache").setLevel(logging.INFO)
+    model, (tokens,) = llama.build(**MODELS[model_name])
+    compiled = torch.compile(model, backend=backend, options=options)
+    dist.barrier()
+    times, snapshots = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        loss = compiled(tokens).float().pow(2).mean()
+        snapshots.append((_compile_seconds(), dict(ours)))   # the forward's compile ends here
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    counters = {group: dict(torch._dynamo.utils.counters[group]) for group in ("inductor", "aot_autograd")}
+    return dict(first_s=times[0], second_s=times[1], forward=snapshots[0],
+                total=(_compile_seconds(), dict(ours)), aot_bypass=sorted(set(bypass.reasons)),
+                cache={k: v for group in counters.values() for k, v in group.items() if "cache" in k})
+
+
+class _Reasons(logging.Handler):
+    """Why AOTAutograd's cache was bypassed ("Bypassing autograd cache due to: ...")."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "Bypassing autograd cache" in message:
+            self.reasons.append(message.split("due to: ", 1)[-1][:200])
+
+
+def _split(r: dict) -> dict:
+    """Seconds per phase (module docstring) from one rank's result: the forward's
+    compile (Dynamo, AOTAutograd, compile_fx_inner of the forward) until its
+    output, then the backward's compile_fx_inner at the first backward call."""
+    (fw_t, fw_ours), (all_t, all_ours) = r["forward"], r["total"]
+    dynamo = fw_t.get("_compile.compile_inner", 0.0) - fw_t.get("OutputGraph.call_user_compiler", 0.0)
+    fw_inner = fw_t.get("compile_fx_inner", 0.0)
+    aot = fw_t.get("OutputGraph.call_user_compiler", 0.0) - fw_inner - fw_ours.get("rankcheck", 0.0)
+    passes, check = all_ours.get("pass", 0.0), all_ours.get("rankcheck", 0.0)
+    return dict(dynamo=dynamo, aot=max(0.0, aot), passes=passes, check=check,
+                inductor=max(0.0, all_t.get("compile_fx_inner", 0.0) - passes))
+
+
+def _run(model_name: str, variant: str, cache_dir: str, timeout: float) -> dict:
+    load = os.getloadavg()[0]
+    ranks = run_ranks(_job, world_size=2, args=(model_name, variant, cache_dir), timeout=timeout)
+    slowest = max(ranks, key=lambda r: r["first_s"])
+    return dict(first_s=slowest["first_s"], second_s=max(r["second_s"] for r in ranks),
+                split=_split(ranks[0]), cache=ranks[0]["cache"], aot_bypass=ranks[0]["aot_bypass"], load1=load)
+
+
+def _provenance(argv: list[str]) -> dict:
+    import torch
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except Exception:   # noqa: BLE001 - no git here: say so
+            return "unknown"
+    return dict(commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--", "overlapc",
+                                                                 "passes", "benchmarks")),
+                torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                command=" ".join([os.path.relpath(sys.argv[0], REPO), *argv]), cpus=os.cpu_count(),
+                python=sys.version.split()[0])
+
+
+def _table(results: dict, variants: list[str]) -> str:
+    lines = [f"{'model':6} {'variant':17} {'phase':5} {'median s':>9} {'x inductor':>10}  "
+             f"{'dynamo':>7} {'aot':>7} {'passes':>7} {'check':>7} {'inductor':>8}  runs (s)"]
+    for model_name, per_variant in results.items():
+        for phase in ("cold", "warm"):
+            base = statistics.median(r["first_s"] for r in per_variant["inductor"][phase]) \
+                if "inductor" in per_variant else None
+            for variant in variants:
+                runs = per_variant[variant][phase]
+                median = statistics.median(r["first_s"] for r in runs)
+                split = {p: statistics.median(r["split"][p] for r in runs) for p in PHASES}
+                ratio = f"{median / base:.2f}x" if base else "-"
+                each = ", ".join(f"{r['first_s']:.0f}" for r in runs)
+                lines.append(f"{model_name:6} {variant:17} {phase:5} {median:9.1f} {ratio:>10}  "
+                             f"{split['dynamo']:7.1f} {split['aot']:7.1f} {split['passes']:7.2f} {split['check']:7.2f} "
+                             f"{split['inductor']:8.1f}  {each}")
+    return "\n".join(lines)
+
+
+def _summary(results: dict, variants: list[str]) -> dict:
+    out = {}
+    for model_name, per_variant in results.items():
+        for phase in ("cold", "warm"):
+            base = statistics.median(r["first_s"] for r in per_variant["inductor"][phase])
+            for variant in variants:
+                median = statistics.median(r["first_s"] for r in per_variant[variant][phase])
+                out[f"{model_name}/{variant}/{phase}"] = dict(median_s=round(median, 2),
+                                                              ratio_to_inductor=round(median / base, 3))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--models", default="small,big")
+    parser.add_argument("--variants", default="inductor,overlapc,overlapc_nocheck")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per process pair")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    models, variants = args.models.split(","), args.variants.split(",")
+    if "inductor" not in variants:
+        parser.error("the variants must include inductor: ratios are against it")
+    results = {m: {v: {"cold": [], "warm": []} for v in variants} for m in models}
+    root = tempfile.mkdtemp(prefix="overlapc-compile-cost-")
+    try:
+        for round_index in range(args.rounds):
+            shift = round_index % len(variants)
+            order = variants[shift:] + variants[:shift]
+            for model_name in models:
+                for variant in order:
+                    cache = os.path.join(root, f"r{round_index}-{model_name}-{variant}")
+                    os.makedirs(cache)
+                    for phase in ("cold", "warm"):
+                        run = _run(model_name, variant, cache, args.timeout)
+                        results[model_name][variant][phase].append(run)
+                        _write(args.json, argv, results, variants, args.rounds, partial=True)
+                        print(f"round {round_index} {model_name} {variant} {phase}: first step "
+                              f"{run['first_s']:.1f} s (steady {run['second_s']:.2f} s, load {run['load1']:.1f}) "
+                              f"cache {run['cache']}", flush=True)
+                    shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(_table(results, variants))
+    _write(args.json, argv, results, variants, args.rounds, partial=False)
+    return 0
+
+
+def _write(path: str | None, argv: list[str], results: dict, variants: list[str], rounds: int,
+           partial: bool) -> None:
+    """The JSON document (rewritten after every run, so a cut-off run keeps what it measured)."""
+    if not path:
+        return
+    complete = {m: per for m, per in results.items()
+                if all(per[v][phase] for v in variants for phase in ("cold", "warm"))}
+    document = dict(provenance=_provenance(argv), partial=partial, models=MODELS,
+                    variants={k: VARIANTS[k] for k in variants}, rounds=rounds,
+                    summary=_summary(complete, variants), runs=results)
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+    if not partial:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
