@@ -28,8 +28,10 @@ Private internals this leans on (names as of torch 2.13 / 2.14.1, triton 3.8 / 3
   whose constructor loads libcuda) and ``triton.backends.compiler.GPUTarget``;
 - ``GraphLowering.compile_to_module`` (replaced, as ``torch._inductor.utils.get_code``
   does, by one that keeps the wrapper code and returns a module that does nothing);
-- for training graphs: ``aot_function``, ``make_fx`` and
-  ``compile_fx_inner(..., is_backward=...)``.
+- for training graphs (autograd on fake CUDA tensors needs a device): Dynamo with
+  ``aot_autograd`` (Inductor's decompositions, its min-cut partitioner) captures forward
+  and backward on CPU; ``make_fx`` re-traces each on fake CUDA tensors, and
+  ``compile_fx_inner(..., is_backward=...)`` compiles it as ``compile_fx`` would.
 """
 from __future__ import annotations
 
@@ -99,9 +101,6 @@ class _TritonDriverStub:
 
     def get_active_torch_device(self):
         return torch.device("cuda", 0)
-
-    def map_python_to_cpp_type(self, ty: str) -> str:
-        raise RuntimeError("fake_h100: Triton asked to build a launcher; nothing runs on the fake device")
 
 
 def _fake_interface():
@@ -260,8 +259,7 @@ def on_cuda(gm: torch.fx.GraphModule):
 
     cuda = torch.device("cuda", 0)
     to_cuda = lambda value: cuda if isinstance(value, torch.device) and value.type == "cpu" else value  # noqa: E731
-    gm = torch.fx.GraphModule(gm, gm.graph)   # a copy of the module around the same graph: copy the graph too
-    gm.graph = _copy_graph(gm.graph)
+    gm = torch.fx.GraphModule(gm, _copy_graph(gm.graph))   # the captured graph stays as it was
     for node in gm.graph.nodes:
         node.args, node.kwargs = tree_map(to_cuda, node.args), tree_map(to_cuda, node.kwargs)
     gm.recompile()

@@ -243,3 +243,32 @@ def test_code_that_is_not_a_python_wrapper_is_refused():
         inductor_order.events('extern "C" void kernel(float* in_ptr0) {}')
     with pytest.raises(ValueError, match="no `call` function"):
         inductor_order.events("def forward(x):\n    return x\n")
+
+
+def test_fake_h100_restores_everything_it_patched():
+    """Inside, torch and Triton see an H100; after, what they saw before (own process)."""
+    pytest.importorskip("triton", reason="the fake H100 stubs Triton's driver")
+    probe = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import torch._dynamo.device_interface as di
+import triton.runtime.driver
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._triton import has_triton
+from fake_cuda import fake_h100
+driver = sys.modules["triton.runtime.driver"].driver
+def seen():
+    return (torch.cuda.is_available(), torch.cuda.device_count(), di.get_interface_for_device("cuda").__name__,
+            type(driver._active).__name__, FakeTensorMode.avoid_device_init.fget is not None and
+            FakeTensorMode().avoid_device_init, has_triton())
+before = seen()
+with fake_h100():
+    inside = seen()
+    capability = torch.cuda.get_device_capability()
+print(before == seen(), inside, capability, before)
+"""
+    done = subprocess.run([sys.executable, "-c", probe, str(HERE)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    restored, rest = done.stdout.split(" ", 1)
+    assert restored == "True", done.stdout
+    assert rest.startswith("(True, 1, 'FakeCudaInterface', '_TritonDriverStub', True, True) (9, 0)"), done.stdout
