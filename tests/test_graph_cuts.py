@@ -2,8 +2,9 @@
 
 2 gloo ranks on 127.0.0.1 (multiproc.py), the Llama of examples/llama.py sharded
 with overlapc.fsdp. Overlap stops at every graph's edge, so when Dynamo skips
-the model's forward (a graph break inside the loop over blocks) or each block
-is compiled on its own, rank 0 logs one WARNING naming the cut (file:line) and
+the model's forward (a graph break inside the loop over blocks), each block
+is compiled on its own, or a compiled function runs part of the model, rank 0
+logs one WARNING naming the cut (file:line) and
 the parameters whose all-gathers can no longer be prefetched; a model compiled
 whole gets none. Every graph compiled gets an INFO line, FX graph cache hits
 included.
@@ -72,6 +73,15 @@ def _job(rank, world_size, port, kind, inner):
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block, backend="overlapc", options=options)
         step = model
+    elif kind == "function":   # a compiled function that runs the first block only; the rest eager
+        first = torch.compile(lambda tokens: model.layers[0](model.embed(tokens)), backend="overlapc",
+                              options=options)
+
+        def step(tokens):
+            x = first(tokens)
+            for layer in model.layers[1:]:
+                x = layer(x)
+            return model.output(model.norm(x))
     else:
         step = torch.compile(model, backend="overlapc", options=options)
     g = torch.Generator().manual_seed(rank)
@@ -103,6 +113,16 @@ def test_per_block_compile_is_one_warning():
     assert "layers.0 is compiled on its own" in cut[0], cut[0]
     assert "llama.py:" in cut[0], cut[0]   # the line in Llama.forward calling the block
     assert "the all-gathers of embed, layers.1, norm, output cannot be issued" in cut[0], cut[0]
+    assert _warnings(rank1) == []
+
+
+def test_compiled_function_over_part_of_the_model_is_one_warning():
+    rank0, rank1 = run_ranks(_job, world_size=2, args=("function", "aot_eager"), timeout=TIMEOUT)
+    cut = _warnings(rank0)
+    assert len(cut) == 1, cut
+    assert "the compiled function <lambda> reads only embed, layers.0's parameters" in cut[0], cut[0]
+    assert f"{HERE}:" in cut[0], cut[0]
+    assert "the all-gathers of layers.1, norm, output cannot be issued" in cut[0], cut[0]
     assert _warnings(rank1) == []
 
 
