@@ -29,7 +29,9 @@ time is recorded with its error and the next one runs:
 
 Output: one JSON (``--json``; rewritten after every part) with provenance (git
 commit, torch, CUDA, device, date, command) and per part ``ok`` / ``error`` /
-``seconds`` and its numbers; a summary on stdout. ``--dry-run``: the same parts
+``seconds`` and its numbers; beside it ``<stem>_code/`` (the order part's wrapper code),
+``<stem>_trace.json``, ``<stem>_dump/``, ``<stem>_profile.json``; a summary on
+stdout. ``--dry-run``: the same parts
 on CPU (fake group on CPU tensors: Inductor's C++ code; gloo instead of NCCL;
 no device memory numbers). Exit code 0 when every part passed.
 
@@ -281,7 +283,9 @@ def part_order(ctx: dict) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         for number, code in enumerate(codes):
             (folder / f"graph{number}.py").write_text(code, encoding="utf-8")
-    return {"ok": not problems, "problems": problems, "compile_s": compile_s, "sizes": ctx["sizes"],
+        ctx["code_folder"] = str(folder)
+    return {"ok": not problems, "problems": problems, "code": ctx.get("code_folder"), "compile_s": compile_s,
+            "sizes": ctx["sizes"],
             "max_in_flight": MAX_IN_FLIGHT, "graphs": graphs}
 
 
@@ -466,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S,
                         help=f"stop (JSON written) after this many seconds (default {DEADLINE_S})")
-    parser.add_argument("--keep-code", action="store_true", help="write the order part's wrapper code beside the JSON")
+    parser.add_argument("--no-code", dest="keep_code", action="store_false",
+                        help="do not write the order part's wrapper code beside the JSON (<json stem>_code/)")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     parts = [p for p in args.parts.split(",") if p]
