@@ -138,8 +138,8 @@ class Report:
         os.replace(temporary, self.path)
 
 
-class PartTimeout(Exception):
-    pass
+class PartTimeout(BaseException):
+    """A part ran past its budget (a BaseException, so no ``except Exception`` inside torch swallows it)."""
 
 
 @contextlib.contextmanager

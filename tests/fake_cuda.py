@@ -352,8 +352,8 @@ SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"   # torc
 
 def case_llama() -> dict:
     """examples/llama.py sharded over the fake group of 8: overlapc's order as Inductor is
-    patched to keep it, with cudagraph partitions, and (a control that must lose overlap)
-    with Inductor's peak-memory reordering left on."""
+    patched to keep it, with cudagraph partitions, and controls the checks must catch:
+    Inductor's peak-memory reordering left on, and on torch >= 2.14 its simple_overlap."""
     model, inputs = _example("llama").build()
     graphs = capture_training_graphs(model, inputs)
     options = {"max_in_flight": MAX_IN_FLIGHT, "on_error": "raise"}
@@ -361,8 +361,10 @@ def case_llama() -> dict:
     return {"options": options, "variants": {
         "kept": compile_on_fake_h100(graphs, options, patches),
         "partitions": compile_on_fake_h100(graphs, options, patches, cudagraph_partitions=True),
-        "peak_memory_reorder": compile_on_fake_h100(graphs, options, {**patches, "reorder_for_peak_memory": True}),
-        **({"simple_overlap": compile_on_fake_h100(graphs, options, {**patches, SIMPLE_OVERLAP: True})}
+        # controls: the backward is where peak-memory reordering undoes the overlap, the forward
+        # where simple_overlap exceeds the bound; each is compiled only there
+        "peak_memory_reorder": compile_on_fake_h100(graphs[1:], options, {**patches, "reorder_for_peak_memory": True}),
+        **({"simple_overlap": compile_on_fake_h100(graphs[:1], options, {**patches, SIMPLE_OVERLAP: True})}
            if SIMPLE_OVERLAP in patches else {}),
     }}
 
