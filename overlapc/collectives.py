@@ -517,10 +517,11 @@ def module_path(node: fx.Node) -> str:
     """The user's module behind ``node`` ("blocks.1.attn.wq"), or the parameter's
     qualified name when no module is left, or "" (rules: ``overlapc/report.py``'s
     docstring, "Module"; the bucket pass groups collectives by it too).
-    Paths are relative to the compiled module (Dynamo's ``L['self']`` is dropped)."""
-    stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack")
-    if not stack:
-        stack = _nearest_stack(node)
+    Paths are relative to the compiled module (Dynamo's ``L['self']`` is dropped).
+    The module comes from Dynamo's / make_fx's ``nn_module_stack`` (``fwd_nn_module_stack``
+    in backward graphs) or, where a tracer records no stack (torchtitan's
+    graph_trainer), from ``meta["custom"]["module_fqn"]``."""
+    stack = _module_stack(node) or _nearest_stack(node)
     if not stack:
         return ""
     kept: list[str] = []
@@ -569,6 +570,17 @@ def _is_parametrization(kind) -> bool:
         return False
 
 
+def _module_stack(node: fx.Node) -> dict | None:
+    """The node's module stack, or a one-entry stack made of the module path a
+    tracer recorded in ``meta["custom"]["module_fqn"]`` (graph_trainer's convention)."""
+    stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack")
+    if stack:
+        return stack
+    custom = node.meta.get("custom")
+    fqn = custom.get("module_fqn") if isinstance(custom, dict) else None
+    return {"module_fqn": (fqn, None)} if isinstance(fqn, str) and fqn else None
+
+
 def _nearest_stack(node: fx.Node, limit: int = 64) -> dict | None:
     """The module stack of the nearest node ``node`` reads (breadth first, at most ``limit``
     nodes): a backward collective reduces a gradient computed by its module's nodes."""
@@ -578,7 +590,7 @@ def _nearest_stack(node: fx.Node, limit: int = 64) -> dict | None:
         if current in seen:
             continue
         seen.add(current)
-        stack = current.meta.get("fwd_nn_module_stack") or current.meta.get("nn_module_stack")
+        stack = _module_stack(current)
         if stack:
             return stack
         queue.extend(current.all_input_nodes)

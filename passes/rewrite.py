@@ -19,7 +19,7 @@ __all__ = ["FakeValues", "new_node"]
 
 # meta a new node copies from the node it stands for
 _PROVENANCE = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "original_aten",
-               "seq_nr")
+               "seq_nr", "custom")
 
 
 class FakeValues:
