@@ -424,7 +424,7 @@ def run_part(name: str, ctx: dict, report: Report, current: dict, deadline: floa
     _say(f"part {name} (budget {budget:.0f} s) ...")
     begin = time.monotonic()
     try:
-        if budget < 5:
+        if left < 5:
             raise PartTimeout("no time left before the deadline (--deadline-s)")
         with time_limit(budget):
             result = PARTS[name](ctx)
