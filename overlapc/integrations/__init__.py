@@ -1,0 +1,3 @@
+"""Adapters that put overlapc into other frameworks' compile pipelines
+(``overlapc.integrations.torchtitan``: torchtitan's graph_trainer). Each is
+imported on its own; none imports its framework until asked to register."""
