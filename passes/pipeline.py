@@ -89,9 +89,10 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     """Schedule ``gm.graph`` in place with the core and check the result.
     ``budget_of(structure)`` gives the Budget; ``s``: the graph's Structure when
     the caller has it (the graph unchanged since). A graph with chained
-    collectives whose schedule fails the check (or the core) is placed
-    serially instead (``_serial_fallback``). Each placed start and wait gets its
-    reason in ``meta["overlapc_reason"]`` once the check passed."""
+    collectives whose schedule fails the check (or the core) is scheduled again
+    with late chain points, else placed serially (``_chains_again``). Each
+    placed start and wait gets its reason in ``meta["overlapc_reason"]`` once
+    the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
         return PassResult(0, False)
@@ -105,9 +106,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     except (ScheduleError, AssertionError) as error:
         if mode == "sink" or not _has_chains(s):
             raise
-        order, reasons = _serial_fallback(s, error)
-        _check_kept(s, order)
-        peaks = invariants.check(s, order, budget, reference=s.nodes)
+        order, reasons, peaks = _chains_again(s, budget, kinds, error)
     apply_order(gm, order)
     for node, reason in reasons.items():
         node.meta["overlapc_reason"] = reason
@@ -117,6 +116,22 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
 def _has_chains(s: Structure) -> bool:
     """Whether a movable collective's start reads another one's result (a chain)."""
     return any(i in s.wait_of_member for c in s.movable for i in s.bundle_inputs[c.start])
+
+
+def _chains_again(s: Structure, budget: Budget, kinds, error: Exception):
+    """(order, reasons, peaks) for a chained graph whose schedule failed with ``error``:
+    the core again with late chain points (each chained start where its result is
+    due), else the serial order (``_serial_fallback``); both checked."""
+    reasons: dict[fx.Node, str] = {}
+    try:
+        order = schedule_order(s, budget, "schedule", kinds, reasons, late_chains=True)
+        _check_kept(s, order)
+        return order, reasons, invariants.check(s, order, budget, reference=s.nodes)
+    except (ScheduleError, AssertionError) as again:
+        log.debug("overlapc: late chain points failed too: %s", again)
+    order, reasons = _serial_fallback(s, error)
+    _check_kept(s, order)
+    return order, reasons, invariants.check(s, order, budget, reference=s.nodes)
 
 
 def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dict[fx.Node, str]]:

@@ -20,8 +20,10 @@ last placed to the collective's wait target: where the graph's memory is far
 below its peak, collectives go ahead further than the byte budget alone allows.
 
 Modes: "schedule" (the above), "sink" (starts stay where they are; only waits
-move, no budget), "serial" (the memory reference: all-gathers issued right
-before their wait, every other collective waited right after its start).
+move, no budget), "serial" (all-gathers issued right before their wait, every
+other collective waited right after its start, at the schedule's chain points;
+``verify``'s memory reference is ``invariants.serial_order``, built without
+this core).
 Deterministic: ties break on graph positions, never on hashes.
 """
 from __future__ import annotations
@@ -56,19 +58,23 @@ REASONS = {
 
 def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedule",
                    kinds: tuple[str, ...] | None = None,
-                   reasons: dict[fx.Node, str] | None = None) -> list[fx.Node]:
+                   reasons: dict[fx.Node, str] | None = None, late_chains: bool = False) -> list[fx.Node]:
     """A new order of ``s.nodes``: the spine in its order, collectives placed by
     ``mode`` under ``budget``. ``kinds`` limits which collectives move (default all).
     ``reasons``, when given, receives why each start and wait was placed where it is
-    (``REASONS``)."""
+    (``REASONS``). ``late_chains``: chain points at the latest spine node a chained
+    start may go (its result due there) instead of halfway, which keeps the
+    all-gathers ahead of it in its group due there too (the pipeline's second try
+    when a schedule with halfway chain points fails the check)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return _Core(s, budget, mode, kinds, reasons).run()
+    return _Core(s, budget, mode, kinds, reasons, late_chains).run()
 
 
 class _Core:
     def __init__(self, s: Structure, budget: Budget, mode: str, kinds: tuple[str, ...] | None,
-                 reasons: dict[fx.Node, str] | None):
+                 reasons: dict[fx.Node, str] | None, late_chains: bool = False):
+        self.late_chains = late_chains
         self.s, self.budget, self.mode = s, budget, mode
         self.reasons = reasons if reasons is not None else {}
         managed = [c for c in s.movable if kinds is None or c.kind in kinds]
@@ -164,9 +170,8 @@ class _Core:
         issued: at their own chain point, or once their inputs are there);
         hi = the latest index B may go (no later than any chained wait's spine
         target, nor than where B itself must be complete); the chain point is
-        halfway, splitting the compute between the upstream collective and B.
-        The serial reference uses the same chain points, so that a chained
-        start stands where it does in the schedule it is compared with.
+        halfway, splitting the compute between the upstream collective and B
+        (at hi with ``late_chains``). Serial mode uses the same chain points.
         When hi < lo, B is not gated: its chained waits stay at their targets."""
         s, spine = self.s, self.spine
         if not any(i in s.wait_of_member for c in managed for i in s.bundle_inputs[c.start]):
@@ -198,7 +203,7 @@ class _Core:
                 else:
                     lo = max(lo, index[s.spine_target[wait]])
             if chained and lo <= hi:
-                self.gate[c.start] = lo + (hi - lo) // 2
+                self.gate[c.start] = hi if self.late_chains else lo + (hi - lo) // 2
                 self.chained.update(chained)
                 earliest[c.start] = self.gate[c.start]
             else:

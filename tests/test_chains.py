@@ -236,3 +236,24 @@ def test_two_dim_all_gather_chain_keeps_consumer_order_and_overlaps(fake_pg, two
     # every layer but the first gets compute between its second-stage start and wait
     for c in second_stage[1:]:
         assert any(pos[c.start] < pos[m] < pos[c.waits[0]] for m in mms), c.start.name
+
+
+def test_a_chain_point_ahead_of_an_earlier_all_gathers_input_still_schedules(fake_pg, two_groups):
+    """Up-front, thunder-style: a weight gathered over two groups whose chain point
+    comes before the input of an all-gather of an activation that its group must
+    issue first (consumer order). The core once failed here with "tanh_1 is read
+    before it is placed"; now every option set schedules within every guarantee
+    (late chain points, else the serial order)."""
+    import test_chain_properties as cp
+
+    def stage(head, from_weight, links=(), group=0):
+        return dict(head=head, from_weight=from_weight, group=group, bf16=False, out=False, barrier_after=False,
+                    links=[dict(kind=k, group=g, how="none", barrier=None) for k, g in links])
+    stages = [stage("all_reduce", False, group=1), stage("all_reduce", False, group=1),
+              stage("all_gather", False), stage("all_gather", True, [("all_gather", 0)], group=1)]
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    for waits in ("top", "use"):
+        p = dict(stages=stages, issue="inline", perm=[0, 1, 2, 3], waits=waits, wait_stage=[0] * 4,
+                 chain_at_top=True)
+        for limit, byte_limit in ((1, None), (2, 512), (None, "auto")):
+            cp.run_example(groups, p, limit, byte_limit, None)
