@@ -10,7 +10,10 @@ backward in one graph) under the fake process group, then:
   ``joint_transformer_block_bucketing_reordering_pass``;
 * "overlapc": the same list with that pass replaced by ``overlapc_pass``
   (``overlapc.integrations.torchtitan.replace_bucketing``), overlapc defaults;
-* any ``--options`` given, each as one more overlapc row.
+* any ``--options`` given, each as one more overlapc row;
+* "keep_or_regather, then overlapc": ``overlapc.passes.regather`` (keep a
+  block's forward gathers for its backward where the graph's own peak allows)
+  before overlapc's defaults; the row lists what it chose per block.
 
 Every graph is estimated by one simulator (``overlapc.simulate``) with one
 profile (``--profile``, default h100:nvlink): step, exposed communication,
@@ -47,6 +50,7 @@ import torch.distributed as dist
 import overlapc
 from overlapc import costmodel
 from overlapc.integrations import torchtitan as overlapc_torchtitan
+from overlapc.passes.regather import keep_or_regather
 from overlapc.simulate import simulate
 
 WORLD = 8
@@ -154,7 +158,21 @@ def compare(batch: int, seq: int, profile_name: str, extra_options: list[dict]) 
             gm = run_passes(overlapc_torchtitan.replace_bucketing(theirs, options), traced)
             overlapc.verify(gm, overlapc.OverlapConfig(**options))
             rows.append(row(f"overlapc {json.dumps(options) if options else 'defaults'}", gm, profile))
+        ours = overlapc_torchtitan.replace_bucketing(theirs)
+        at = [overlapc_torchtitan.pass_name(p) for p in ours].index("overlapc_pass")
+        gm = run_passes([*ours[:at], _keep_or_regather, *ours[at:]], traced)
+        overlapc.verify(gm, overlapc.OverlapConfig())
+        rows.append(row("keep_or_regather, then overlapc defaults", gm, profile))
+        rows[-1]["regather"] = gm.meta["regather"]
     return rows
+
+
+def _keep_or_regather(gm, example_inputs):
+    """overlapc.passes.regather at the graph's own peak, as a graph_trainer pass."""
+    result = keep_or_regather(gm)
+    gm.meta["regather"] = [{"block": c.block, "kept": c.kept, "regathers": len(c.regathers)}
+                           for c in result.choices]
+    return gm
 
 
 def _commit() -> str:
