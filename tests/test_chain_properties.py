@@ -202,7 +202,7 @@ def run_example(groups, p, limit, byte_limit, bucket):
 BUDGETS = [None, 64, 512, 4096, 16384, "auto"]   # 64 and 512 B: smaller than one collective
 
 
-@settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "250")), deadline=None,
+@settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "200")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(p=programs(), limit=st.sampled_from([1, 2, 3, None]), byte_limit=st.sampled_from(BUDGETS),
        bucket=st.sampled_from([None, "auto"]))

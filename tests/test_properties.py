@@ -3,10 +3,13 @@
 After scheduling: the graph lints, every node keeps its inputs, the scheduled
 graph computes the same values as the original (collectives replaced by local
 stand-ins with the same shapes), and, checked here independently of
-overlapc.verify, barriers included: consumer order, waits before their first
-real consumer (an all-gather's just before it), the count and byte budget, and
-peak live bytes <= the original order's peak + the bytes in flight; scheduling
-is deterministic.
+overlapc.verify and of overlapc's scheduling code (``independent_checks``),
+barriers included: consumer order, waits before their first real consumer (an
+all-gather's just before it), the count and byte budget without exception, and
+peak live bytes (counted here, ``live_peak``) <= the original order's peak and
+the serial order's (built here, ``serial_order``: each all-gather right before
+its wait, everything else waited right after its start) + the bytes in flight;
+scheduling is deterministic.
 """
 import operator
 
