@@ -24,6 +24,10 @@ What changes in graph_trainer's list, and what to leave off:
   ``overlapc_pass`` (overlapc buckets with ``bucket="auto"`` by default; the
   module of each node comes from ``meta["custom"]["module_fqn"]``, which
   graph_trainer records).
+  Run overlapc instead of that pass, not after it: it emits its buckets as
+  ``all_gather_into_tensor_out`` / ``reduce_scatter_tensor_out`` into
+  preallocated buffers, which overlapc reports but keeps in place (they write
+  a buffer other nodes may read: barriers).
 * ``schedule_fsdp_comms_to_dense_regions_pass``
   (``--compile.enable_fsdp_dense_region_overlap``): removed; it would move
   overlapc's starts again. Leave the flag off.
