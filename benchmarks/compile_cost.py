@@ -28,8 +28,9 @@ overlapc's own functions timed in the ranks:
               compile: mostly waiting, not work)
   inductor  = compile_fx_inner (forward and backward) - the schedule pass
 (forward: read when the forward returns; the backward is compiled at the first
-backward call.) Why AOTAutograd's cache was bypassed, and the FX graph /
-AOTAutograd cache counters, are recorded per run.
+backward call.) Why AOTAutograd's cache was bypassed, the FX graph /
+AOTAutograd cache counters and the number of kernels Inductor generated are
+recorded per run.
 
     python benchmarks/compile_cost.py [--rounds 2] [--models small,big]
         [--variants inductor,overlapc,overlapc_nocheck] [--json out.json]
@@ -135,7 +136,8 @@ def _job(rank, world_size, port, model_name, variant, cache_dir):
         times.append(time.perf_counter() - start)
     dist.barrier()
     counters = {group: dict(torch._dynamo.utils.counters[group]) for group in ("inductor", "aot_autograd")}
-    return dict(first_s=times[0], second_s=times[1], forward=snapshots[0],
+    from torch._inductor import metrics
+    return dict(first_s=times[0], second_s=times[1], forward=snapshots[0], kernels=metrics.generated_kernel_count,
                 total=(_compile_seconds(), dict(ours)), aot_bypass=sorted(set(bypass.reasons)),
                 cache={k: v for group in counters.values() for k, v in group.items() if "cache" in k})
 
@@ -171,7 +173,8 @@ def _run(model_name: str, variant: str, cache_dir: str, timeout: float) -> dict:
     ranks = run_ranks(_job, world_size=2, args=(model_name, variant, cache_dir), timeout=timeout)
     slowest = max(ranks, key=lambda r: r["first_s"])
     return dict(first_s=slowest["first_s"], second_s=max(r["second_s"] for r in ranks),
-                split=_split(ranks[0]), cache=ranks[0]["cache"], aot_bypass=ranks[0]["aot_bypass"], load1=load)
+                split=_split(ranks[0]), cache=ranks[0]["cache"], aot_bypass=ranks[0]["aot_bypass"], load1=load,
+                kernels=ranks[0].get("kernels"))
 
 
 def _provenance(argv: list[str]) -> dict:
