@@ -18,10 +18,10 @@
    (a start that reads another collective's result) are no exception;
 4. memory: peak live bytes <= a reference order's peak + the most bytes held
    in flight at once. ``schedule`` compares with the order it started from;
-   ``verify`` on a graph alone with ``serial_order`` (same spine, built here
-   without the scheduler: every collective other than an all-gather issued as
-   soon as its inputs are placed and waited right after its start, every
-   all-gather issued right before its wait, just before its first reader).
+   ``verify`` on a graph alone with its serial order (``serial_order``, built
+   here without the scheduler: the same spine and starts, every collective
+   other than an all-gather waited right after its start, every all-gather
+   issued right before its wait, just before its first reader).
 
 Valid topological order (lint) and "nothing crossed a barrier / compute kept
 its order" need the order before scheduling; ``pipeline.schedule`` checks
@@ -112,7 +112,9 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
           reference: list[fx.Node] | None = None) -> Peaks:
     """Raise ScheduleError at the first broken guarantee; return the Peaks. The
     memory guarantee compares with ``reference`` (``schedule`` passes the order
-    before scheduling), by default the serial order."""
+    before scheduling), by default the serial order (``serial_order``; ``verify``
+    passes ``order`` = ``s.nodes``): each all-gather right before its wait,
+    everything else waited right after its start."""
     o = _Order(s, order)
     _check_waits(o)
     _check_consumer_order(o)
@@ -122,7 +124,7 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     peak = liveness.peak_bytes(order)
     what = "order before scheduling" if reference is not None else "serial order"
     if reference is None:
-        reference = room.serial if room is not None else serial_order(s)
+        reference = serial_order(s)
     reference = liveness.peak_bytes(reference)
     if peak > reference + flight.peak_total:
         raise ScheduleError(f"peak live bytes {peak} exceed the {what}'s {reference} plus the "
@@ -205,28 +207,30 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     return flight, peak_count
 
 
-def serial_order(s: Structure, keep_starts: bool = False) -> list[fx.Node]:
+def serial_order(s: Structure, asap: bool = False) -> list[fx.Node]:
     """The serial order of the graph of ``s``, built here and not by the scheduler,
     so that a scheduler bug cannot loosen the check meant to catch it.
 
     The spine (every node outside the movable collectives' bundles) keeps its
-    order, and no two collectives are in flight at once: an all-gather is issued
-    right before its wait, just before the first node that reads it (a spine
-    node, another collective's start bundle, or the barrier or output closing
-    its region); every other collective is waited right after its start, which
-    goes as soon as its inputs are placed and its region is open, or, with
-    ``keep_starts``, where it stands in ``s`` (later if an input is placed
-    later). Without ``keep_starts`` every order of one graph with the same
-    spine (a schedule of it) has the same serial order, the memory reference of
-    ``verify``: ties break on spine positions, the order a node reads its inputs
-    and node names, never on where starts and waits stand. With it, the order is
-    the pipeline's fallback for a graph whose chained collectives the core could
-    not place within the guarantees: it keeps them all, by construction."""
-    return _Serial(s, keep_starts).run()
+    order, and no two collectives are in flight at once: every collective other
+    than an all-gather is issued where it stands in ``s`` (later only if an
+    input is placed later) and waited right after its start; an all-gather is
+    issued right before its wait, just before the first node that reads it (a
+    spine node, another collective's start bundle, or the barrier or output
+    closing its region). ``verify``'s memory reference for a graph as it stands;
+    also the pipeline's fallback for a graph whose chained collectives the core
+    could not place within the guarantees: it keeps every one by construction.
+
+    ``asap``: every collective other than an all-gather is issued as soon as its
+    inputs are placed and its region is open instead. Then every order of one
+    graph with the same spine (a schedule of it) has the same serial order: the
+    reference of the "auto" budget's memory headroom, which ``schedule`` (on the
+    graph before) and ``verify`` (on the graph after) must compute alike."""
+    return _Serial(s, asap).run()
 
 
 class _Serial:
-    def __init__(self, s: Structure, keep_starts: bool):
+    def __init__(self, s: Structure, asap: bool):
         self.s = s
         self.members = {m: c for c in s.movable for m in s.start_bundle[c.start]}
         self.members.update((m, s.coll_of_wait[w]) for w, bundle in s.wait_bundle.items() for m in bundle)
@@ -237,35 +241,28 @@ class _Serial:
         for c in s.movable:
             for i in s.bundle_inputs[c.start]:
                 self.blocked_on.setdefault(i, []).append(c.start)
-        if keep_starts:   # each start also waits for the spine node it follows in ``s``
-            anchor = None
-            for node in s.nodes:
-                c = s.coll_of_start.get(node)
-                if c is not None and anchor is not None and c.kind != "all_gather":
+        before = None   # each start also waits for the spine node it follows in ``s``
+        for node in s.nodes:
+            c = s.coll_of_start.get(node)
+            if c is not None and c.kind != "all_gather":
+                region = s.region_of(node)   # with asap: for the barrier that opens its region
+                anchor = (s.barriers[region - 1] if region else None) if asap else before
+                if anchor is not None:
                     self.missing[node] += 1
                     self.blocked_on.setdefault(anchor, []).append(node)
-                if node not in self.members:
-                    anchor = node
+            if node not in self.members:
+                before = node
         self.due_at: dict[fx.Node, list[fx.Node]] = {}    # spine node -> waits due there
         for wait, target in s.spine_target.items():
             self.due_at.setdefault(target, []).append(wait)
-        self.ready: list[tuple] = []                      # heap of (key, name, start)
-        self.later: dict[int, list[fx.Node]] = {}          # region -> ready starts of a region not open
-        self.region = 0
+        self.ready: list[tuple[int, str, fx.Node]] = []   # heap: ready starts, by position in ``s``
         for c in s.movable:
             if not self.missing[c.start]:
                 self._became_ready(c.start)
 
     def _became_ready(self, start: fx.Node) -> None:
-        s = self.s
-        c = s.coll_of_start[start]
-        if c.kind == "all_gather":
-            return   # issued when read
-        if s.region_of(start) > self.region:
-            self.later.setdefault(s.region_of(start), []).append(start)
-        else:
-            key = min(s.wait_key(w)[:2] for w in c.waits)
-            heapq.heappush(self.ready, (key, start.name, start))
+        if self.s.coll_of_start[start].kind != "all_gather":   # an all-gather is issued when read
+            heapq.heappush(self.ready, (self.s.pos[start], start.name, start))
 
     def _place(self, node: fx.Node) -> None:
         self.order.append(node)
@@ -323,7 +320,7 @@ class _Serial:
         return [st for st in found if s.coll_of_start[st].kind != "all_gather"] + gathers
 
     def _flush(self) -> None:
-        """Issue and wait every ready collective other than an all-gather, in key order."""
+        """Issue and wait every ready collective other than an all-gather, in graph order."""
         while self.ready:
             start = heapq.heappop(self.ready)[2]
             if start not in self.placed:
@@ -339,10 +336,6 @@ class _Serial:
             for start in due:
                 self._put(start)
             self._place(node)
-            if node in s.is_barrier:
-                self.region += 1
-                for start in self.later.pop(self.region, ()):
-                    self._became_ready(start)
             if node.op != "placeholder" or index + 1 == len(spine) or spine[index + 1].op != "placeholder":
                 self._flush()
         return self.order

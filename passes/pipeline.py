@@ -59,7 +59,7 @@ def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
     headroom = None
     if cfg.max_in_flight_bytes == "auto":
         max_bytes: dict[str, int | None] = dict(auto_budget(collectives, held))
-        headroom = Headroom(s, invariants.serial_order(s)) if collectives else None
+        headroom = Headroom(s, invariants.serial_order(s, asap=True)) if collectives else None
     else:
         max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
     reserve: dict[str, int] = {}
@@ -135,11 +135,11 @@ def _chains_again(s: Structure, budget: Budget, kinds, error: Exception):
 
 
 def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dict[fx.Node, str]]:
-    """The serial order that keeps starts in place (``invariants.serial_order``): every
+    """The serial order (``invariants.serial_order``, starts kept in place): every
     guarantee holds by construction, no overlap. For chained collectives the core
     could not place within the guarantees (``error``); logged at INFO."""
     log.info("overlapc: chained collectives placed serially (starts kept, each waited first): %s", error)
-    order = invariants.serial_order(s, keep_starts=True)
+    order = invariants.serial_order(s)
     reasons: dict[fx.Node, str] = {}
     for c in s.movable:
         gather = c.kind == "all_gather"

@@ -225,17 +225,17 @@ def serial_order(nodes, rows):
     """The memory reference, built here: each all-gather's start (with what feeds only it)
     right before its first wait; every other collective's waits right after its start."""
     starts = {c.start for c in rows}
-    memo = {}
     move_late = {}   # node -> the wait it goes right before
     wait_early = {}  # start -> its waits
     for c in rows:
         if c.kind == "all_gather":
             first_wait = min(c.waits, key=nodes.index)
             chain = [c.start] + [u for u in c.start.users if u.target is operator.getitem]
-            frontier = list(c.start.all_input_nodes)
-            while frontier:
+            frontier, memo = list(c.start.all_input_nodes), {}
+            while frontier:   # what computes only for this start, up to waits and other starts
                 n = frontier.pop()
-                if n not in chain and _feeds_only(n, {c.start}, memo) and all(u in chain for u in n.users):
+                if n not in chain and n.target != F.wait_tensor.default and n not in starts \
+                        and _feeds_only(n, {c.start}, memo) and all(u in chain for u in n.users):
                     chain.append(n)
                     frontier.extend(n.all_input_nodes)
             for n in chain:
