@@ -31,7 +31,7 @@ attention_for_cpu`` (tagged seeded for its dropout): with dropout 0 it draws
 nothing, so such nodes are not counted. Attention is SDPA (FlexAttention has
 no CPU backward).
 
-    python benchmarks/joint_graph.py [--batch 8] [--seq 256] [--json out.json]
+    python benchmarks/joint_graph.py [--batch 8] [--seq 256] [--mesh fsdp|hsdp] [--json out.json]
         [--options '{"bucket": "module"}' ...]
 """
 from __future__ import annotations
@@ -93,7 +93,10 @@ def _draws_random(node) -> bool:
     return True
 
 
-def trace(batch: int, seq: int):
+MESHES = {"fsdp": (1, "fully_shard", ["fsdp"]), "hsdp": (2, "hybrid_shard", ["dp_replicate", "fsdp"])}
+
+
+def trace(batch: int, seq: int, mesh: str = "fsdp"):
     """(graph_trainer's TracedResult, its Config, ParallelDims) of one train step of
     the llama3 debug model, traced by graph_trainer's tracer. Needs the fake
     default process group (world 8) and ``cpu_stand_ins``."""
@@ -104,13 +107,14 @@ def trace(batch: int, seq: int):
     from torchtitan.experiments.graph_trainer.simple_fsdp import MixedPrecisionPolicy, data_parallel
     from torchtitan.experiments.graph_trainer.trainer import GraphTrainer, make_fwd_bwd_step
 
-    dims = ParallelDims(dp_shard=-1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, world_size=dist.get_world_size(),
-                        spmd_backend="partial_dtensor")
+    replicate, mode, dim_names = MESHES[mesh]
+    dims = ParallelDims(dp_shard=-1, dp_replicate=replicate, cp=1, tp=1, pp=1, ep=1,
+                        world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
     spec = model_registry("debugmodel", attn_backend="sdpa")
     with torch.device("meta"):
         model = spec.model.build()
     annotate_llama(model)
-    model = data_parallel(model, device_mesh=dims.get_mesh("fsdp"), mode="fully_shard",
+    model = data_parallel(model, device_mesh=dims.get_mesh(dim_names), mode=mode,
                           mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     model.to_empty(device="cpu")   # values are not read: the tracer works on fake copies
     model.train()
@@ -147,10 +151,10 @@ def row(name: str, gm, profile) -> dict:
             "nodes": len(gm.graph.nodes)}
 
 
-def compare(batch: int, seq: int, profile_name: str, extra_options: list[dict]) -> list[dict]:
+def compare(batch: int, seq: int, profile_name: str, extra_options: list[dict], mesh: str = "fsdp") -> list[dict]:
     profile = costmodel.resolve(profile_name)
     with cpu_stand_ins(profile):
-        traced, config, dims = trace(batch, seq)
+        traced, config, dims = trace(batch, seq, mesh)
         theirs = graph_trainer_passes(traced, config, dims)
         rows = [row("as traced", copy.deepcopy(traced.gm), profile),
                 row("graph_trainer passes", run_passes(theirs, traced), profile)]
@@ -187,6 +191,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--profile", default=costmodel.DEFAULT)
+    parser.add_argument("--mesh", choices=sorted(MESHES), default="fsdp",
+                        help="fsdp: fully_shard over 8; hsdp: replicate 2 x shard 4 (hybrid_shard)")
     parser.add_argument("--options", type=json.loads, action="append", default=[],
                         help="OverlapConfig options (JSON) for one more overlapc row")
     parser.add_argument("--json", help="write rows and provenance here")
@@ -194,7 +200,7 @@ def main() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
-        rows = compare(args.batch, args.seq, args.profile, args.options)
+        rows = compare(args.batch, args.seq, args.profile, args.options, args.mesh)
     finally:
         dist.destroy_process_group()
     print(f"{'graph':44s} {'step ms':>8} {'exposed ms':>10} {'peak MiB':>9} {'colls':>6}")
@@ -206,7 +212,7 @@ def main() -> None:
                       "torchtitan": importlib.metadata.version("torchtitan"),
                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                       "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-                      "profile": args.profile, "batch": args.batch, "seq": args.seq, "world": WORLD}
+                      "profile": args.profile, "mesh": args.mesh, "batch": args.batch, "seq": args.seq, "world": WORLD}
         with open(args.json, "w") as f:
             json.dump({"provenance": provenance, "rows": rows}, f, indent=1)
 
