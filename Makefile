@@ -6,13 +6,25 @@ PYTHON ?= python3
 TORCH ?= 2.14.1
 TESTED_TORCH := 2.13.0 2.14.1
 PIP := $(PYTHON) -m pip
+# WITH_TORCHTITAN=1: also install torchtitan 0.3.0's graph_trainer and what its
+# modules import, for tests/test_torchtitan.py (skipped, with the reason, without).
+# torchtitan's own requirements would replace torch, so it goes in without them.
+WITH_TORCHTITAN ?= 0
+TORCHTITAN_NO_DEPS := torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0 tensorboard==2.21.0 \
+	protobuf==7.36.2 absl-py==2.5.1 tokenizers==0.23.3
+TORCHTITAN_DEPS := numpy==2.4.6 tyro==1.0.17 "datasets>=3.6,<4.8"
 
-.PHONY: install demo test bench
+.PHONY: install install-torchtitan demo test bench
 
 install:
 	@$(PYTHON) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v in '$(TESTED_TORCH)'.split() and ('$(origin TORCH)' == 'default' or v == '$(TORCH)') else 1)" 2>/dev/null \
 		|| $(PIP) install "torch==$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
+	@if [ "$(WITH_TORCHTITAN)" = 1 ]; then $(MAKE) --no-print-directory install-torchtitan PYTHON=$(PYTHON); fi
+
+install-torchtitan:
+	$(PIP) install -q --no-deps $(TORCHTITAN_NO_DEPS)
+	$(PIP) install -q $(TORCHTITAN_DEPS)
 
 demo: install
 	$(PYTHON) -m overlapc.cli demo
