@@ -71,6 +71,7 @@ VARIANTS = {
     "inductor": ("inductor", None),
     "overlapc": ("overlapc", {}),
     "overlapc_nocheck": ("overlapc", {"check_ranks": False}),
+    "overlapc_nobucket": ("overlapc", {"bucket": None}),   # bucketing's copy kernels cost compile time
 }
 # The same with overlapc.fsdp's selective-checkpoint context given a ``cache_hash``
 # (set here, for the run only): without one, AOTAutograd's cache bypasses every
