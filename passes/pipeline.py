@@ -137,8 +137,10 @@ def _chains_again(s: Structure, budget: Budget, kinds, error: Exception):
 def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dict[fx.Node, str]]:
     """The serial order (``invariants.serial_order``, starts kept in place): every
     guarantee holds by construction, no overlap. For chained collectives the core
-    could not place within the guarantees (``error``); logged at INFO."""
-    log.info("overlapc: chained collectives placed serially (starts kept, each waited first): %s", error)
+    could not place within the guarantees (``error``). A WARNING: the graph loses
+    its overlap, and a user must not have to find that out from a profile."""
+    log.warning("overlapc: chained collectives this schedule could not place within the bounds; the graph "
+                "runs in its serial order (starts kept, each waited first), without overlap: %s", error)
     order = invariants.serial_order(s)
     reasons: dict[fx.Node, str] = {}
     for c in s.movable:
