@@ -110,11 +110,11 @@ def peak_bytes(order: list[fx.Node]) -> int:
 class Headroom:
     """How far a graph's memory stays below its peak, along its spine.
 
-    Reference: ``serial``, the serial order of ``s`` (built by the pipeline
-    with ``scheduler.schedule_order(s, mode="serial")``: the same spine and
-    chain points, each all-gather issued right before its wait, every other
-    collective waited right after its start; the least memory any placement
-    of the collectives needs). At a spine node, headroom = the reference's peak live bytes minus
+    Reference: ``serial``, a serial order of ``s`` (the pipeline passes
+    ``invariants.serial_order(s, asap=True)``, built without the scheduler:
+    the same spine, each all-gather issued right before its wait, every other
+    collective issued when its inputs are ready and waited right after its
+    start; the least memory any placement of the collectives needs). At a spine node, headroom = the reference's peak live bytes minus
     the live bytes there. A schedule whose bytes in flight (all groups) stay
     within the headroom at every spine node they span keeps the reference's
     peak: its live bytes there are the reference's plus what is in flight.
