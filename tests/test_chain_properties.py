@@ -28,8 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
 from graphs import F, WORLD, trace, wait
-from test_chains import Stand
-from test_properties import independent_checks, order
+from test_chains import check_schedule, feasible, start
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 DRAWN = KINDS + ("all_gather", "all_gather")   # all-gathers twice as often: lanes are where chains collide
@@ -61,22 +60,6 @@ def programs(draw):
         wait_stage=[draw(st.integers(0, i)) for i in range(n)],
         chain_at_top=draw(st.booleans()),
     )
-
-
-def start(kind, x, group):
-    if kind == "all_gather":
-        return F.all_gather_into_tensor(x, WORLD, group)
-    if kind == "reduce_scatter":
-        return F.reduce_scatter_tensor(x, "sum", WORLD, group)
-    if kind == "all_reduce":
-        return F.all_reduce(x, "sum", group)
-    split = [x.shape[0] // WORLD] * WORLD
-    return F.all_to_all_single(x, split, split, group)
-
-
-def feasible(kind, rows):
-    """Every tensor between 1 and 128 rows, divisible where the kind splits rows."""
-    return rows * WORLD <= 128 if kind == "all_gather" else rows % WORLD == 0
 
 
 def fit(kind, rows):
@@ -176,21 +159,7 @@ def run_example(groups, p, limit, byte_limit, bucket):
     """Schedule program ``p`` and check everything (raises on the first failure)."""
     cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, bucket=bucket,
                                  on_error="raise")
-    gm = trace(build(p, groups), *shapes_for(p))
-    expected = Stand(gm).run(*inputs_for(p))
-    before = list(gm.graph.nodes)
-
-    overlapc.schedule(gm, cfg)
-
-    gm.graph.lint()
-    got = Stand(gm).run(*inputs_for(p))
-    for a, b in zip(expected, got):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    overlapc.verify(gm, cfg)
-    independent_checks(gm, cfg, before if bucket is None else None)
-    again = trace(build(p, groups), *shapes_for(p))
-    overlapc.schedule(again, cfg)
-    assert order(again) == order(gm)
+    check_schedule(lambda: trace(build(p, groups), *shapes_for(p)), inputs_for(p), cfg)
 
 
 BUDGETS = [None, 64, 512, 4096, 16384, "auto"]   # 64 and 512 B: smaller than one collective
