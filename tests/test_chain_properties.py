@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
 from graphs import F, WORLD, trace, wait
-from test_chains import check_schedule, feasible, start
+from test_chains import check_schedule, feasible, link, start
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 DRAWN = KINDS + ("all_gather", "all_gather")   # all-gathers twice as often: lanes are where chains collide
@@ -66,18 +66,6 @@ def fit(kind, rows):
     if feasible(kind, rows):
         return kind
     return "all_reduce" if rows % WORLD else "reduce_scatter"
-
-
-def link(how, y, eye):
-    if how == "view":
-        return y.view(-1, 16)
-    if how == "cast":
-        return y.to(torch.bfloat16).float() if y.dtype == torch.float32 else y.float().to(y.dtype)
-    if how == "reshape":
-        return y.reshape(y.shape[0], 4, 4).reshape(-1, 16)
-    if how == "matmul":
-        return y @ eye.to(y.dtype)
-    return y
 
 
 def barrier(how, scratch, y):
