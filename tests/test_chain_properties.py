@@ -23,6 +23,7 @@ in flight.
 """
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -153,10 +154,35 @@ def run_example(groups, p, limit, byte_limit, bucket):
 BUDGETS = [None, 64, 512, 4096, 16384, "auto"]   # 64 and 512 B: smaller than one collective
 
 
+# Derandomized: CI draws the same examples every run (a found counterexample is
+# kept below as its own test, not redrawn by chance). OVERLAPC_SEARCH=1 searches anew.
 @settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "200")), deadline=None,
+          derandomize=os.environ.get("OVERLAPC_SEARCH") != "1", database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(p=programs(), limit=st.sampled_from([1, 2, 3, None]), byte_limit=st.sampled_from(BUDGETS),
        bucket=st.sampled_from([None, "auto"]))
 def test_chains_schedule_within_every_bound(fake_pg, two_groups, p, limit, byte_limit, bucket):
     groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
     run_example(groups, p, limit, byte_limit, bucket)
+
+
+# Found by the search after the landing of the chain work (stop 33): an all-reduce,
+# then an all-gather -> reduce-scatter -> all-gather chain at max_in_flight=1: the
+# schedule's peak (5184 B) exceeds the serial order's 3840 plus 1088 in flight, so
+# verify refuses it (on_error="fallback" would run the graph unscheduled). Open.
+KNOWN_MEMORY_BREAK = {
+    "stages": [
+        {"head": "all_reduce", "from_weight": True, "links": [], "group": 0, "bf16": True, "out": True,
+         "barrier_after": False},
+        {"head": "all_gather", "from_weight": True, "group": 0, "bf16": True, "out": False, "barrier_after": True,
+         "links": [{"kind": "reduce_scatter", "group": 0, "how": "cast", "barrier": None},
+                   {"kind": "all_gather", "group": 0, "how": "none", "barrier": None}]},
+    ],
+    "issue": "inline", "perm": [0, 1], "waits": "top", "wait_stage": [0, 0], "chain_at_top": False,
+}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29: peak above the serial order's plus the bound on this chain")
+def test_known_memory_break_of_a_chain_at_one_in_flight(fake_pg, two_groups):
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    run_example(groups, KNOWN_MEMORY_BREAK, 1, None, None)
