@@ -88,6 +88,12 @@ def _trampoline(conn, where, rank, world_size, port, args):
         conn.close()
     finally:
         _destroy_process_group()
+        # Leave without interpreter finalization: on torch 2.14 a rank whose result was
+        # already sent sometimes aborted there ("terminate called without an active
+        # exception", SIGABRT) while torch's gloo and autograd threads were torn down.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _destroy_process_group() -> None:
