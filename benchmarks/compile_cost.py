@@ -35,20 +35,19 @@ recorded per run.
     python benchmarks/compile_cost.py [--rounds 2] [--models small,big]
         [--variants inductor,overlapc,overlapc_nocheck] [--json out.json]
 
-Prints a table and writes JSON with provenance (commit, torch, date, command,
-load average). The machine may be shared: the load average is recorded with
-each run; say so when quoting the numbers.
+Prints a table and writes JSON with provenance (benchmarks/provenance.py: commit,
+torch, machine, date, command; plus the load average when written). The machine
+may be shared: the load average is recorded with each run; say so when quoting
+the numbers.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ for path in (os.path.join(REPO, "tests"), os.path.join(REPO, "examples")):
         sys.path.insert(0, path)
 
 from multiproc import init_gloo, run_ranks  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 # examples/llama.py build() arguments; "small" is issue 28's 8-layer Llama ("tiny": a smoke test)
 MODELS = {
@@ -178,23 +178,6 @@ def _run(model_name: str, variant: str, cache_dir: str, timeout: float) -> dict:
                 kernels=ranks[0].get("kernels"))
 
 
-def _provenance(argv: list[str]) -> dict:
-    import torch
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except Exception:   # noqa: BLE001 - no git here: say so
-            return "unknown"
-    return dict(commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--", "overlapc",
-                                                                 "passes", "benchmarks")),
-                torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"),
-                command=" ".join([os.path.relpath(sys.argv[0], REPO), *argv]), cpus=os.cpu_count(),
-                python=sys.version.split()[0])
-
-
 def _table(results: dict, variants: list[str]) -> str:
     lines = [f"{'model':6} {'variant':26} {'phase':5} {'median s':>9} {'x inductor':>10}  "
              f"{'dynamo':>7} {'aot':>7} {'passes':>7} {'check':>7} {'inductor':>8}  runs (s)"]
@@ -250,7 +233,7 @@ def main(argv: list[str]) -> int:
                     for phase in ("cold", "warm"):
                         run = _run(model_name, variant, cache, args.timeout)
                         results[model_name][variant][phase].append(run)
-                        _write(args.json, argv, results, variants, args.rounds, partial=True)
+                        _write(args.json, results, variants, args.rounds, partial=True)
                         print(f"round {round_index} {model_name} {variant} {phase}: first step "
                               f"{run['first_s']:.1f} s (steady {run['second_s']:.2f} s, load {run['load1']:.1f}) "
                               f"cache {run['cache']}", flush=True)
@@ -258,19 +241,19 @@ def main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(_table(results, variants))
-    _write(args.json, argv, results, variants, args.rounds, partial=False)
+    _write(args.json, results, variants, args.rounds, partial=False)
     return 0
 
 
-def _write(path: str | None, argv: list[str], results: dict, variants: list[str], rounds: int,
+def _write(path: str | None, results: dict, variants: list[str], rounds: int,
            partial: bool) -> None:
     """The JSON document (rewritten after every run, so a cut-off run keeps what it measured)."""
     if not path:
         return
     complete = {m: per for m, per in results.items()
                 if all(per[v][phase] for v in variants for phase in ("cold", "warm"))}
-    document = dict(provenance=_provenance(argv), partial=partial, models=MODELS,
-                    variants={k: VARIANTS[k] for k in variants}, rounds=rounds,
+    document = dict(provenance=provenance({"loadavg_at_write": os.getloadavg()}), partial=partial,
+                    models=MODELS, variants={k: VARIANTS[k] for k in variants}, rounds=rounds,
                     summary=_summary(complete, variants), runs=results)
     with open(path, "w") as f:
         json.dump(document, f, indent=1)

@@ -27,8 +27,10 @@ time is recorded with its error and the next one runs:
 4. ``calibrate``: ``overlapc calibrate --quick`` in that NCCL group (compute only:
    one rank), writing a profile next to the JSON.
 
-Output: one JSON (``--json``; rewritten after every part) with provenance (git
-commit, torch, CUDA, device, date, command) and per part ``ok`` / ``error`` /
+Output: one JSON (``--json``; rewritten after every part; schema
+"overlapc.gpu_check/2": /1 had its own provenance keys, ``git_commit`` among
+them) with provenance (benchmarks/provenance.py's record: commit, torch, CUDA,
+machine, date, command; plus the device the parts ran on) and per part ``ok`` / ``error`` /
 ``seconds`` and its numbers; beside it ``<stem>_code/`` (the order part's wrapper code),
 ``<stem>_trace.json``, ``<stem>_dump/``, ``<stem>_profile.json``; a summary on
 stdout. ``--dry-run``: the same parts
@@ -46,11 +48,9 @@ import importlib.abc
 import importlib.util
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -98,24 +98,26 @@ def _say(message: str) -> None:
 
 # ---------------------------------------------------------------- provenance and output
 
-def provenance(args: argparse.Namespace) -> dict:
-    """Where and when the numbers come from."""
-    def git(*cmd: str) -> str | None:
-        try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
+def _shared_provenance():
+    """benchmarks/provenance.py's ``provenance``, loaded by path: putting benchmarks/ on
+    sys.path would let its llama.py shadow examples/llama.py in a test process."""
+    spec = importlib.util.spec_from_file_location("overlapc_benchmarks_provenance",
+                                                  ROOT / "benchmarks" / "provenance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.provenance
 
+
+def provenance(args: argparse.Namespace) -> dict:
+    """Where and when the numbers come from: the record every benchmark writes
+    (commit, dirty, torch, cuda, python, machine, date, command), plus ``device``
+    (the device the parts ran on: "cpu" for a dry run), ``gpus``, ``dry_run``,
+    ``overlapc_from`` (installed or checkout) and ``cwd``."""
     cuda = torch.cuda.is_available()
-    return {"command": " ".join([sys.executable, *sys.argv]), "cwd": os.getcwd(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--", ".")),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "host": socket.gethostname(), "platform": platform.platform(),
-            "device": torch.cuda.get_device_name(0) if cuda and not args.dry_run else "cpu",
-            "gpus": torch.cuda.device_count() if cuda else 0, "dry_run": args.dry_run,
-            "overlapc_from": IMPORTED_FROM}
+    return _shared_provenance()({
+        "device": torch.cuda.get_device_name(0) if cuda and not args.dry_run else "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0, "dry_run": args.dry_run,
+        "overlapc_from": IMPORTED_FROM, "cwd": os.getcwd()})
 
 
 class Report:
@@ -123,7 +125,7 @@ class Report:
 
     def __init__(self, path: Path, args: argparse.Namespace):
         self.path = path
-        self.doc = {"schema": "overlapc.gpu_check/1", "provenance": provenance(args), "parts": {}}
+        self.doc = {"schema": "overlapc.gpu_check/2", "provenance": provenance(args), "parts": {}}
         self.lock = threading.Lock()
 
     def record(self, part: str, result: dict) -> None:
@@ -443,7 +445,7 @@ def run_part(name: str, ctx: dict, report: Report, current: dict, deadline: floa
 
 def summary_lines(doc: dict) -> list[str]:
     lines = [f"{doc['provenance']['device']} torch {doc['provenance']['torch']} "
-             f"commit {str(doc['provenance']['git_commit'])[:12]}"]
+             f"commit {str(doc['provenance']['commit'])[:12]}"]
     for name, part in doc["parts"].items():
         status = "ok" if part.get("ok") else "FAILED"
         detail = ""

@@ -39,10 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import json
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
@@ -179,13 +176,6 @@ def _keep_or_regather(gm, example_inputs):
     return gm
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -208,13 +198,13 @@ def main() -> None:
         print(f"{r['graph']:44s} {r['step_ms']:8.3f} {r['exposed_ms']:10.3f} {r['peak_mib']:9.1f} {r['collectives']:6d}")
     if args.json:
         import importlib.metadata
-        provenance = {"commit": _commit(), "torch": torch.__version__,
-                      "torchtitan": importlib.metadata.version("torchtitan"),
-                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-                      "profile": args.profile, "mesh": args.mesh, "batch": args.batch, "seq": args.seq, "world": WORLD}
+
+        from provenance import provenance   # benchmarks/, the script's own directory, is on sys.path
+        record = provenance({"torchtitan": importlib.metadata.version("torchtitan"), "profile": args.profile,
+                             "mesh": args.mesh, "batch": args.batch, "seq": args.seq, "world": WORLD})
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance, "rows": rows}, f, indent=1)
+            json.dump({"provenance": record, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ output waited right away. Graphs are built with torch.fx directly (make_fx on
 
     python benchmarks/pass_time.py [--sizes 1000 10000 100000] [--repeat 3] [--json out.json]
 
+The JSON holds ``provenance`` (benchmarks/provenance.py: commit, torch, machine,
+date, command, plus the load average at the start and end: the timings are
+wall-clock on a possibly shared machine) and ``results``, one row per size.
+
 Target (issue 2): 100k nodes in under 2 s; 4x the nodes costs well under 6x the time.
 "pass s" is overlapc.schedule(gm, cfg, recompile=False), what the torch.compile
 backend runs (Inductor reads the graph, not gm.forward). "recompile s" is
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 
@@ -25,6 +30,7 @@ import torch
 import torch.fx as fx
 
 import overlapc
+from provenance import provenance
 
 F = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -69,6 +75,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     cfg = overlapc.OverlapConfig(on_error="raise")
+    load_before = os.getloadavg()
     results = []
     print(f"{'nodes':>8} {'collectives':>12} {'pass s':>8} {'min s':>8} {'recompile s':>12}  pass runs")
     for size in args.sizes:
@@ -92,8 +99,11 @@ def main() -> None:
     for small, big in zip(results, results[1:]):
         print(f"{big['nodes'] / small['nodes']:.1f}x nodes -> {big['median_s'] / small['median_s']:.1f}x time")
     if args.json:
+        record = provenance({"sizes": args.sizes, "repeat": args.repeat,
+                             "loadavg_before": load_before, "loadavg_after": os.getloadavg()})
         with open(args.json, "w") as out:
-            json.dump({"results": results}, out, indent=2)
+            json.dump({"provenance": record, "results": results}, out, indent=2)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

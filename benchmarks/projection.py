@@ -32,6 +32,10 @@ cores). ``--recapture`` calls ``capture`` once per option set instead, and
 ``--check-capture`` verifies on the first world size that both ways give the
 same node order.
 
+The JSON holds ``provenance`` (benchmarks/provenance.py: commit, torch,
+machine, date, command), the model and, per world size, the rows below. The
+numbers are simulated, so a loaded machine changes only the wall times.
+
 Caveat printed with the tables: the cost model charges every FX node its own
 roofline time, unfused, and the captured attention is the decomposed (math)
 SDPA, so elementwise and softmax nodes over (heads x seq x seq) dominate the
@@ -52,6 +56,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+from provenance import provenance  # noqa: E402
 
 LINK_OF = {8: "nvlink"}  # larger world sizes: several nodes, InfiniBand
 OPTION_SETS = {
@@ -326,7 +332,8 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"model": {"name": "Llama-2-7B shape", "layers": args.layers, "dim": 4096, "heads": 32,
+            json.dump({"provenance": provenance({"loadavg_at_write": os.getloadavg()}),
+                       "model": {"name": "Llama-2-7B shape", "layers": args.layers, "dim": 4096, "heads": 32,
                                  "ffn": 11008, "vocab": 32000, "param_dtype": "bfloat16",
                                  "reduce_dtype": "float32", "reshard_after_forward": True},
                        "batch_per_gpu": args.batch, "seq": args.seq, "device": "h100",

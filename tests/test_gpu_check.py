@@ -36,10 +36,11 @@ def test_dry_run_checks_order_memory_and_trace_on_cpu(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=1000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["passed"] is True and doc["schema"] == "overlapc.gpu_check/1"
-    prov = doc["provenance"]
+    assert doc["passed"] is True and doc["schema"] == "overlapc.gpu_check/2"
+    prov = doc["provenance"]      # benchmarks/provenance.py's record, plus what gpu_check adds
     assert prov["torch"] == torch.__version__ and prov["device"] == "cpu" and prov["dry_run"] is True
-    assert prov["date"] and str(SCRIPT) in prov["command"] and prov["git_commit"]
+    assert prov["date"] and prov["command"].startswith("python benchmarks/gpu_check.py --dry-run")
+    assert prov["commit"] and prov["machine"]["cpus"] == os.cpu_count()
     assert list(doc["parts"]) == ["order", "memory", "trace"]
     order = doc["parts"]["order"]
     assert order["ok"] and not order["problems"] and len(order["graphs"]) == 2
