@@ -343,7 +343,7 @@ def _memory_svg(view: GraphView) -> str:
     parts.append(_hline(y(reference), "peak-line", f"peak before {_size(reference)}", reference))
     if view.budget_bytes is not None:
         parts.append(_hline(y(view.budget_bytes), "budget-line",
-                            f"budget {_size(view.budget_bytes)} = peak before + in flight "
+                            f"budget {_size(view.budget_bytes)} = peak before + in-flight budget "
                             f"{_size(view.in_flight_budget)}", view.budget_bytes))
     width, total = LEFT + PLOT + RIGHT, bottom + 24
     return (f'<svg class="memory" width="{width}" height="{total}" '
@@ -406,7 +406,7 @@ def _legend(kinds: list[str]) -> str:
 def _graph_section(view: GraphView, analysis) -> str:
     kinds = sorted({r.kind for r in view.rows})
     parts = [f'<section class="graph" id="graph-{_e(view.name)}" data-graph="{_e(view.name)}">',
-             f"<h2>{_e(view.name)}: {view.summary['collectives']} collectives</h2>",
+             f"<h2>{_e(view.name)}{_direction(view.name)}: {view.summary['collectives']} collectives</h2>",
              _summary_html(view), _legend(kinds),
              "<h3>Simulated timeline</h3>", _lanes_svg(view),
              "<h3>Live bytes</h3>", _memory_svg(view),
@@ -415,6 +415,10 @@ def _graph_section(view: GraphView, analysis) -> str:
         parts.append(_measured_section(view.name, analysis))
     parts.append("</section>")
     return "".join(parts)
+
+
+def _direction(name: str) -> str:
+    return {"fw": " (forward)", "bw": " (backward)"}.get(name.partition("_")[0], "")
 
 
 def render_html(views: list[GraphView], *, title: str = "overlapc schedule", notes: list[str] = (),
@@ -443,8 +447,7 @@ def _measured_section(graph: str, analysis) -> str:
     mine = [m for m in analysis.collectives if m.step == step.step and m.graph == graph
             and _in_run(m, run)]
     axis = _Axis(max(run.measured_ms, run.estimated_ms))
-    lanes = [("measured", "compute thread"), ("measured", "communication"),
-             ("estimated", "compute"), ("estimated", "communication")]
+    lanes = [("measured", "compute"), ("measured", "link"), ("estimated", "compute"), ("estimated", "link")]
     height = 10 + len(lanes) * (LANE + GAP) + 24
     parts = axis.ticks(10, 10 + len(lanes) * (LANE + GAP))
     for index, (source, lane) in enumerate(lanes):
@@ -463,7 +466,8 @@ def _measured_section(graph: str, analysis) -> str:
             f"{_e(analysis.format)} trace {_e(os.path.basename(analysis.trace))}: this run took "
             f"{run.measured_ms:.3f} ms measured, {run.estimated_ms:.3f} ms estimated; exposed communication "
             f"{run.exposed_ms:.3f} ms measured, {run.estimated_exposed_ms:.3f} ms estimated "
-            f"({len(runs)} runs, median {statistics.median(others):.3f} ms)</p>" + svg)
+            f"(the median of {len(runs)} run{'s' if len(runs) != 1 else ''} of {_e(graph)} in the trace: "
+            f"{statistics.median(others):.3f} ms)</p>" + svg)
 
 
 def _in_run(m, run) -> bool:
@@ -477,7 +481,7 @@ def _measured_spans(mine, run, source: str, lane: str, axis: _Axis, y: float) ->
     for m in mine:
         colour = _colour(m.kind)
         attrs = f' data-name="{_e(m.name)}" data-kind="{_e(m.kind)}"'
-        if source == "measured" and lane == "compute thread":
+        if source == "measured" and lane == "compute":
             if m.issued_at_ms is not None:
                 out.append(_rect(axis.x(m.issued_at_ms - at), axis.x(m.issued_at_ms - at + m.issue_ms), y + 4,
                                  LANE - 8, "issue", colour, f"issue {m.name}: {m.issue_ms:.3f} ms", attrs))
@@ -489,7 +493,7 @@ def _measured_spans(mine, run, source: str, lane: str, axis: _Axis, y: float) ->
             out.append(_rect(axis.x(m.ran_at_ms - at), axis.x(m.ran_at_ms - at + m.duration_ms), y + 2, LANE - 4,
                              "coll", colour, f"{m.name} ran {m.duration_ms:.3f} ms", attrs))
         elif source == "estimated" and m.estimated_start_ms is not None and m.estimated_end_ms is not None:
-            if lane == "communication":
+            if lane == "link":
                 out.append(_rect(axis.x(m.estimated_start_ms), axis.x(m.estimated_end_ms), y + 2, LANE - 4, "coll",
                                  colour, f"{m.name} estimated {m.estimated_end_ms - m.estimated_start_ms:.3f} ms",
                                  attrs))
@@ -580,7 +584,7 @@ svg.defs{position:absolute}svg{display:block;max-width:100%;height:auto;font:11p
 .peak-line line{stroke:#5b6773;stroke-dasharray:4 3}.peak-line text{fill:#5b6773;font-size:10px}
 .budget-line line{stroke:#d62728;stroke-dasharray:6 3;stroke-width:1.5}.budget-line text{fill:#d62728;font-size:10px}
 table.rows{border-collapse:collapse;font-size:12px;margin:4px 0 10px}
-table.rows th,table.rows td{padding:3px 8px;border-bottom:1px solid #e6e9ed;text-align:left;white-space:nowrap}
+table.rows th,table.rows td{padding:3px 6px;border-bottom:1px solid #e6e9ed;text-align:left;white-space:nowrap}
 table.rows th{background:#f4f6f8}td.num{text-align:right;font-variant-numeric:tabular-nums}
 td.hidden{color:#22936a}td.exposed{color:#d62728}
 """

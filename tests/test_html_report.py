@@ -93,7 +93,7 @@ def test_page_holds_both_orders_with_the_simulations_numbers(llama):
         for a in _coll_rects(page, record.name, "after"):
             x = html_report.LEFT + float(a["data-start-ms"]) / span * html_report.PLOT
             assert float(a["x"]) == pytest.approx(x, abs=0.006)
-        assert f'data-graph="{record.name}"' in page and f"<h2>{record.name}:" in page
+        assert f'data-graph="{record.name}"' in page and f"<h2>{record.name} (" in page
     # the table: one row per collective of each graph
     for record in records:
         table = page.split(f'<table class="rows" data-graph="{record.name}">')[1].split("</table>")[0]
@@ -186,7 +186,7 @@ def test_measured_spans_beside_the_estimated(llama, tmp_path):
             assert float(run["data-estimated-ms"]) == pytest.approx(simulate(record.gm, profile).step_ms)
             lanes = section.split('<g class="lane"')[1:]
             assert [re.search(r'data-lane="([^"]+)"', lane).group(1) for lane in lanes] == [
-                "measured compute thread", "measured communication", "estimated compute", "estimated communication"]
+                "measured compute", "measured link", "estimated compute", "estimated link"]
             assert lanes[0].count('class="issue"') == count
             assert re.findall(r'data-exposed-ms="([\d.e-]+)"', lanes[0]) == ["0.026"] * count   # 26 us waits
             assert lanes[1].count('class="coll"') == count     # measured runs
