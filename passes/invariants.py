@@ -17,11 +17,13 @@
    from the issuing point to the collective's wait target. Chained collectives
    (a start that reads another collective's result) are no exception;
 4. memory: peak live bytes <= a reference order's peak + the most bytes held
-   in flight at once. ``schedule`` compares with the order it started from;
-   ``verify`` on a graph alone with its serial order (``serial_order``, built
-   here without the scheduler: the same spine and starts, every collective
-   other than an all-gather waited right after its start, every all-gather
-   issued right before its wait, just before its first reader).
+   in flight at once. ``schedule`` compares with the order it started from
+   (a graph with chained collectives with its serial order too: what
+   ``verify`` compares with); ``verify`` on a graph alone with its serial
+   order (``serial_order``, built here without the scheduler: the same spine
+   and starts, every collective other than an all-gather waited right after
+   its start, every all-gather issued right before its wait, just before its
+   first reader).
 
 Valid topological order (lint) and "nothing crossed a barrier / compute kept
 its order" need the order before scheduling; ``pipeline.schedule`` checks
@@ -109,27 +111,43 @@ class Peaks:
 
 
 def check(s: Structure, order: list[fx.Node], budget: Budget,
-          reference: list[fx.Node] | None = None) -> Peaks:
+          reference: list[fx.Node] | None = None, serial: bool = True) -> Peaks:
     """Raise ScheduleError at the first broken guarantee; return the Peaks. The
-    memory guarantee compares with ``reference`` (``schedule`` passes the order
-    before scheduling), by default the serial order (``serial_order``; ``verify``
-    passes ``order`` = ``s.nodes``): each all-gather right before its wait,
-    everything else waited right after its start."""
+    memory guarantee compares with ``reference`` when given (``schedule`` passes
+    the order before scheduling) and with the serial order (``serial_order``:
+    each all-gather right before its wait, everything else waited right after
+    its start) unless ``serial`` is False; ``verify`` passes ``order`` =
+    ``s.nodes`` and no reference: the serial order alone."""
     o = _Order(s, order)
     _check_waits(o)
     _check_consumer_order(o)
     flight, peak_count = _check_bounds(o, budget)
     room = budget.headroom   # built on this structure: its liveness and serial order serve here too
     liveness = room.liveness if room is not None else Liveness(s.nodes)
-    peak = liveness.peak_bytes(order)
-    what = "order before scheduling" if reference is not None else "serial order"
-    if reference is None:
-        reference = serial_order(s)
-    reference = liveness.peak_bytes(reference)
-    if peak > reference + flight.peak_total:
-        raise ScheduleError(f"peak live bytes {peak} exceed the {what}'s {reference} plus the "
-                            f"{flight.peak_total} bytes in flight")
-    return Peaks(peak, reference, flight.peak_total, peak_count)
+    live = liveness.live_bytes(order)
+    peak = max(live, default=0)
+    references = [] if reference is None else [("order before scheduling", liveness.peak_bytes(reference))]
+    if serial or reference is None:
+        references.append(("serial order", liveness.peak_bytes(serial_order(s))))
+    for what, bytes_ in references:
+        if peak > bytes_ + flight.peak_total:
+            raise _memory_error(o, liveness, live, what, bytes_, flight.peak_total)
+    return Peaks(peak, references[0][1], flight.peak_total, peak_count)
+
+
+def _memory_error(o: _Order, liveness: Liveness, live: list[int], what: str, reference: int,
+                  in_flight: int) -> ScheduleError:
+    """The memory guarantee broken: named at the node of ``o`` where the live bytes
+    peak, with the largest buffers live there (a collective's with its kind and group)."""
+    s, at = o.s, live.index(max(live))
+    largest, groups = [], []
+    for node, nbytes in liveness.live_at(o.nodes, at)[:4]:
+        c = s.coll_of_start.get(node)
+        largest.append(f"{node.name} {nbytes} B" + (f" ({c.kind} of group {c.group})" if c else ""))
+        groups += [c.group] if c else []
+    return ScheduleError(f"peak live bytes {live[at]} exceed the {what}'s {reference} plus the {in_flight} "
+                         f"bytes in flight; largest live there: {', '.join(largest)}", node=o.nodes[at],
+                         group=groups[0] if len(set(groups)) == 1 else None, position=at)
 
 
 def _compute_between(o: _Order, first: int, last: int) -> fx.Node | None:

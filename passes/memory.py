@@ -46,16 +46,7 @@ class Liveness:
         """Bytes live while each node of ``order`` runs (its output allocated, its
         inputs not yet freed)."""
         pos = {node: index for index, node in enumerate(order)}
-        last = {root: pos[root] for root in self.size}
-        held_until = self.held_until
-        for node in order:
-            until = pos[node]
-            waits = held_until.get(node)
-            if waits is not None:
-                until = max(pos[w] for w in waits)
-            for r in self.reads[node]:
-                if last[r] < until:
-                    last[r] = until
+        last = self._last_use(order, pos)
         change = [0] * (len(order) + 1)
         for r, nbytes in self.size.items():
             if nbytes:
@@ -66,6 +57,28 @@ class Liveness:
             running += delta
             live.append(running)
         return live
+
+    def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
+        """Storage -> the position in ``order`` after which it is freed."""
+        last = {root: pos[root] for root in self.size}
+        held_until = self.held_until
+        for node in order:
+            until = pos[node]
+            waits = held_until.get(node)
+            if waits is not None:
+                until = max(pos[w] for w in waits)
+            for r in self.reads[node]:
+                if last[r] < until:
+                    last[r] = until
+        return last
+
+    def live_at(self, order: list[fx.Node], index: int) -> list[tuple[fx.Node, int]]:
+        """The storages live while ``order[index]`` runs, as (node that allocated
+        it, bytes), largest first (ties in order)."""
+        pos = {node: i for i, node in enumerate(order)}
+        last = self._last_use(order, pos)
+        live = [(r, n) for r, n in self.size.items() if n and pos[r] <= index <= last[r]]
+        return sorted(live, key=lambda item: (-item[1], pos[item[0]]))
 
     def peak_bytes(self, order: list[fx.Node]) -> int:
         """Most bytes live at any point of ``order`` (0 for an empty order)."""
@@ -143,3 +156,38 @@ class Headroom:
         k = (last - first + 1).bit_length() - 1
         row = self.table[k]
         return min(row[first], row[last - (1 << k) + 1])
+
+
+class SpineRoom:
+    """The headroom (``Headroom``) at each node of a spine, and the first spine
+    index in a range where a given number of bytes fits: where a chained
+    start's own buffers (its upstream results and its input chain) may appear
+    without raising the peak. ``first_fitting`` is O(log n) (a sparse table of
+    maxima)."""
+
+    def __init__(self, headroom: Headroom, positions: list[int]):
+        """``positions``: ``s.pos`` of each spine node, in spine order."""
+        level = [headroom.least(p, p) for p in positions]
+        self.table = [level]
+        width = 1
+        while 2 * width <= len(level):
+            below = self.table[-1]
+            self.table.append(list(map(max, below, below[width:])))
+            width *= 2
+
+    def _most(self, first: int, last: int) -> int:
+        k = (last - first + 1).bit_length() - 1
+        row = self.table[k]
+        return max(row[first], row[last - (1 << k) + 1])
+
+    def first_fitting(self, first: int, last: int, nbytes: int) -> int | None:
+        """Smallest spine index in first..last whose headroom is at least ``nbytes``, or None."""
+        if first > last or self._most(first, last) < nbytes:
+            return None
+        while first < last:
+            middle = (first + last) // 2
+            if self._most(first, middle) >= nbytes:
+                last = middle
+            else:
+                first = middle + 1
+        return first

@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from overlapc.collectives import Collective
 from overlapc.passes.inflight import Budget, InFlight
+from overlapc.passes.memory import Headroom, SpineRoom
 from overlapc.passes.structure import Structure
 
 UNBOUNDED = Budget(None, {}, {})
@@ -58,23 +59,28 @@ REASONS = {
 
 def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedule",
                    kinds: tuple[str, ...] | None = None,
-                   reasons: dict[fx.Node, str] | None = None, late_chains: bool = False) -> list[fx.Node]:
+                   reasons: dict[fx.Node, str] | None = None, late_chains: bool = False,
+                   chain_room: Headroom | None = None) -> list[fx.Node]:
     """A new order of ``s.nodes``: the spine in its order, collectives placed by
     ``mode`` under ``budget``. ``kinds`` limits which collectives move (default all).
     ``reasons``, when given, receives why each start and wait was placed where it is
     (``REASONS``). ``late_chains``: chain points at the latest spine node a chained
     start may go (its result due there) instead of halfway, which keeps the
     all-gathers ahead of it in its group due there too (the pipeline's second try
-    when a schedule with halfway chain points fails the check)."""
+    when a schedule with halfway chain points fails the check). ``chain_room``: the
+    headroom under the serial order's peak (``memory.Headroom``): a chain point
+    moves from halfway to the first spine node where the chained start's own
+    buffers fit it (``_plan_gates``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return _Core(s, budget, mode, kinds, reasons, late_chains).run()
+    return _Core(s, budget, mode, kinds, reasons, late_chains, chain_room).run()
 
 
 class _Core:
     def __init__(self, s: Structure, budget: Budget, mode: str, kinds: tuple[str, ...] | None,
-                 reasons: dict[fx.Node, str] | None, late_chains: bool = False):
-        self.late_chains = late_chains
+                 reasons: dict[fx.Node, str] | None, late_chains: bool = False,
+                 chain_room: Headroom | None = None):
+        self.late_chains, self.chain_room = late_chains, chain_room
         self.s, self.budget, self.mode = s, budget, mode
         self.reasons = reasons if reasons is not None else {}
         managed = [c for c in s.movable if kinds is None or c.kind in kinds]
@@ -171,12 +177,18 @@ class _Core:
         hi = the latest index B may go (no later than any chained wait's spine
         target, nor than where B itself must be complete); the chain point is
         halfway, splitting the compute between the upstream collective and B
-        (at hi with ``late_chains``). Serial mode uses the same chain points.
+        (at hi with ``late_chains``), or, with a ``chain_room``, the first index
+        from there on where B's own buffers (its upstream results and what its
+        start bundle allocates, beyond the bytes in flight that count them while
+        the chain passes from one collective to the next) fit the headroom, else hi.
+        Serial mode uses the same chain points.
         When hi < lo, B is not gated: its chained waits stay at their targets."""
         s, spine = self.s, self.spine
         if not any(i in s.wait_of_member for c in managed for i in s.bundle_inputs[c.start]):
             return   # no start reads a wait: nothing is chained
         index = {node: i for i, node in enumerate(spine)}
+        room = None if self.chain_room is None or self.late_chains else \
+            SpineRoom(self.chain_room, [s.pos[node] for node in spine])
         body = next((i for i, node in enumerate(spine) if node.op != "placeholder"), 0)
         region_first = [body] + [index[b] + 1 for b in s.barriers]   # placeholders stay together
         deadline: dict[fx.Node, int] = {}
@@ -203,13 +215,28 @@ class _Core:
                 else:
                     lo = max(lo, index[s.spine_target[wait]])
             if chained and lo <= hi:
-                self.gate[c.start] = hi if self.late_chains else lo + (hi - lo) // 2
+                gate = hi if self.late_chains else lo + (hi - lo) // 2
+                if room is not None:
+                    gate = room.first_fitting(gate, hi, self._chain_bytes(c.start, chained))
+                self.gate[c.start] = hi if gate is None else gate
                 self.chained.update(chained)
                 earliest[c.start] = self.gate[c.start]
             else:
                 for wait in chained:   # not gated: each chained wait stays at its target
                     lo = max(lo, index[s.spine_target[wait]])
                 earliest[c.start] = lo
+
+    def _chain_bytes(self, start: fx.Node, chained: list[fx.Node]) -> int:
+        """Bytes that gated ``start``'s chain point adds beyond what is counted in
+        flight: when its chained waits are placed and its bundle runs, the upstream
+        results and what the bundle allocates (its input chain, its output) are
+        live at once, while the bytes in flight just before (the upstream
+        collectives held) or just after (``start`` held) count only part of them."""
+        s, live = self.s, self.chain_room.liveness
+        ups = list(dict.fromkeys(s.coll_of_wait[w].start for w in chained))
+        own = [m for m in s.start_bundle[start] if live.root[m] is m] + ups
+        counted = max(sum(s.held[up] for up in ups), s.held[start])
+        return max(0, sum(live.size.get(node, 0) for node in own) - counted)
 
     # -- bookkeeping -----------------------------------------------------------------
     def _producer(self, node: fx.Node, reader: fx.Node) -> fx.Node:
