@@ -455,6 +455,10 @@ def _measured_section(graph: str, analysis) -> str:
         parts.append(f'<g class="lane" data-lane="{source} {lane}" data-graph="{_e(graph)}">'
                      f'<text class="lane-label" x="{LEFT - 8}" y="{y + 14}" text-anchor="end">{source}: {lane}</text>'
                      f'<rect class="lane-bg" x="{LEFT}" y="{y}" width="{PLOT}" height="{LANE}"/>')
+        if lane == "compute":   # the graph's run, measured or estimated
+            length = run.measured_ms if source == "measured" else run.estimated_ms
+            parts.append(_rect(axis.x(0.0), axis.x(length), y + 3, LANE - 6, "run", None,
+                               f"{graph} {source}: {length:.3f} ms", f' data-ms="{length!r}"'))
         parts += _measured_spans(mine, run, source, lane, axis, y)
         parts.append("</g>")
     width = LEFT + PLOT + RIGHT
@@ -467,7 +471,13 @@ def _measured_section(graph: str, analysis) -> str:
             f"{run.measured_ms:.3f} ms measured, {run.estimated_ms:.3f} ms estimated; exposed communication "
             f"{run.exposed_ms:.3f} ms measured, {run.estimated_exposed_ms:.3f} ms estimated "
             f"(the median of {len(runs)} run{'s' if len(runs) != 1 else ''} of {_e(graph)} in the trace: "
-            f"{statistics.median(others):.3f} ms)</p>" + svg)
+            f"{statistics.median(others):.3f} ms)</p>" + _MEASURED_LEGEND + svg)
+
+
+_MEASURED_LEGEND = ('<div class="legend"><span><i class="swatch" style="background:#dfe4ea"></i>the graph\'s run'
+                    '</span><span><i class="swatch issue"></i>issuing (the start op)</span>'
+                    '<span><i class="swatch hatch"></i>waiting (exposed)</span>'
+                    '<span><i class="swatch" style="background:#2f6fb3"></i>running on the link</span></div>')
 
 
 def _in_run(m, run) -> bool:
@@ -484,7 +494,8 @@ def _measured_spans(mine, run, source: str, lane: str, axis: _Axis, y: float) ->
         if source == "measured" and lane == "compute":
             if m.issued_at_ms is not None:
                 out.append(_rect(axis.x(m.issued_at_ms - at), axis.x(m.issued_at_ms - at + m.issue_ms), y + 4,
-                                 LANE - 8, "issue", colour, f"issue {m.name}: {m.issue_ms:.3f} ms", attrs))
+                                 LANE - 8, "issue", colour, f"issue {m.name}: {m.issue_ms:.3f} ms",
+                                 attrs + f' stroke="{colour}"'))
             if m.waited_at_ms is not None and m.exposed_ms > 0:
                 out.append(_rect(axis.x(m.waited_at_ms - at), axis.x(m.waited_at_ms - at + m.exposed_ms), y, LANE,
                                  "exposed", "url(#exposed-hatch)", f"wait {m.name}: {m.exposed_ms:.3f} ms",
@@ -576,7 +587,8 @@ dt{color:#5b6773}dd{margin:0;font-weight:600}
 .bar.queued{border-top:2px dotted #6b6b6b}.bar.mem-before{border-color:#8a94a0}.bar.mem-after{border-color:#e07b1a}
 .bar.budget{border-top:2px dashed #d62728}
 svg.defs{position:absolute}svg{display:block;max-width:100%;height:auto;font:11px system-ui,"DejaVu Sans",sans-serif}
-.lane-bg{fill:#f4f6f8;fill-opacity:.7}.compute{fill:#9aa6b2;shape-rendering:crispEdges}.coll{stroke:#fff;stroke-width:.5}
+.lane-bg{fill:#f4f6f8;fill-opacity:.7}.run{fill:#dfe4ea}.issue{fill-opacity:.35;stroke-width:1}
+.swatch.issue{background:#2f6fb355;border:1px solid #2f6fb3;box-sizing:border-box}.compute{fill:#9aa6b2;shape-rendering:crispEdges}.coll{stroke:#fff;stroke-width:.5}
 .grid{stroke:#e1e5ea;stroke-width:1}.tick{fill:#5b6773;font-size:10px}
 .lane-label{fill:#2c3640;font-size:11px}.order-title{fill:#1d232a;font-weight:600;font-size:12px;paint-order:stroke;stroke:#fff;stroke-width:4px}
 .queued{stroke:#6b6b6b;stroke-width:1.5;stroke-dasharray:2 2}
