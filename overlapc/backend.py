@@ -12,7 +12,7 @@ instead, and its Inductor settings are applied with overlapc's own::
 ``options={"profile": "cpu:ethernet" | "path/to/profile.json"}`` sets the
 estimates of the per-graph INFO line and of the ``dump_dir`` reports (a
 built-in "device:link" or a file written by ``overlapc calibrate``; default
-h100:nvlink).
+cpu:ethernet for CPU tensors over gloo, else h100:nvlink: ``costmodel.default_for``).
 
 With ``inner="inductor"`` (default) the schedule runs as Inductor's
 ``post_grad_custom_post_pass`` on the forward and backward graphs, after
@@ -395,7 +395,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     overlapc's own (``inductor_patches()`` win where both set a key). ValueError
     for an unknown mode, a mode with ``inner="aot_eager"``, both ``mode`` and
     ``inductor_mode``, or a profile that does not resolve."""
-    cfg = OverlapConfig.from_options(options)
+    cfg = _profile_for_run(OverlapConfig.from_options(options), example_inputs)
     mode = _inductor_mode(cfg, mode)
     if cfg.profile is not None:
         from overlapc import costmodel
@@ -434,6 +434,18 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     # An AOTAutograd cache hit would skip the per-graph wrapper and with it the check.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+
+
+def _profile_for_run(cfg: OverlapConfig, example_inputs) -> OverlapConfig:
+    """``cfg`` with the profile that fits this run when its options name none
+    (``costmodel.default_for``: CPU numbers for CPU tensors over gloo), so the INFO lines
+    and dumps estimate this run; the config INFO line and every summary name it."""
+    if cfg.profile is not None or not _uses_gloo():
+        return cfg
+    from overlapc import costmodel
+    devices = sorted({t.device.type for t in example_inputs if isinstance(t, torch.Tensor)} - {"cpu"})
+    chosen = costmodel.default_for(devices[0] if devices else "cpu", str(torch.distributed.get_backend()))
+    return cfg if chosen == costmodel.DEFAULT else dataclasses.replace(cfg, profile=chosen)
 
 
 def _inductor_mode(cfg: OverlapConfig, mode: str | None) -> str | None:

@@ -21,8 +21,10 @@ came from.
     overlapc dump TARGET --world-size N [--out DIR]
         DIR/<graph>/before.txt, after.txt, report.txt, report.json
         (``overlapc.report.write_artifacts``; report.json is "overlapc.report/1").
-    overlapc report TARGET --world-size N [--format text|json]
-        Per-collective rows and a summary per graph, on stdout.
+    overlapc report TARGET --world-size N [--format text|json] [--wide] [--quiet]
+        A summary per graph and one row per collective, on stdout: compact
+        rows within 120 columns (``overlapc.report.format_graph``), every
+        column with ``--wide``, the summaries only with ``--quiet``.
     overlapc timeline TARGET --world-size N [-o trace.json]
         The simulated schedule before and after, as a Chrome / Perfetto trace.
     overlapc calibrate [--world-size N] [-o profile.json] [--quick]
@@ -92,6 +94,7 @@ import os
 import re
 import sys
 import tempfile
+import textwrap
 import traceback
 
 REPORT_SCHEMA = "overlapc.cli.report/1"
@@ -158,20 +161,59 @@ def _chunks(text: str) -> int | str:
     return int(text)
 
 
+_EXAMPLES = {
+    None: """examples:
+  overlapc report examples/llama.py:build --world-size 8
+  overlapc report examples/mlp.py:build --world-size 8 --profile cpu:ethernet --wide
+  overlapc dump examples/llama.py:build --world-size 8 --out llama-dump
+  overlapc calibrate --world-size 2 -o profile.json
+  overlapc demo
+
+`overlapc COMMAND --help` describes a command and its options.""",
+    "dump": """examples:
+  overlapc dump examples/llama.py:build --world-size 8 --out llama-dump
+  overlapc dump examples/mlp.py:build --world-size 8 --graph fw --bucket none""",
+    "report": """examples:
+  overlapc report examples/llama.py:build --world-size 8
+  overlapc report examples/llama.py:build --world-size 8 --profile profile.json --quiet
+  overlapc report examples/mlp.py:build --world-size 8 --profile cpu:ethernet --wide""",
+    "timeline": """examples:
+  overlapc timeline examples/llama.py:build --world-size 8 -o llama-trace.json
+  overlapc timeline examples/mlp.py:build --world-size 8 --max-in-flight none""",
+    "calibrate": """examples:
+  overlapc calibrate --world-size 2 -o profile.json
+  overlapc calibrate --quick
+  torchrun --nproc-per-node 8 -m overlapc.cli calibrate -o profile.json""",
+    "analyze": """examples:
+  overlapc analyze trace_rank0.json --dump DIR
+  overlapc analyze trace_rank0.json --dump DIR --profile profile.json --timeline measured.json""",
+}
+
+
+def _command(commands, name: str, purpose: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand whose --help starts with its one-line ``purpose`` and ends with its examples."""
+    return commands.add_parser(name, help=purpose, description=textwrap.fill(purpose, 100),
+                               epilog=_EXAMPLES.get(name), formatter_class=argparse.RawDescriptionHelpFormatter,
+                               **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
     from overlapc import costmodel
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("target", help="path/to/file.py:function or module:function; "
-                        "the function returns (model, example_inputs)")
-    common.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks of the fake process group")
+    common.add_argument("target", help="path/to/file.py:function or module:function; the function takes no "
+                        "arguments and returns (model, example_inputs)")
+    common.add_argument("--world-size", type=int, required=True, metavar="N",
+                        help="ranks of the fake process group the target is built under (required)")
     common.add_argument("--rank", type=int, default=0, metavar="R", help="this process's rank (default 0)")
-    common.add_argument("--graph", choices=("fw", "bw", "all"), default="all", help="graphs to show (default all)")
+    common.add_argument("--graph", choices=("fw", "bw", "all"), default="all",
+                        help="which graphs: forward, backward or all (default all)")
     common.add_argument("--max-in-flight", type=_count, default=argparse.SUPPRESS, metavar="K|none",
-                        help="collectives of one group and kind in flight, at most (default: OverlapConfig's)")
+                        help="collectives of one group and kind in flight, at most (default 3, OverlapConfig's)")
     common.add_argument("--max-in-flight-bytes", type=_byte_limit(("auto", "none")), default=argparse.SUPPRESS,
                         metavar="B|auto|none",
-                        help="bytes held in flight per group, at most (e.g. 64MiB; default auto)")
+                        help="bytes held in flight per group, at most, e.g. 64MiB (default auto: twice the "
+                        "group's largest collective, more where memory allows)")
     common.add_argument("--bucket", type=_byte_limit(("auto", "module", "none")), default=argparse.SUPPRESS,
                         metavar="auto|module|B|none",
                         help="merge collectives: up to the largest one (auto, the default), "
@@ -179,44 +221,78 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--chunks", type=_chunks, default=argparse.SUPPRESS, metavar="N|auto",
                         help="split critical-path collectives into N pipelined pieces, or auto: per "
                         "pattern, the count the estimates put fastest (default 1: off)")
-    common.add_argument("--profile", metavar="NAME|FILE", help="estimates from a built-in 'device:link' "
-                        "profile or a file written by `overlapc calibrate` (beats --device/--link)")
-    common.add_argument("--device", choices=sorted(costmodel.DEVICES), help="(default h100)")
-    common.add_argument("--link", metavar="LINK", help=f"{'|'.join(costmodel.LINKS)}, or one per mesh dim "
-                        "or group: shard=nvlink,replicate=ib (default nvlink)")
-    common.add_argument("--tflops", type=float, help="device FLOP rate, TFLOP/s")
-    common.add_argument("--mem-gbps", type=float, help="device memory bandwidth, GB/s")
-    common.add_argument("--link-gbps", type=float, help="link bus bandwidth, GB/s")
-    common.add_argument("--latency-us", type=float, help="latency per collective, us")
-    common.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    common.add_argument("--profile", metavar="NAME|FILE", help="the estimates' numbers: a built-in "
+                        "'device:link' (e.g. cpu:ethernet) or a file written by `overlapc calibrate`; "
+                        "beats --device/--link (default: --device and --link)")
+    common.add_argument("--device", choices=sorted(costmodel.DEVICES),
+                        help="built-in device whose FLOP rate and memory bandwidth the estimates assume "
+                        "(default h100: a plan for that GPU, not a measurement of this machine)")
+    common.add_argument("--link", metavar="LINK", help=f"built-in link the collectives use: "
+                        f"{'|'.join(costmodel.LINKS)}, or one per mesh dim or group: "
+                        "shard=nvlink,replicate=ib (default nvlink)")
+    common.add_argument("--tflops", type=float, help="device FLOP rate in TFLOP/s (default: the profile's)")
+    common.add_argument("--mem-gbps", type=float, help="device memory bandwidth in GB/s (default: the profile's)")
+    common.add_argument("--link-gbps", type=float, help="link bus bandwidth in GB/s, every kind "
+                        "(default: the profile's)")
+    common.add_argument("--latency-us", type=float, help="latency per collective in us, every kind "
+                        "(default: the profile's)")
+    common.add_argument("--quiet", action="store_true", help="no progress lines on stderr; report: print "
+                        "the header and each graph's summary only, no rows (default: off)")
 
-    parser = _Parser(prog="overlapc", description="Capture, schedule and explain the communication "
-                     "of a model's training graphs (see `pydoc overlapc.cli`).")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    dump = commands.add_parser("dump", parents=[common], help="write before/after graphs and reports per graph")
-    dump.add_argument("--out", default="overlapc-dump", metavar="DIR", help="(default overlapc-dump)")
-    report = commands.add_parser("report", parents=[common], help="print per-collective rows and summaries")
-    report.add_argument("--format", choices=("text", "json"), default="text")
-    timeline = commands.add_parser("timeline", parents=[common], help="write the simulated schedule as a "
-                                   "Chrome/Perfetto trace")
+    parser = _Parser(prog="overlapc", description=textwrap.fill(
+                     "Capture, schedule and explain the communication of a model's training graphs: which "
+                     "collectives overlapc moves, where to, and what the estimates say they hide.", 100),
+                     epilog=_EXAMPLES[None],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    dump = _command(commands, "dump", "write each graph's code before and after scheduling and its report "
+                    "into files (DIR/<graph>/before.txt, after.txt, report.txt, report.json)", parents=[common])
+    dump.add_argument("--out", default="overlapc-dump", metavar="DIR",
+                      help="folder to write, created if needed (default overlapc-dump)")
+    report = _command(commands, "report", "print, per graph, a summary and one row per collective: where "
+                      "it moved, its estimated exposed time before -> after, and why", parents=[common])
+    report.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text: the summary and table for people; json: the document "
+                        f"{REPORT_SCHEMA!r} for programs (default text)")
+    report.add_argument("--wide", action="store_true", help="text: every column (dtype, wait positions, "
+                        "compute between, comm time, recorded reasons), lines as wide as they need "
+                        "(default: compact rows within 120 columns)")
+    timeline = _command(commands, "timeline", "write the simulated schedule before and after as a "
+                        "Chrome/Perfetto trace file", parents=[common])
     timeline.add_argument("-o", "--out", default="overlapc-trace.json", metavar="FILE",
-                          help="(default overlapc-trace.json)")
-    calibrate = commands.add_parser("calibrate", help="measure collectives and compute here; write a profile")
+                          help="trace file to write (default overlapc-trace.json)")
+    calibrate = _command(commands, "calibrate", "measure collectives and compute on this machine and write "
+                         "a profile file for the estimates")
     calibrate.add_argument("--world-size", type=int, metavar="N", help="local gloo ranks to spawn (>= 2 measures "
                            "collectives; 1 = compute only; default: torchrun's WORLD_SIZE, else 1)")
     calibrate.add_argument("-o", "--out", default="overlapc-profile.json", metavar="FILE",
-                           help="(default overlapc-profile.json)")
-    calibrate.add_argument("--quick", action="store_true", help="a short sweep (3 sizes, 5 runs each)")
+                           help="profile file to write (default overlapc-profile.json)")
+    calibrate.add_argument("--quick", action="store_true", help="a short sweep: 3 sizes, 5 runs each "
+                           "(default: the full sweep)")
     calibrate.add_argument("--link", choices=sorted(costmodel.LINKS), default="ethernet",
                            help="built-in link recorded when no collective is measured (default ethernet)")
     calibrate.add_argument("--timeout", type=float, default=600.0, metavar="S",
                            help="give up (and kill the spawned ranks) after S seconds (default 600)")
-    calibrate.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    commands.add_parser("demo", help="run overlapc.demo (arguments pass through)", add_help=False)
+    calibrate.add_argument("--quiet", action="store_true", help="no progress lines on stderr (default: shown)")
+    commands.add_parser("demo", help="train a small sharded transformer on 2 local gloo ranks under overlapc "
+                        "and Inductor and compare them (`overlapc demo --help`)", add_help=False)
     from overlapc import analyze
-    analyze.add_arguments(commands.add_parser("analyze", help="measured exposed communication per collective "
-                                              "in a torch.profiler trace, beside overlapc's estimates"))
+    measured = _command(commands, "analyze", "measured exposed communication per collective in a "
+                        "torch.profiler trace, beside overlapc's estimates")
+    analyze.add_arguments(measured)
+    _with_defaults(measured, {"dump": "default: none, measured numbers only",
+                              "profile": "default: the dump's own estimates",
+                              "format": "text for people or json for programs; default text",
+                              "timeline": "default: none"})
     return parser
+
+
+def _with_defaults(parser: argparse.ArgumentParser, defaults: dict[str, str]) -> None:
+    """Each option's help ends with what it does by default (``overlapc.analyze``'s own
+    flags say what they do, not their defaults)."""
+    for action in parser._actions:
+        if action.dest in defaults and "default" not in (action.help or ""):
+            action.help = f"{action.help} ({defaults[action.dest]})" if action.help else defaults[action.dest]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +444,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "dump":
             _dump(records, args.out, profile, say)
         elif args.command == "report":
-            sys.stdout.write(_report(records, header, profile, args.format))
+            sys.stdout.write(_report(records, header, profile, args.format, args.wide, args.quiet))
         else:
             _write(args.out, _trace(records, header, profile))
             say(f"wrote {args.out} (open in https://ui.perfetto.dev or chrome://tracing)")
@@ -468,8 +544,10 @@ def _dump(records, out: str, profile, say) -> None:
         say(f"wrote {folder}/")
 
 
-def _report(records, header: dict, profile, fmt: str) -> str:
-    """The report of every record as text or as an "overlapc.cli.report/1" JSON document."""
+def _report(records, header: dict, profile, fmt: str, wide: bool = False, quiet: bool = False) -> str:
+    """The report of every record as an "overlapc.cli.report/1" JSON document, or as text:
+    a header naming target, schedule and profile, then ``report.format_graph`` per graph
+    (compact within 120 columns; ``wide``: every column; ``quiet``: the summaries only)."""
     from overlapc import report
 
     graphs = []
@@ -493,7 +571,8 @@ def _report(records, header: dict, profile, fmt: str) -> str:
         f"{link.name} {link.gbps:.3g} GB/s, {link.latency_us:.3g} us latency"
         + "".join(f"; {kind} {gbps:.3g} GB/s, {lat:.3g} us" for kind, gbps, lat in link.per_kind),
     ]
-    return "\n".join(lines) + "\n" + "".join("\n" + report.format_graph(*graph) for graph in graphs)
+    text = "".join(line + "\n" if wide else report._wrap(line, "    ") for line in lines)
+    return text + "".join("\n" + report.format_graph(*graph, wide=wide, quiet=quiet) for graph in graphs)
 
 
 def _or_none(value) -> str:

@@ -34,7 +34,9 @@ class OverlapConfig:
         estimator (``profile``) puts fastest. See ``overlapc.passes.chunk``.
     profile: estimates for reports and logs: a built-in "device:link" name
         (e.g. "h100:nvlink", "cpu:ethernet") or the path of a profile file
-        written by ``overlapc calibrate``; None = "h100:nvlink".
+        written by ``overlapc calibrate``; None = the run's default
+        (``overlapc.costmodel.default_for``): "cpu:ethernet" when the backend
+        compiles for CPU tensors over gloo, else "h100:nvlink".
     inductor_mode: an Inductor mode ("default", "reduce-overhead",
         "max-autotune", ...) to combine with overlapc options, or None.
     on_error: "fallback" warns and leaves the graph unscheduled; "raise" raises.

@@ -180,6 +180,17 @@ LINKS = {
 
 PROFILE_SCHEMA = "overlapc.profile/1"
 DEFAULT = "h100:nvlink"
+CPU_DEFAULT = "cpu:ethernet"   # a run on CPU tensors over gloo, when no profile is given
+
+
+def default_for(device_type: str | None, backend: str | None) -> str:
+    """The profile a compile uses when its options give none: ``CPU_DEFAULT`` when it
+    runs on CPU tensors over gloo (the H100 numbers would call every collective exposed
+    and every compute free there), else ``DEFAULT``. A calibrated file is always given
+    explicitly (``options={"profile": FILE}``, ``--profile FILE``)."""
+    if device_type == "cpu" and backend is not None and "gloo" in backend:
+        return CPU_DEFAULT
+    return DEFAULT
 
 
 def profile(device: str = "h100", link: str | None = None, tflops: float | None = None,

@@ -7,7 +7,9 @@ The scheduler works in place, so callers record the order first::
     rows = report.rows(gm, before, profile)
     print(report.format_text(rows, report.summary(gm, before, profile)))
 
-``format_graph`` is the per-graph text of ``overlapc report`` and report.txt;
+``format_graph`` is the per-graph text of ``overlapc report`` (compact, within
+``WIDTH`` columns; ``wide=True``: every column, as ``format_graph_wide`` writes
+report.txt);
 ``write_artifacts(record, folder)`` writes the four files per graph that
 ``overlapc dump`` and the backend's ``dump_dir`` produce.
 
@@ -371,11 +373,23 @@ def summary(gm_after: fx.GraphModule, before_order: list[str], profile: costmode
 
 
 def summary_line(summary: dict) -> str:
-    """'moved M of N collectives; hidden X -> Y of N by estimate (exposed A -> B ms)':
-    X and A before scheduling, Y and B after."""
+    """'moved M of N collectives; hidden X -> Y of N by estimate with P (exposed A -> B ms)':
+    X and A before scheduling, Y and B after, P the profile (``profile_label``)."""
     return (f"moved {summary['moved']} of {summary['collectives']} collectives; "
             f"hidden {summary['hidden_before']} -> {summary['hidden_after']} of {summary['collectives']} "
-            f"by estimate (exposed {_ms(summary['exposed_ms_before'])} -> {_ms(summary['exposed_ms_after'])} ms)")
+            f"by estimate with {profile_label(summary)} "
+            f"(exposed {_ms(summary['exposed_ms_before'])} -> {_ms(summary['exposed_ms_after'])} ms)")
+
+
+def profile_label(summary: dict) -> str:
+    """The profile a summary's estimates used, short: a built-in's name ("cpu:ethernet"),
+    a calibrated file's base name ("profile.json (calibrated)"), else "device/link"."""
+    name = str(summary.get("profile") or "")
+    if not name:
+        return f"{summary.get('device', '?')}/{summary.get('link', '?')}"
+    if "/" in name or os.sep in name or name.endswith(".json"):
+        return f"{os.path.basename(name)} (calibrated)"
+    return name
 
 
 def in_flight_text(summary: dict) -> str:
@@ -397,9 +411,10 @@ def rewrites(gm: fx.GraphModule) -> list[dict]:
     return found
 
 
-def rewrites_text(summary: dict) -> str:
+def rewrites_text(summary: dict, compact: bool = False) -> str:
     """The collective count before -> after the rewrites, then one line per bucket or
-    chunked pattern (applied or not, and why); "" when none."""
+    chunked pattern (applied or not, and why); "" when none. ``compact``: a bucket's
+    members as ``grouped_modules`` instead of one module path per member."""
     records = summary.get("rewrites", ())
     if not records:
         return ""
@@ -427,10 +442,39 @@ def rewrites_text(summary: dict) -> str:
                     + ", ".join(f"{k}: {ms:.3f}ms" for k, ms in r["estimates"])
             lines.append(f"chunk {r['pattern']} ({', '.join(r['starts'])}, group {r['group']}): {state}")
         else:
+            kind, group, size = r.get("kind", "?"), r.get("group", "?"), _size(r.get("nbytes"))
+            if compact and any(r.get("modules") or ()):
+                lines.append(f"bucket {r.get('start', '?')} ({KIND_SHORT.get(kind, kind)}, {size}, "
+                             f"{len(r.get('modules'))} members): {grouped_modules(r['modules'])}")
+                continue
             members = ", ".join(r.get("modules") or r.get("members") or ())
-            lines.append(f"bucket {r.get('start', '?')} ({r.get('kind', '?')}, group {r.get('group', '?')}, "
-                         f"{_size(r.get('nbytes'))}): {members}")
+            lines.append(f"bucket {r.get('start', '?')} ({kind}, group {group}, {size}): {members}")
     return "\n".join(lines)
+
+
+def grouped_modules(modules) -> str:
+    """Module paths as a tree, each shared prefix written once and a module's count of
+    members after it: ("blocks.0.norm1", "blocks.0.norm1", "blocks.0.attn.q", "blocks.0.attn.k")
+    -> "blocks.0.{norm1 x2, attn.{q, k}}"; "" (unknown) reads "?". Order of first appearance."""
+    tree: dict = {}
+    for module in modules:
+        node = tree
+        for part in (module or "?").split("."):
+            node = node.setdefault(part, {})
+        node[""] = node.get("", 0) + 1   # "" holds the count of members at this module
+    return ", ".join(_tree_text(name, node) for name, node in tree.items() if name)
+
+
+def _tree_text(name: str, node: dict) -> str:
+    count = node.get("", 0)
+    children = [(child, sub) for child, sub in node.items() if child]
+    own = f"{name} x{count}" if count > 1 else name
+    if not children:
+        return own
+    if len(children) == 1 and not count:
+        return _tree_text(f"{name}.{children[0][0]}", children[0][1])
+    inner = f"{name}.{{{', '.join(_tree_text(child, sub) for child, sub in children)}}}"
+    return f"{own}, {inner}" if count else inner
 
 
 def memory_text(summary: dict) -> str:
@@ -491,9 +535,80 @@ def format_table(rows: list[Row]) -> str:
                    for line in table)
 
 
-def format_graph(name: str, rows: list[Row], summary: dict) -> str:
-    """One graph for people (``overlapc report``, report.txt): a header line, the
-    table, then two summary lines (before -> after). Deterministic."""
+WIDTH = 120   # columns of the compact text (``format_compact``, ``format_graph`` without ``wide``)
+KIND_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A",
+              "broadcast": "BC"}
+
+
+def format_compact(rows: list[Row], width: int = WIDTH) -> str:
+    """One line per collective under a header line, at most ``width`` columns: collective,
+    kind (``KIND_SHORT``: AG all-gather, RS reduce-scatter, AR all-reduce, A2A all-to-all, BC
+    broadcast), group, bytes, its issue position before->after, the estimated exposed ms
+    before->after, why it stands there (``compact_why``) and its module. A line that would
+    be wider loses the middle of its module, then of its why. Deterministic."""
+    header = ("collective", "kind", "group", "bytes", "issued at", "exposed ms", "why", "module")
+    table = [header] + [(
+        r.name, KIND_SHORT.get(r.kind, r.kind), r.group, _size(r.nbytes), f"{r.issue_before}->{r.issue_after}",
+        f"{_ms(r.exposed_ms_before)}->{_ms(r.exposed_ms)}", compact_why(r), r.module or "-") for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for column in (7, 6):   # module, then why: shrink until the widest line fits
+        over = sum(widths) + 2 * (len(widths) - 1) - width
+        if over > 0:
+            widths[column] = max(len(header[column]), widths[column] - over)
+    return "".join("  ".join(_cut(cell, w).ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n"
+                   for line in table)
+
+
+def compact_why(row: Row) -> str:
+    """Why a collective stands where it does, short: an exposed one's inferred reason
+    ("no compute left"), a hidden one "hidden" and the scheduler's recorded reason for
+    its issue ("hidden: inputs ready")."""
+    if row.verdict == "exposed":
+        return row.reason or "exposed"
+    return f"hidden: {row.issue_reason}" if row.issue_reason else "hidden"
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` with its middle replaced by ".." when it is wider than ``width``."""
+    if len(text) <= width:
+        return text
+    keep = width - 2
+    return text[:keep - keep // 2] + ".." + text[len(text) - keep // 2:] if keep > 0 else text[:width]
+
+
+def format_graph(name: str, rows: list[Row], summary: dict, wide: bool = False, quiet: bool = False) -> str:
+    """One graph for people (``overlapc report``, the demo): by default compact, within
+    ``WIDTH`` columns (a summary block, ``format_compact``'s table, the rewrites with bucket
+    members grouped by module); ``quiet``: the summary block only; ``wide``:
+    ``format_graph_wide`` (every column, as report.txt). Deterministic."""
+    if wide:
+        return format_graph_wide(name, rows, summary)
+    s = summary
+    lines = [f"{name}: {s['collectives']} collectives ({s['device']}, {s['link']}); moved {s['moved']}; hidden "
+             f"{s['hidden_before']} -> {s['hidden_after']} by estimate with {profile_label(s)}",
+             f"  estimated exposed {s['exposed_ms_before']:.3g} -> {s['exposed_ms_after']:.3g} ms; step "
+             f"{s['step_ms_before']:.3g} -> {s['step_ms_after']:.3g} ms", f"  {memory_text(s)}"]
+    flight = in_flight_text(s)
+    lines += [f"  {flight}"] if flight else []
+    text = "".join(_wrap(line, "    ") for line in lines)
+    if quiet:
+        return text
+    text += format_compact(rows)
+    for line in rewrites_text(s, compact=True).splitlines():
+        text += _wrap(line, "    ")
+    return text
+
+
+def _wrap(line: str, indent: str, width: int = WIDTH) -> str:
+    """``line`` broken at spaces into lines of at most ``width`` columns, the later ones indented."""
+    import textwrap
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=True,
+                                    break_on_hyphens=False)) + "\n"
+
+
+def format_graph_wide(name: str, rows: list[Row], summary: dict) -> str:
+    """One graph with every column (report.txt, ``overlapc report --wide``): a header line,
+    ``format_table``, then two summary lines (before -> after). Deterministic."""
     s = summary
     return (
         f"{name}: {s['collectives']} collectives ({s['device']}, {s['link']})\n"
@@ -511,14 +626,14 @@ def format_graph(name: str, rows: list[Row], summary: dict) -> str:
 def write_artifacts(record, folder: str, profile: costmodel.Profile | str | None = None) -> None:
     """Write one scheduled graph (a ``backend.GraphRecord``) into ``folder``, creating it:
     before.txt and after.txt (its readable code before and after scheduling), report.txt
-    (``format_graph`` and a last line naming the profile's source) and report.json
+    (``format_graph_wide`` and a last line naming the profile's source) and report.json
     (``to_json``). ``profile`` as in ``rows``. Same record and profile -> same bytes."""
     rows_, summary_ = study(record.gm, record.before_order, profile)
     os.makedirs(folder, exist_ok=True)
     files = {
         "before.txt": record.before_code,
         "after.txt": record.after_code,
-        "report.txt": format_graph(record.name, rows_, summary_)
+        "report.txt": format_graph_wide(record.name, rows_, summary_)
         + f"estimates: {summary_['profile_source'] or summary_['profile']}\n",
         "report.json": json.dumps(to_json(rows_, summary_), indent=2) + "\n",
     }

@@ -1,6 +1,8 @@
 """Report rows, verdicts (one graph per reason) and the summary, with exact costs set per node."""
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,7 +129,7 @@ def test_summary_before_and_after(fake_pg):
         f"peak memory {report._size(s['peak_bytes_before'])} -> {report._size(s['peak_bytes_after'])} (")
     assert sum(r.exposed_ms for r in report.rows(gm, before, **LAYER_COSTS)) == s["exposed_ms_after"]
     assert report.summary_line(s) == \
-        "moved 3 of 3 collectives; hidden 0 -> 1 of 3 by estimate (exposed 12.0 -> 6.0 ms)"
+        "moved 3 of 3 collectives; hidden 0 -> 1 of 3 by estimate with h100:nvlink (exposed 12.0 -> 6.0 ms)"
 
 
 def test_unbounded_in_flight_peaks_count_every_open_gather(fake_pg):
@@ -393,3 +395,97 @@ def test_each_recorded_reason_arises_and_the_rows_show_it(fake_pg, two_groups):
     # every reason the scheduler records, but "serial" (the serial reference order the
     # memory headroom is measured on; never the order a graph is given)
     assert seen - {""} == set(REASONS) - {"serial"}
+
+
+def test_compact_table_fits_its_width_and_keeps_every_row(fake_pg):
+    gm, before = scheduled(three_layers, (8, 8), (1, 8), (1, 8), (1, 8), max_in_flight=1)
+    long = "blocks.0.a_rather_long_module_name.with_a_deep_path.that_no_terminal_wants_in_full"
+    start = next(n for n in gm.graph.nodes if n.name == "all_gather_into_tensor_1")
+    start.meta["nn_module_stack"] = {"L__self__": ("", torch.nn.Module), "L__self___x": (long, torch.nn.Linear)}
+    rows, s = report.rows(gm, before, **LAYER_COSTS), report.summary(gm, before, **LAYER_COSTS)
+    for width in (120, 100):
+        table = report.format_compact(rows, width).splitlines()
+        assert max(len(line) for line in table) <= width, table
+        assert table[0].split() == ["collective", "kind", "group", "bytes", "issued", "at", "exposed", "ms",
+                                    "why", "module"]
+        assert [line.split()[0] for line in table[1:]] == [r.name for r in rows]   # names are never cut
+        assert ".." in table[2] and table[2].rstrip().endswith(long[-2:])   # the module lost its middle
+        assert width == 100 or table[2].rstrip().endswith(long[-10:])
+    wide = report.format_table(rows)
+    assert long in wide and max(len(line) for line in wide.splitlines()) > 120   # --wide: today's table, whole
+    row = rows[1]
+    assert f"{row.issue_before}->{row.issue_after}" in table[2] and "AG" in table[2].split()
+    assert report.compact_why(row) == "in-flight limit" and "in-flight limit" in table[2]
+    hidden = next(r for r in rows if r.verdict == "hidden")
+    assert report.compact_why(hidden).startswith("hidden")
+
+
+def test_graph_text_compact_quiet_and_wide(fake_pg):
+    gm, before = scheduled(three_layers, (8, 8), (1, 8), (1, 8), (1, 8), max_in_flight=1)
+    rows, s = report.rows(gm, before, **LAYER_COSTS), report.summary(gm, before, **LAYER_COSTS)
+    compact = report.format_graph("fw_0", rows, s)
+    quiet = report.format_graph("fw_0", rows, s, quiet=True)
+    wide = report.format_graph("fw_0", rows, s, wide=True)
+    assert wide == report.format_graph_wide("fw_0", rows, s) and "verdict" in wide and "placed" in wide
+    assert compact.startswith(quiet) and "issued at" not in quiet and all(r.name not in quiet for r in rows)
+    assert all(r.name in compact for r in rows)
+    assert quiet.splitlines()[0] == "fw_0: 3 collectives (h100, nvlink); moved 3; hidden 0 -> 1 by estimate " \
+        "with h100:nvlink"
+    assert max(len(line) for line in compact.splitlines()) <= report.WIDTH
+
+
+def test_summary_names_its_profile():
+    base = {"moved": 1, "collectives": 2, "hidden_before": 0, "hidden_after": 1, "exposed_ms_before": 2.0,
+            "exposed_ms_after": 1.0, "device": "cpu", "link": "ethernet"}
+    assert "by estimate with cpu:ethernet (" in report.summary_line({**base, "profile": "cpu:ethernet"})
+    assert "by estimate with profile.json (calibrated) (" in report.summary_line(
+        {**base, "profile": "/tmp/run/profile.json"})
+    assert "by estimate with cpu/ethernet (" in report.summary_line({**base, "profile": ""})
+
+
+def test_bucket_lines_group_members_by_module():
+    assert report.grouped_modules(["blocks.0.norm1", "blocks.0.norm1", "blocks.0.self_attn",
+                                   "blocks.0.self_attn", "blocks.0.linear1"]) == \
+        "blocks.0.{norm1 x2, self_attn x2, linear1}"
+    assert report.grouped_modules(["layers.1.attention.v", "layers.1.attention.k", "layers.1.attention_norm"]) \
+        == "layers.1.{attention.{v, k}, attention_norm}"
+    assert report.grouped_modules(["embed", "", "norm"]) == "embed, ?, norm"
+    bucket = {"rewrite": "bucket", "start": "all_gather_bucket", "kind": "all_gather", "group": "0", "nbytes": 2048,
+              "members": ["ag", "ag_1", "ag_2"], "modules": ["blocks.0.norm", "blocks.0.norm", "blocks.0.up"]}
+    summary = {"rewrites": [bucket], "collectives": 1}
+    assert report.rewrites_text(summary, compact=True).splitlines()[1] == \
+        "bucket all_gather_bucket (AG, 2.0KiB, 3 members): blocks.0.{norm x2, up}"
+    assert report.rewrites_text(summary).splitlines()[1] == \
+        "bucket all_gather_bucket (all_gather, group 0, 2.0KiB): blocks.0.norm, blocks.0.norm, blocks.0.up"
+
+
+GLOO_RUN = """
+import logging, os, sys, tempfile
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as F
+
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"), rank=0,
+                        world_size=1)
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
+
+def step(x, w1, w2):
+    a = torch.mm(x, F.all_gather_tensor(w1, 0, dist.group.WORLD))
+    return torch.mm(a.relu(), F.all_gather_tensor(w2, 0, dist.group.WORLD)).sum()
+
+weights = [torch.randn(16, 16, requires_grad=True) for _ in range(2)]
+torch.compile(step, backend="overlapc", options={"inner": "aot_eager"})(torch.randn(16, 16), *weights).backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_cpu_gloo_run_estimates_with_the_cpu_profile_and_says_so():
+    """No profile given, CPU tensors over gloo: the INFO lines use (and name) the CPU
+    profile, not the H100 one (which would call every collective exposed there)."""
+    done = subprocess.run([sys.executable, "-c", GLOO_RUN], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("overlapc: ")]
+    assert any("compiling graph" in line and "profile='cpu:ethernet'" in line for line in lines), lines
+    summaries = [line for line in lines if " by estimate " in line]
+    assert len(summaries) == 2 and all("by estimate with cpu:ethernet (" in line for line in summaries), lines
+    assert costmodel.default_for("cpu", "gloo") == costmodel.CPU_DEFAULT == "cpu:ethernet"
+    assert costmodel.default_for("cuda", "nccl") == costmodel.default_for("cuda", "gloo") == costmodel.DEFAULT
