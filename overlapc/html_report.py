@@ -11,14 +11,16 @@ drawn here (no script; tooltips are SVG ``<title>`` elements). Per graph:
 * **Memory**: live bytes along both orders (``passes/memory.py``'s tracker),
   each node drawn at the simulated time it runs, with the order before's peak
   and the *budget*: that peak plus the in-flight byte budget of the config
-  (summed over groups; ``passes/pipeline.budget_for``), the bound of the
-  memory guarantee. No budget line when the byte budget is unlimited.
+  (summed over groups; ``passes/pipeline.budget_for``). Under "auto" more
+  may be in flight where it fits under the graph's memory peak
+  (``passes/memory.Headroom``), so the line is the plan, not a hard ceiling.
+  No budget line when the byte budget is unlimited.
 * **Table**: one row per collective (``overlapc.report.Row``), compact.
 * With a profiler trace (what ``overlapc analyze`` reads): per graph, one run
   of it (the median of the runs the trace holds) measured beside the
-  estimate: the measured issue and wait spans on the compute thread and each
-  collective as it ran, above the estimated run and stall of each collective
-  (``overlapc.analyze.Analysis``).
+  estimate: the graph's run, the issue and wait spans on the compute thread
+  and each collective as it ran, above the estimated run, stalls and
+  collectives (``overlapc.analyze.Analysis``; estimates from the dump).
 
 API::
 
@@ -588,9 +590,11 @@ dt{color:#5b6773}dd{margin:0;font-weight:600}
 .bar.budget{border-top:2px dashed #d62728}
 svg.defs{position:absolute}svg{display:block;max-width:100%;height:auto;font:11px system-ui,"DejaVu Sans",sans-serif}
 .lane-bg{fill:#f4f6f8;fill-opacity:.7}.run{fill:#dfe4ea}.issue{fill-opacity:.35;stroke-width:1}
-.swatch.issue{background:#2f6fb355;border:1px solid #2f6fb3;box-sizing:border-box}.compute{fill:#9aa6b2;shape-rendering:crispEdges}.coll{stroke:#fff;stroke-width:.5}
+.swatch.issue{background:#2f6fb355;border:1px solid #2f6fb3;box-sizing:border-box}
+.compute{fill:#9aa6b2;shape-rendering:crispEdges}.coll{stroke:#fff;stroke-width:.5}
 .grid{stroke:#e1e5ea;stroke-width:1}.tick{fill:#5b6773;font-size:10px}
-.lane-label{fill:#2c3640;font-size:11px}.order-title{fill:#1d232a;font-weight:600;font-size:12px;paint-order:stroke;stroke:#fff;stroke-width:4px}
+.lane-label{fill:#2c3640;font-size:11px}
+.order-title{fill:#1d232a;font-weight:600;font-size:12px;paint-order:stroke;stroke:#fff;stroke-width:4px}
 .queued{stroke:#6b6b6b;stroke-width:1.5;stroke-dasharray:2 2}
 .mem{fill:none;stroke-width:2}.mem-before{stroke:#8a94a0}.mem-after{stroke:#e07b1a}
 .peak-line line{stroke:#5b6773;stroke-dasharray:4 3}.peak-line text{fill:#5b6773;font-size:10px}
