@@ -32,5 +32,22 @@ demo: install
 test: install
 	$(PYTHON) -m pytest -q -p no:cacheprovider
 
+# make bench: reruns the cheap, CPU-only benchmarks whose results are committed,
+# each writing its JSON (with benchmarks/provenance.py's record: commit, torch,
+# machine, date, command) into benchmarks/results/. About 20 minutes on 2 idle
+# cores: pass_time ~2 min, rankcheck_cost ~2 min, joint_graph ~2 min (only with
+# torchtitan installed: make bench WITH_TORCHTITAN=1), projection ~13 min (32
+# layers captured on the meta device; simulated, so load changes only its wall
+# time). Timings taken on a loaded machine are loaded: say so where they are quoted.
+# Not here (docs/performance.md gives their commands): step_time.py and tp_moe.py
+# (root for the shaped link, ~25 min each), compile_cost.py (~40 min), gpu_check.py (a GPU).
+RESULTS := benchmarks/results
 bench: install
-	$(PYTHON) benchmarks/pass_time.py
+	$(PYTHON) benchmarks/pass_time.py --repeat 5 --sizes 1000 10000 27770 100000 --json $(RESULTS)/pass_time.json
+	$(PYTHON) benchmarks/rankcheck_cost.py --json $(RESULTS)/rankcheck_cost.json
+	@if $(PYTHON) -c "import torchtitan" 2>/dev/null; then \
+		$(PYTHON) benchmarks/joint_graph.py --options '{"bucket": "module"}' --json $(RESULTS)/joint_graph.json \
+		&& $(PYTHON) benchmarks/joint_graph.py --mesh hsdp --json $(RESULTS)/joint_graph_hsdp.json; \
+	else echo "bench: joint_graph skipped: torchtitan is not installed (make bench WITH_TORCHTITAN=1)"; fi
+	$(PYTHON) benchmarks/projection.py --hsdp 8 --json $(RESULTS)/projection.json > $(RESULTS)/projection.log 2>&1; \
+		status=$$?; tail -n 12 $(RESULTS)/projection.log; exit $$status
