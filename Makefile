@@ -17,7 +17,7 @@ TORCHTITAN_DEPS := numpy==2.4.6 tyro==1.0.17 "datasets>=3.6,<4.8"
 .PHONY: install install-torchtitan demo test bench
 
 install:
-	@$(PYTHON) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v in '$(TESTED_TORCH)'.split() and ('$(origin TORCH)' == 'default' or v == '$(TORCH)') else 1)" 2>/dev/null \
+	@$(PYTHON) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v in '$(TESTED_TORCH)'.split() and ('$(origin TORCH)' == 'file' or v == '$(TORCH)') else 1)" 2>/dev/null \
 		|| $(PIP) install "torch==$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
 	@if [ "$(WITH_TORCHTITAN)" = 1 ]; then $(MAKE) --no-print-directory install-torchtitan PYTHON=$(PYTHON); fi
