@@ -7,7 +7,7 @@
 "unknown" outside a checkout), ``dirty`` (uncommitted changes under overlapc/,
 passes/ or benchmarks/), ``torch``, ``cuda`` (None on a CPU build), ``python``,
 ``machine`` (host, platform, CPU count, GPU name or "cpu"), ``date`` (UTC, ISO
-8601) and ``command`` (the command line, relative to the repository), plus any
+8601) and ``command`` (the command line, shell-quoted, script path relative to the repository), plus any
 ``extra`` keys (a benchmark's settings). It never raises for a missing git.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def _command() -> str:
     script = sys.argv[0]
     if os.path.isabs(script) and script.startswith(REPO):
         script = os.path.relpath(script, REPO)
-    return " ".join(["python", script, *sys.argv[1:]])
+    return shlex.join(["python", script, *sys.argv[1:]])
 
 
 def provenance(extra: dict | None = None) -> dict:
