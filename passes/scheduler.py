@@ -86,18 +86,7 @@ class _Core:
         managed = [c for c in s.movable if kinds is None or c.kind in kinds]
         self.managed = {c.start: c for c in managed}
         self.move_starts = mode != "sink"
-        # In "sink" mode a wait already in place (no compute before its target) stays.
-        compute_before = [0]
-        for node in s.nodes:
-            compute_before.append(compute_before[-1] + (node not in s.bundled))
-        self.moving: set[fx.Node] = set()   # members of bundles placed by the core, not the spine
-        for c in managed:
-            if self.move_starts:
-                self.moving.update(s.start_bundle[c.start])
-            for wait in c.waits:
-                if not self.move_starts and compute_before[s.pos[s.target[wait]]] == compute_before[s.pos[wait] + 1]:
-                    continue
-                self.moving.update(s.wait_bundle[wait])
+        self.moving = self._moving(managed)   # members of bundles placed by the core, not the spine
         self.spine = [n for n in s.nodes if n not in self.moving]
         self.flight = InFlight(s.held)
         self.order: list[fx.Node] = []
@@ -119,7 +108,40 @@ class _Core:
         self.chained: set[fx.Node] = set()                   # waits placed by their gated reader
         if self.move_starts:
             self._plan_gates(managed)
+        self._plan_targets(managed)
 
+        self.ready: list[tuple[int, str]] = []              # other kinds, by position
+        self.later: dict[int, list[fx.Node]] = {}            # region -> ready starts not yet in ready
+        self.missing: dict[fx.Node, int] = {}
+        self.blocked_on: dict[fx.Node, list[fx.Node]] = {}
+        self.by_name: dict[str, Collective] = {}
+        self.lanes: dict[tuple[str, int], list[fx.Node]] = {}  # all-gathers in consumer order
+        self.head: dict[tuple[str, int], int] = {}
+        self.key = dict(s.key)
+        if self.move_starts:
+            self._plan_readiness(managed)
+
+    def _moving(self, managed: list[Collective]) -> set[fx.Node]:
+        """Bundle members the core places (the rest is the spine): every start and
+        wait bundle, except in "sink" mode starts and the waits already in place
+        (no compute between them and their target)."""
+        s, moving = self.s, set()
+        compute_before = [0]
+        for node in s.nodes:
+            compute_before.append(compute_before[-1] + (node not in s.bundled))
+        for c in managed:
+            if self.move_starts:
+                moving.update(s.start_bundle[c.start])
+            for wait in c.waits:
+                if not self.move_starts and compute_before[s.pos[s.target[wait]]] == compute_before[s.pos[wait] + 1]:
+                    continue
+                moving.update(s.wait_bundle[wait])
+        return moving
+
+    def _plan_targets(self, managed: list[Collective]) -> None:
+        """The spine node each moving wait (not chained) is placed before, and the
+        spine node each gated start is issued before, in a deterministic order."""
+        s = self.s
         self.waits_at: dict[fx.Node, list[fx.Node]] = {}    # spine node -> waits placed just before it
         for c in managed:
             for wait in c.waits:
@@ -135,39 +157,34 @@ class _Core:
         for starts in self.gates_at.values():
             starts.sort(key=s.pos.__getitem__)
 
-        # Readiness: a start may issue once every external input of its bundle is
-        # placed (and, when gated, its chain point is reached). An input that is a
-        # chained wait counts once that collective is issued (issuing the gated
-        # start places the wait first); any other wait's member counts once placed
-        # (at its spine target, or earlier when waited for room).
-        self.missing: dict[fx.Node, int] = {}
-        self.blocked_on: dict[fx.Node, list[fx.Node]] = {}
-        self.ready: list[tuple[int, str]] = []              # other kinds, by position
-        self.later: dict[int, list[fx.Node]] = {}            # region -> ready starts not yet in ready
-        self.by_name: dict[str, Collective] = {}
-        self.lanes: dict[tuple[str, int], list[fx.Node]] = {}  # all-gathers in consumer order
-        self.head: dict[tuple[str, int], int] = {}
-        self.key = dict(s.key)
-        if self.move_starts:
-            for c in managed:
-                self.by_name[c.start.name] = c
-                inputs = [self._producer(i, c.start) for i in s.bundle_inputs[c.start]]
-                self.missing[c.start] = len(inputs) + (c.start in self.gate)
-                for node in inputs:
-                    self.blocked_on.setdefault(node, []).append(c.start)
-                if c.kind == "all_gather":
-                    self.lanes.setdefault(self._lane(c), []).append(c.start)
-            for start, index in self.gate.items():   # an upstream all-gather is consumed at the gate
-                for i in s.bundle_inputs[start]:
-                    wait = s.wait_of_member.get(i)
-                    if wait in self.chained and s.coll_of_wait[wait].kind == "all_gather":
-                        up = s.coll_of_wait[wait].start
-                        key = (s.pos[self.spine[index]], s.pos[start] - len(s.nodes), s.pos[up])
-                        self.key[up] = min(self.key[up], key)
-            for lane, starts in self.lanes.items():
-                starts.sort(key=lambda start: (self.key[start], s.pos[start]))
-                self.head[lane] = 0
-            self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
+    def _plan_readiness(self, managed: list[Collective]) -> None:
+        """Readiness: a start may issue once every external input of its bundle is
+        placed (and, when gated, its chain point is reached). An input that is a
+        chained wait counts once that collective is issued (issuing the gated
+        start places the wait first); any other wait's member counts once placed
+        (at its spine target, or earlier when waited for room). All-gathers go in
+        lanes (group, region) in consumer order, an upstream all-gather consumed
+        at its gated reader's chain point."""
+        s = self.s
+        for c in managed:
+            self.by_name[c.start.name] = c
+            inputs = [self._producer(i, c.start) for i in s.bundle_inputs[c.start]]
+            self.missing[c.start] = len(inputs) + (c.start in self.gate)
+            for node in inputs:
+                self.blocked_on.setdefault(node, []).append(c.start)
+            if c.kind == "all_gather":
+                self.lanes.setdefault(self._lane(c), []).append(c.start)
+        for start, index in self.gate.items():
+            for i in s.bundle_inputs[start]:
+                wait = s.wait_of_member.get(i)
+                if wait in self.chained and s.coll_of_wait[wait].kind == "all_gather":
+                    up = s.coll_of_wait[wait].start
+                    key = (s.pos[self.spine[index]], s.pos[start] - len(s.nodes), s.pos[up])
+                    self.key[up] = min(self.key[up], key)
+        for lane, starts in self.lanes.items():
+            starts.sort(key=lambda start: (self.key[start], s.pos[start]))
+            self.head[lane] = 0
+        self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
 
     def _plan_gates(self, managed: list[Collective]) -> None:
         """Chain points, in spine indices. For a start B reading chained waits:
