@@ -28,9 +28,10 @@ option ``check_ranks``), and one WARNING per compiled model whose graphs hold
 no collectives although its parameters are distributed (FSDP2, DDP, DTensor);
 a graph break in a DTensor-sharded model gets a WARNING too, and so does a
 sharded model compiled in pieces (``warn_if_cut``: per-block compiles, a
-forward Dynamo skipped). Every fw/bw graph gets an INFO line, cache hits included. Log records of
-the "overlapc" logger read "[rank R] fw_0: ..."; INFO on rank 0 only unless
-the logger is at DEBUG.
+forward Dynamo skipped). Every fw/bw graph gets an INFO line, cache hits included. Once the
+backend (or ``capture``) has compiled in a process, log records of the "overlapc" logger read
+"[rank R] fw_0: ..."; INFO on rank 0 only unless the logger is at DEBUG. Torch-version
+workarounds (``overlapc.torch_compat``) are installed by the compile, never at import.
 """
 from __future__ import annotations
 
@@ -39,10 +40,8 @@ import dataclasses
 import hashlib
 import itertools
 import logging
-import operator
 import os
 import sys
-import warnings
 import weakref
 from typing import Any, Callable, Mapping
 
@@ -52,7 +51,10 @@ import torch.fx as fx
 from overlapc import rankcheck
 from overlapc.config import OverlapConfig
 from overlapc.passes.pipeline import schedule, unscheduled_order
-from overlapc.torch_compat import inductor_patches, is_opaque_input, warn_if_untested, with_joint_pre_pass
+from overlapc.torch_compat import (
+    SaveSeededOps, inductor_patches, route_gloo_all_gathers, save_seeded_ops_in_checkpoints, warn_if_untested,
+    with_joint_pre_pass,
+)
 
 log = logging.getLogger("overlapc")
 
@@ -104,7 +106,11 @@ class _RankAndGraph(logging.Filter):
         return True
 
 
-log.addFilter(_RankAndGraph())
+def _tag_log_records() -> None:
+    """Install ``_RankAndGraph`` on the "overlapc" logger, once; the backend does when it
+    compiles (importing overlapc changes no logger)."""
+    if not any(isinstance(f, _RankAndGraph) for f in log.filters):
+        log.addFilter(_RankAndGraph())
 
 
 def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
@@ -148,74 +154,6 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
         recalibrated file at the same path too) and overlapc's own source."""
         return hashlib.sha256(f"{dataclasses.astuple(self.cfg)!r} {rankcheck.profile_digest(self.cfg)} "
                               f"{rankcheck.source_hash()}".encode()).hexdigest()
-
-
-def save_seeded_ops_in_checkpoints(graph: fx.Graph) -> int:
-    """In a joint forward+backward graph that takes an opaque input (a DTensor's
-    DeviceMesh), mark the random-seeded ops (SDPA, dropout, ...) that activation
-    checkpointing would recompute as saved instead, with their getitems. Returns
-    how many ops it marked. Same values (the backward reads what the forward
-    computed); costs the memory of their outputs.
-
-    Why: torch 2.13's partitioners replay the RNG of a recomputed seeded op by
-    adding its RNG state to the forward's saved outputs after the saved opaque
-    objects, so AOTAutograd's runtime takes the DeviceMesh for a saved tensor
-    ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh").
-    HF gradient checkpointing with SDPA on a sharded model hits it."""
-    from torch._functorch.partitioners import must_recompute
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if not any(is_opaque_input(n) for n in graph.find_nodes(op="placeholder")):
-        return 0
-    marked = 0
-    for node in graph.nodes:
-        if must_recompute(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            for saved in (node, *(u for u in node.users if u.target is operator.getitem)):
-                saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            marked += 1
-    return marked
-
-
-class SaveSeededOps(torch._inductor.custom_graph_pass.CustomGraphPass):
-    """Inductor joint-graph pass running ``save_seeded_ops_in_checkpoints``."""
-
-    def __call__(self, graph: fx.Graph) -> None:
-        save_seeded_ops_in_checkpoints(graph)
-
-    def uuid(self) -> str:
-        return f"overlapc.SaveSeededOps {rankcheck.source_hash()}"
-
-
-_gloo_fix: list = []  # the torch.library.Library holding the kernel, once installed
-
-
-def route_gloo_all_gathers() -> bool:
-    """Route CPU ``_c10d_functional.all_gather_into_tensor`` through
-    ``all_gather_into_tensor_out`` (the process group's ``_allgather_base``)
-    instead of ``allgather_into_tensor_coalesced``. Same values, same wait
-    registry; process-wide and idempotent. Returns True if this call installed it.
-
-    Why: gloo's coalesced all-gather (torch 2.13) corrupts the heap when several
-    are in flight: 2 ranks keeping 24 in flight die with "malloc(): unaligned
-    tcache chunk detected" within 300 rounds, while the out= path ran 75 in flight
-    for 300 rounds clean. overlapc keeps several in flight by design, so the
-    backend installs this when the default process group uses gloo.
-    """
-    if _gloo_fix:
-        return False
-    ops = torch.ops._c10d_functional
-
-    def all_gather_into_tensor(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-        inp = inp.contiguous()
-        out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]))
-        return ops.all_gather_into_tensor_out(inp, group_size, group_name, out=out)
-
-    lib = torch.library.Library("_c10d_functional", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-        lib.impl("all_gather_into_tensor", all_gather_into_tensor, "CPU")
-    _gloo_fix.append(lib)
-    return True
 
 
 def _uses_gloo() -> bool:
@@ -395,6 +333,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     overlapc's own (``inductor_patches()`` win where both set a key). ValueError
     for an unknown mode, a mode with ``inner="aot_eager"``, both ``mode`` and
     ``inductor_mode``, or a profile that does not resolve."""
+    _tag_log_records()
     cfg = _profile_for_run(OverlapConfig.from_options(options), example_inputs)
     mode = _inductor_mode(cfg, mode)
     if cfg.profile is not None:
@@ -478,6 +417,7 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
     told where it started ("backward from output['loss']") or why there is
     none ("no backward: ..."): a backward that fails is said, not raised."""
     from torch._inductor.decomposition import select_decomp_table
+    _tag_log_records()
     cfg = dataclasses.replace(OverlapConfig.from_options(options), dump_dir=None, check_ranks=False)
     records: list[GraphRecord] = []
     graphs = itertools.count()

@@ -21,14 +21,25 @@ and replicated over the replicate dim; a read gathers over the shard dim, and
 the gradient is reduce-scattered over the shard dim, then all-reduced over
 the replicate dim. Shard size 1 is plain replication (DDP in the graph).
 
+Resharding after forward (``reshard_after_forward=True``): in eager, the
+forward of each outermost module that owns parameters runs under saved-tensor
+hooks that keep only the recipe (shard, view geometry) of a gathered
+parameter that autograd saves, and gather it again when backward unpacks it;
+nothing else changes (in-place ops, buffer updates such as BatchNorm's running
+stats, and random ops run once, as without sharding). Any saved-tensor hooks
+already active (an outer activation checkpoint) still see every other saved
+tensor. Under ``torch.compile`` that forward runs in a selective activation
+checkpoint whose policy recomputes all-gathers, waits, casts and views and
+saves everything else: the backward graph holds the all-gathers again and
+only what the backward uses is saved. A parameter read outside its owner's
+forward is gathered there without these hooks, so it is kept.
+
 Design after SimpleFSDP (Zhang et al., arXiv:2411.00284).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import sys
 import weakref
 
 import torch
@@ -40,6 +51,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from overlapc.torch_compat import quiet_checkpoint_context_warning
 
 __all__ = ["shard"]
 
@@ -110,27 +123,32 @@ def shard(
     - ``reshard_after_forward=True``: no gathered parameter is kept for
       backward by the forward of a module that owns parameters (and has no
       such ancestor); the backward gathers again what it needs (with a shard
-      dim of size 1 nothing is gathered, so nothing is resharded). In eager, the
-      forward runs under saved-tensor hooks that keep only the recipe (shard,
-      view geometry) of a gathered parameter that autograd saves, and gather it
-      again when backward unpacks it; nothing else changes (in-place ops,
-      buffer updates such as BatchNorm's running stats, and random ops run
-      once, as without sharding). Any saved-tensor hooks already active (an
-      outer activation checkpoint) still see every other saved tensor. Under
-      ``torch.compile`` the forward runs in a selective activation checkpoint
-      whose policy recomputes all-gathers, waits, casts and views and saves
-      everything else: the backward graph holds the all-gathers again and
-      only what the backward uses is saved. A parameter read outside its
-      owner's forward (a parent reading ``child.weight``) is gathered there
-      without these hooks, so it is kept. ``False``: gathered parameters that
-      backward needs are saved, as with FSDP2's ``reshard_after_forward=False``.
+      dim of size 1 nothing is gathered, so nothing is resharded). A
+      parameter read outside its owner's forward (a parent reading
+      ``child.weight``) is kept (how: the module docstring). ``False``:
+      gathered parameters that backward needs are saved, as FSDP2's.
     - Works in eager and under ``torch.compile`` (aot_eager, inductor, overlapc).
     """
+    _refuse_sharded(model)
+    layout = _layout(model, _as_mesh(mesh), dp_dim)
+    _shard_modules(model, layout, _Gather(layout, param_dtype, reduce_dtype), reshard_after_forward)
+    quiet_checkpoint_context_warning(_recompute_contexts)
+    if param_dtype is not None:
+        model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=param_dtype), with_kwargs=True)
+    return model
+
+
+def _refuse_sharded(model: nn.Module) -> None:
     for module_name, module in model.named_modules():
         if hasattr(module, "_overlapc_gather"):
             raise ValueError(f"module {module_name or type(module).__name__!r} is already sharded")
-    layout = _layout(model, _as_mesh(mesh), dp_dim)
-    gather = _Gather(layout, param_dtype, reduce_dtype)
+
+
+def _shard_modules(model: nn.Module, layout: "_Layout", gather: "_Gather", reshard_after_forward: bool) -> None:
+    """Replace every module's parameters by their shards (a parameter shared by
+    several modules, once: ties stay tied) and make each read gather; the
+    outermost module that owns parameters runs its forward resharded when
+    ``reshard_after_forward`` (its descendants are covered by it)."""
     sharded: dict[int, tuple[nn.Parameter, bool]] = {}  # id(original) -> (sharded, read as tp DTensor): keeps ties
     in_region: set[str] = set()  # modules whose forward runs resharded (hooks / recompute region)
     for module_name, module in list(model.named_modules()):
@@ -150,9 +168,6 @@ def shard(
             in_region.add(module_name)
         _gather_on_read(module, as_dtensor, gather, resharded)
         module.register_load_state_dict_pre_hook(functools.partial(_shard_loaded, names=names, layout=layout))
-    if param_dtype is not None:
-        model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=param_dtype), with_kwargs=True)
-    return model
 
 
 # ---------------------------------------------------------------- meshes and placements
@@ -588,31 +603,3 @@ def _recompute_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _recompute_contexts():
     return create_selective_checkpoint_contexts(_recompute_policy)
-
-
-class _QuietOwnRegions(logging.Filter):
-    """Drop torch's "context_fn is passed to torch.utils.checkpoint under torch.compile" warning
-    when the region is overlapc's own (its forward is functionalized, so in-place ops are safe);
-    the same warning for any other checkpoint passes."""
-
-    _MESSAGE = "Detected that context_fn is passed to torch.utils.checkpoint"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self._MESSAGE not in str(record.msg):
-            return True
-        frame = sys._getframe(1)
-        while frame is not None:  # the caller of the warning: torch._higher_order_ops.wrap (2.11-2.13)
-            if frame.f_code.co_name == "tag_activation_checkpoint_impl":
-                meta = getattr(frame.f_locals.get("gmod"), "meta", {})
-                return meta.get("_checkpoint_context_fn") is not _recompute_contexts
-            frame = frame.f_back
-        return True
-
-
-def _install_quiet_filter() -> None:
-    logger = logging.getLogger("torch._higher_order_ops.wrap")
-    if not any(isinstance(f, _QuietOwnRegions) for f in logger.filters):
-        logger.addFilter(_QuietOwnRegions())
-
-
-_install_quiet_filter()

@@ -3,14 +3,38 @@
 overlapc is tested on the torch releases in ``TESTED_TORCH``; on any other it
 still runs and says once (WARNING on the "overlapc" logger) which releases are
 tested. Settings that depend on the version are keyed on what the installed
-torch actually has (a config key, an attribute), never on version strings.
+torch actually has (a config key, an attribute, an opaque graph input),
+never on version strings.
+
+Every workaround of a torch behaviour lives here, each with the check that
+decides whether the installed torch needs it and the behaviour it works around:
+
+- ``inductor_patches``: Inductor passes that move collectives or waits, off
+  (keyed on the config keys the installed Inductor has; per compile, through
+  ``config_patches``, never process-wide).
+- ``save_seeded_ops_in_checkpoints`` / ``SaveSeededOps``: the DeviceMesh saved
+  as a tensor when a checkpointed seeded op is recomputed (torch >= 2.13,
+  which passes the mesh into graphs as an opaque input; per compile).
+- ``route_gloo_all_gathers``: gloo's coalesced all-gather corrupting the heap
+  with many in flight (seen on 2.13; process-wide, installed by the backend
+  when it compiles for a gloo group, never at import).
+- ``quiet_checkpoint_context_warning``: torch's warning on every
+  ``context_fn`` checkpoint under torch.compile, dropped for overlapc.fsdp's
+  own regions (installed on torch's logger by ``overlapc.fsdp.shard``, never
+  at import).
+
+Importing overlapc installs nothing process-wide (tests/test_torch_compat.py).
 """
 from __future__ import annotations
 
 import logging
+import operator
+import sys
+import warnings
 
 import torch
 import torch._inductor.custom_graph_pass as custom_graph_pass
+import torch.fx as fx
 
 log = logging.getLogger("overlapc")
 
@@ -86,6 +110,7 @@ def release() -> str:
     return torch.__version__.split("+")[0]
 
 
+
 def warn_if_untested() -> None:
     """Say once per process when the installed torch is not one overlapc is tested on."""
     if _warned["version"] or release() in TESTED_TORCH:
@@ -94,3 +119,132 @@ def warn_if_untested() -> None:
     log.warning("overlapc: torch %s is not among the tested releases (%s); scheduling runs as usual, "
                 "but Inductor passes new in this release may move collectives: report what you see",
                 torch.__version__, ", ".join(TESTED_TORCH))
+
+
+# ---------------------------------------------------------------- seeded ops in checkpoints (per compile)
+
+
+def save_seeded_ops_in_checkpoints(graph: fx.Graph) -> int:
+    """In a joint forward+backward graph that takes an opaque input (a DTensor's
+    DeviceMesh), mark the random-seeded ops (SDPA, dropout, ...) that activation
+    checkpointing would recompute as saved instead, with their getitems. Returns
+    how many ops it marked. Same values (the backward reads what the forward
+    computed); costs the memory of their outputs.
+
+    Works around: torch 2.13's partitioners replay the RNG of a recomputed
+    seeded op by adding its RNG state to the forward's saved outputs after the
+    saved opaque objects, so AOTAutograd's runtime takes the DeviceMesh for a
+    saved tensor ("expected all tensors_saved_with_vc_check to be Tensors, got
+    ... DeviceMesh"). HF gradient checkpointing with SDPA on a sharded model
+    hits it. The check: the graph has an opaque input (only torch >= 2.13
+    passes any; ``is_opaque_input``). 2.14.1 no longer saves a dropout-0 SDPA
+    as a seeded op, but still fails with dropout (tests/test_training.py says
+    when torch fixes it)."""
+    from torch._functorch.partitioners import must_recompute
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if not any(is_opaque_input(n) for n in graph.find_nodes(op="placeholder")):
+        return 0
+    marked = 0
+    for node in graph.nodes:
+        if must_recompute(node) and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            for saved in (node, *(u for u in node.users if u.target is operator.getitem)):
+                saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked += 1
+    return marked
+
+
+class SaveSeededOps(custom_graph_pass.CustomGraphPass):
+    """Inductor joint-graph pass running ``save_seeded_ops_in_checkpoints``."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        save_seeded_ops_in_checkpoints(graph)
+
+    def uuid(self) -> str:
+        from overlapc import rankcheck
+        return f"overlapc.SaveSeededOps {rankcheck.source_hash()}"
+
+
+# ---------------------------------------------------------------- gloo all-gathers (process-wide, on compile)
+
+_gloo_route: list = []  # the torch.library.Library holding the kernel, once installed
+
+
+def route_gloo_all_gathers() -> bool:
+    """Route CPU ``_c10d_functional.all_gather_into_tensor`` through
+    ``all_gather_into_tensor_out`` (the process group's ``_allgather_base``)
+    instead of ``allgather_into_tensor_coalesced``. Same values, same wait
+    registry; process-wide and idempotent. Returns True if this call installed it.
+
+    Works around: gloo's coalesced all-gather (seen on torch 2.13) corrupts the
+    heap when several are in flight: 2 ranks keeping 24 in flight die with
+    "malloc(): unaligned tcache chunk detected" within 300 rounds, while the out=
+    path ran 75 in flight for 300 rounds clean. overlapc keeps several in flight
+    by design, so the backend installs this when it compiles for a gloo group.
+    The check: every supported release (2.11 up) routes the functional op
+    through the coalesced path and no release is known to fix it (2.14.1 not
+    re-measured), so it is installed on all of them.
+    """
+    if _gloo_route:
+        return False
+    ops = torch.ops._c10d_functional
+
+    def all_gather_into_tensor(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+        inp = inp.contiguous()
+        out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]))
+        return ops.all_gather_into_tensor_out(inp, group_size, group_name, out=out)
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib.impl("all_gather_into_tensor", all_gather_into_tensor, "CPU")
+    _gloo_route.append(lib)
+    return True
+
+
+# ---------------------------------------------------------------- torch's checkpoint warning (on fsdp.shard)
+
+_CHECKPOINT_WARNING = "Detected that context_fn is passed to torch.utils.checkpoint"
+_CHECKPOINT_LOGGER = "torch._higher_order_ops.wrap"
+
+
+class _QuietOwnRegions(logging.Filter):
+    """Drop torch's "context_fn is passed to torch.utils.checkpoint under torch.compile"
+    warning when the region's context_fn is ``context_fn``; the same warning for any
+    other checkpoint passes."""
+
+    def __init__(self, context_fn):
+        super().__init__()
+        self.context_fn = context_fn
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _CHECKPOINT_WARNING not in str(record.msg):
+            return True
+        frame = sys._getframe(1)
+        while frame is not None:  # the warning's caller: tag_activation_checkpoint_impl
+            if frame.f_code.co_name == "tag_activation_checkpoint_impl":
+                meta = getattr(frame.f_locals.get("gmod"), "meta", {})
+                return meta.get("_checkpoint_context_fn") is not self.context_fn
+            frame = frame.f_back
+        return True
+
+
+def quiet_checkpoint_context_warning(context_fn) -> bool:
+    """Install, once per ``context_fn``, a filter on torch's
+    ``torch._higher_order_ops.wrap`` logger that drops its warning for
+    checkpoint regions whose ``context_fn`` is ``context_fn`` (overlapc.fsdp's
+    regions: their forward is functionalized, so the in-place ops the warning
+    is about are safe). Returns True if this call installed it.
+
+    Works around: torch 2.11-2.14's ``tag_activation_checkpoint_impl`` warns
+    on every selective-checkpoint region under torch.compile, one line per
+    compiled region. The check: the installed torch has that function (a
+    torch without it emits no such warning; nothing is installed)."""
+    from torch._higher_order_ops import wrap
+    if not hasattr(wrap, "tag_activation_checkpoint_impl"):
+        return False
+    logger = logging.getLogger(_CHECKPOINT_LOGGER)
+    if any(isinstance(f, _QuietOwnRegions) and f.context_fn is context_fn for f in logger.filters):
+        return False
+    logger.addFilter(_QuietOwnRegions(context_fn))
+    return True

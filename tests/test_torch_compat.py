@@ -68,3 +68,54 @@ def test_the_joint_pre_pass_runs_the_users_pass_then_overlapcs(monkeypatch):
     assert torch_compat.with_joint_pre_pass(None, ours) is ours
     torch_compat.with_joint_pre_pass(user, ours)("g")
     assert ran == [("user", "g"), ("ours", "g")]
+
+
+_PROCESS_WIDE = r'''
+import importlib, json, logging, pkgutil, sys, tempfile, os
+import torch
+
+def state():
+    """What overlapc may change process-wide, read without overlapc's own bookkeeping."""
+    return {"overlapc_logger": [type(f).__name__ for f in logging.getLogger("overlapc").filters],
+            "torch_wrap_logger": [type(f).__name__
+                                  for f in logging.getLogger("torch._higher_order_ops.wrap").filters],
+            "cpu_all_gather_kernel": "\nCPU:" in torch._C._dispatch_dump("_c10d_functional::all_gather_into_tensor")}
+
+untouched = state()
+import overlapc
+for module in pkgutil.walk_packages(overlapc.__path__, "overlapc."):
+    if not module.name.startswith("overlapc.integrations"):   # optional dependencies
+        importlib.import_module(module.name)
+imported = state()
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"),
+                        rank=0, world_size=1)
+model = overlapc.fsdp.shard(torch.nn.Linear(4, 4), init_device_mesh("cpu", (1,)))
+sharded = state()
+torch.compile(model, backend="overlapc", options={"inner": "aot_eager"})(torch.randn(2, 4)).sum().backward()
+compiled = state()
+dist.destroy_process_group()
+print(json.dumps({"untouched": untouched, "imported": imported, "sharded": sharded, "compiled": compiled}))
+'''
+
+
+def test_importing_installs_nothing_process_wide_compiling_does(tmp_path):
+    """Importing every overlapc module leaves loggers and torch's dispatcher as they were;
+    fsdp.shard installs the checkpoint-warning filter on torch's logger, and compiling
+    with backend="overlapc" on gloo the rank tags and the gloo all-gather kernel."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "process_wide.py"
+    script.write_text(_PROCESS_WIDE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    nothing = {"overlapc_logger": [], "torch_wrap_logger": [], "cpu_all_gather_kernel": False}
+    assert seen["untouched"] == nothing and seen["imported"] == nothing, seen
+    assert seen["sharded"] == {**nothing, "torch_wrap_logger": ["_QuietOwnRegions"]}, seen
+    assert seen["compiled"] == {"overlapc_logger": ["_RankAndGraph"], "torch_wrap_logger": ["_QuietOwnRegions"],
+                                "cpu_all_gather_kernel": True}, seen
