@@ -1,6 +1,6 @@
 """What the cross-rank check (``check_ranks``) costs per graph on a matching run.
 
-N local gloo ranks (tests/multiproc.py, the project's rank runner) train
+N local gloo ranks (overlapc.launch, the project's rank launcher) train
 examples/llama.py's sharded model under backend="overlapc" (inner="aot_eager"),
 with the check on; the DEBUG line of each check gives its time in the compile
 (which includes waiting for the slowest rank's compile). Then, ranks aligned by
@@ -13,7 +13,6 @@ arrive together. Goal (issue 19): under 50 ms per graph.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -21,11 +20,14 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-for path in (os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..", "examples")):
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+for path in (HERE, EXAMPLES):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from multiproc import init_gloo, run_ranks  # noqa: E402
+from harness import write_json  # noqa: E402
+
+from overlapc import launch  # noqa: E402
 
 
 class _Times(logging.Handler):
@@ -39,7 +41,7 @@ class _Times(logging.Handler):
             self.ms.append(float(message.split("checked in ")[1].split(" ms")[0]))
 
 
-def _job(rank, world_size, port, depth, repeat):
+def _job(rank, world_size, depth, repeat):
     import torch
     import torch.distributed as dist
 
@@ -48,7 +50,6 @@ def _job(rank, world_size, port, depth, repeat):
     from overlapc.backend import capture
     from overlapc.config import OverlapConfig
 
-    init_gloo(rank, world_size, port)
     times = _Times()
     logger = logging.getLogger("overlapc")
     logger.addHandler(times)
@@ -72,7 +73,6 @@ def _job(rank, world_size, port, depth, repeat):
             dist.barrier()
             runs.append(rankcheck.check(record.gm, record.name, cfg, []) * 1e3)
         aligned[record.name] = statistics.median(runs)
-    dist.destroy_process_group()
     return {"in_compile_ms": in_compile, "aligned_median_ms": aligned, "skeleton_ms_nodes_collectives": local}
 
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     started = time.time()
-    results = run_ranks(_job, world_size=args.world_size, args=(args.depth, args.repeat), timeout=900)
+    results = launch.run(_job, args.world_size, (args.depth, args.repeat), timeout=900)
     for rank, result in enumerate(results):
         print(f"rank {rank}: check in the compile (ms, per graph): "
               f"{', '.join(f'{ms:.1f}' for ms in result['in_compile_ms'])}")
@@ -94,9 +94,8 @@ def main(argv=None) -> int:
                   f"(skeleton {skeleton_ms:.2f} ms)")
     print(f"wall {time.time() - started:.0f} s")
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"world_size": args.world_size, "depth": args.depth, "repeat": args.repeat,
-                       "ranks": results}, out, indent=1)
+        write_json(args.json, {"world_size": args.world_size, "depth": args.depth, "repeat": args.repeat,
+                               "ranks": results})
     return 0
 
 

@@ -56,7 +56,7 @@ overlapc while the default is max_in_flight=3) is compiled and timed once and
 reported under both names ("same_as" in the JSON). Inductor's overlap scheduler
 is first tried on a 1-block model, so an error costs seconds.
 Every variant's functional all-gathers go through
-overlapc.backend.route_gloo_all_gathers (gloo's coalesced all-gather crashes
+overlapc.torch_compat.route_gloo_all_gathers (gloo's coalesced all-gather crashes
 ranks with many in flight; see README, Known issues).
 
 and, in the same rotation, the bounds:
@@ -94,8 +94,10 @@ measured by ``overlapc.analyze`` on the trace of its profiled (untimed) step,
 and estimated (the graphs' exposed_ms_after).
 
 Every multi-process part notices a dead rank and reports it (no hangs): the
-worker watches every rank's process sentinel with a deadline, gloo has a
-timeout, the parent has a deadline on the worker.
+worker launches the ranks with overlapc.launch (a dead or hung rank named, a
+deadline), gloo has a timeout, the parent has a deadline on the worker. Shared
+with tp_moe.py: benchmarks/harness.py (the shaped link, the step probes, result
+files with provenance).
 """
 from __future__ import annotations
 
@@ -103,18 +105,16 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
-import traceback
-from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+from harness import concurrent_step, profile_step, run_worker_on_shaped_link, write_json  # noqa: E402
 
 DDP_VARIANTS = ["ddp_eager", "ddp_inductor", "overlapc_ddp", "overlapc_ddp_unlimited"]
 MODEL_VARIANTS = [
@@ -199,106 +199,18 @@ def config_of(args) -> dict:
     }
 
 
-# ------------------------------------------------------------------ parent: namespace
-
-
-def _can_shape() -> str | None:
-    """None when a shaped namespace can be made, else the reason it cannot."""
-    if os.geteuid() != 0:
-        return "not root"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"no {tool!r} on PATH"
-    return None
-
-
-def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
-
-
-def parent(args, argv: list[str], script: str = __file__, label: str = "bench", say=None) -> int:
-    """Re-run ``script --worker argv`` in a fresh network namespace whose loopback is
-    shaped to ``args.rate`` (plain loopback when ``args.no_shape`` or shaping is not
-    possible, said in the log); the namespace is deleted at the end, on error and on
-    SIGINT/SIGTERM, and a worker past ``args.timeout`` + 120 s is killed. Shared by
-    the benchmarks (tp_moe.py calls it with its own script and label)."""
-    say = say or log
-    reason = "--no-shape" if args.no_shape else _can_shape()
-    ns = None
-    child = None
-
-    def on_signal(signum, frame):
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        cmd = [sys.executable, os.path.abspath(script), "--worker", *argv]
-        env = dict(os.environ)
-        if reason is None:
-            ns = f"overlapc_{label}_{os.getpid()}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                "rate", args.rate, "burst", "256kb", "limit", "64mb")
-            link = f"loopback in netns {ns} shaped by tc tbf rate {args.rate} burst 256kb limit 64mb"
-            cmd = ["ip", "netns", "exec", ns, *cmd]
-            env["GLOO_SOCKET_IFNAME"] = "lo"
-        else:
-            link = f"plain loopback, NOT shaped ({reason})"
-        say(f"link: {link}")
-        cmd += ["--link", link]
-        child = subprocess.Popen(cmd, env=env, start_new_session=True)
-        try:
-            return child.wait(timeout=args.timeout + 120)
-        except subprocess.TimeoutExpired:
-            say(f"ERROR: worker still running after {args.timeout + 120:.0f} s; killing it")
-            return 124
-    finally:
-        if child is not None and child.poll() is None:
-            _kill_group(child.pid)
-        if ns is not None:
-            result = _sh("ip", "netns", "del", ns, check=False)
-            say(f"deleted netns {ns}" if result.returncode == 0 else f"WARNING: ip netns del {ns}: {result.stderr.strip()}")
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def _kill_group(pgid: int) -> None:
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + grace
-        while time.time() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-
-
 # ------------------------------------------------------------------ worker: ranks
 
 
 def worker(args) -> int:
-    import multiprocessing as mp
-    from multiprocessing import connection
+    """Launch the ranks (overlapc.launch), keep each rank's latest per-round snapshot,
+    and report: all rounds, or on a failure the rounds every rank finished (INCOMPLETE)."""
+    from overlapc import launch
 
-    ctx = mp.get_context("spawn")
-    port = _free_port()
     if args.scratch is None:
         import tempfile
         args.scratch = tempfile.mkdtemp(prefix="overlapc_step_time_")
     log(f"profile and schedule dumps: {args.scratch}")
-    procs, pipes = [], []
-    for rank in range(args.world_size):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=rank_entry, args=(rank, args.world_size, port, vars(args), send), daemon=True)
-        proc.start()
-        send.close()
-        procs.append(proc)
-        pipes.append(recv)
 
     def on_signal(signum, frame):
         raise SystemExit(128 + signum)
@@ -306,84 +218,30 @@ def worker(args) -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
 
-    results: dict[int, tuple] = {}
     progress: dict[int, dict] = {}  # latest per-round snapshot of each rank
-    failure = None
-    deadline = time.time() + args.timeout
     try:
-        waiting = {pipes[r]: r for r in range(args.world_size)}
-        sentinels = {procs[r].sentinel: r for r in range(args.world_size)}
-        while len(results) < args.world_size and failure is None:
-            left = deadline - time.time()
-            if left <= 0:
-                missing = [r for r in range(args.world_size) if r not in results]
-                failure = f"ranks {missing} still running after --timeout {args.timeout:.0f} s"
-                break
-            ready = connection.wait(list(waiting) + list(sentinels), timeout=min(left, 5.0))
-            for obj in ready:
-                if obj in waiting:
-                    rank = waiting[obj]
-                    try:
-                        message = obj.recv()
-                    except EOFError:
-                        waiting.pop(obj)
-                        continue
-                    if message[0] == "progress":
-                        progress[rank] = message[1]
-                        continue
-                    waiting.pop(obj)
-                    results[rank] = message
-                    if rank in results and results[rank][0] == "error":
-                        failure = f"rank {rank} raised:\n{results[rank][1]}"
-                elif obj in sentinels:
-                    rank = sentinels.pop(obj)
-                    if rank in results:
-                        continue
-                    # its result may still be in the pipe
-                    got = None
-                    while pipes[rank].poll(1.0):
-                        try:
-                            message = pipes[rank].recv()
-                        except EOFError:
-                            break
-                        if message[0] == "progress":
-                            progress[rank] = message[1]
-                        else:
-                            got = message
-                    if got is not None:
-                        results[rank] = got
-                        waiting.pop(pipes[rank], None)
-                        if got[0] == "error":
-                            failure = f"rank {rank} raised:\n{got[1]}"
-                        continue
-                    procs[rank].join(1.0)
-                    failure = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) before reporting"
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-    if failure is not None:
-        log(f"ERROR: {failure}")
-        rounds = min((max(map(len, p["times"].values()), default=0) for p in progress.values()), default=0)
-        if len(progress) == args.world_size and rounds > 0:
-            log(f"reporting the {rounds} timed rounds every rank finished before the failure (INCOMPLETE)")
-            per_rank = [_truncate(progress[r], rounds) for r in range(args.world_size)]
-            args.failure = f"INCOMPLETE after {rounds}/{args.steps} timed rounds: {failure}"
-            report(args, per_rank)
-            return 1
-        if args.json:
-            _write_json(args.json, {"link": args.link, "config": config_of(args), "error": failure})
-        return 1
-    per_rank = [results[r][1] for r in range(args.world_size)]
+        per_rank = launch.run(rank_main, args.world_size, (vars(args),), timeout=args.timeout,
+                              gloo_timeout=args.gloo_timeout, on_message=progress.__setitem__)
+    except Exception as error:  # noqa: BLE001 - a dead, hung or raising rank: reported below
+        return _failed(args, progress, launch.failure_text(error))
     if args.json:  # raw per-rank times and losses first, so a report bug loses nothing
-        _write_json(os.path.splitext(args.json)[0] + ".raw.json", {"link": args.link, "config": config_of(args),
-                                                                    "per_rank": per_rank})
+        write_json(os.path.splitext(args.json)[0] + ".raw.json", {"link": args.link, "config": config_of(args),
+                                                                   "per_rank": per_rank})
     return report(args, per_rank)
+
+
+def _failed(args, progress: dict[int, dict], failure: str) -> int:
+    log(f"ERROR: {failure}")
+    rounds = min((max(map(len, p["times"].values()), default=0) for p in progress.values()), default=0)
+    if len(progress) == args.world_size and rounds > 0:
+        log(f"reporting the {rounds} timed rounds every rank finished before the failure (INCOMPLETE)")
+        per_rank = [_truncate(progress[r], rounds) for r in range(args.world_size)]
+        args.failure = f"INCOMPLETE after {rounds}/{args.steps} timed rounds: {failure}"
+        report(args, per_rank)
+        return 1
+    if args.json:
+        write_json(args.json, {"link": args.link, "config": config_of(args), "error": failure})
+    return 1
 
 
 def _truncate(res: dict, rounds: int) -> dict:
@@ -392,54 +250,19 @@ def _truncate(res: dict, rounds: int) -> dict:
     return out
 
 
-def _describe_exit(code) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_entry(rank, world_size, port, argd, conn) -> None:
-    import faulthandler
-    faulthandler.enable()  # a crashing rank (SIGSEGV/SIGABRT) prints its Python stack
-    try:
-        out = ("ok", rank_main(rank, world_size, port, argparse.Namespace(**argd), conn))
-    except BaseException:  # noqa: BLE001 - everything goes back to the worker
-        out = ("error", traceback.format_exc())
-    try:
-        conn.send(out)
-        conn.close()
-    finally:
-        import torch.distributed as dist
-        if out[0] == "ok" and dist.is_initialized():
-            dist.destroy_process_group()
-    if out[0] == "error":
-        os._exit(1)  # do not wait on collectives the other ranks will never join
-
-
 # ------------------------------------------------------------------ in each rank
 
 
-def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
+def rank_main(rank: int, world_size: int, argd: dict) -> dict:
+    """One rank (launched in the gloo group): build, compile and time every variant."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.gloo_timeout))
+    from overlapc import launch
+
+    args = argparse.Namespace(**argd)
     say = log if rank == 0 else (lambda msg: None)
-    from overlapc.backend import route_gloo_all_gathers
+    from overlapc.torch_compat import route_gloo_all_gathers
     route_gloo_all_gathers()  # what backend="overlapc" does on gloo; here for every variant alike
 
     import warnings
@@ -585,9 +408,9 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
         if timed:
             say(f"round {i - args.warmup + 1}/{args.steps}: " + "  ".join(
                 f"{n} {times[n][-1]:.2f}" for n in live))
-            if conn is not None:  # so a rank that dies later does not lose the rounds done
-                conn.send(("progress", {"times": times, "losses": losses, "errors": errors,
-                                        "compile_s": compile_s, "n_params": n_params, "aliases": aliases}))
+            # so a rank that dies later does not lose the rounds done
+            launch.progress({"times": times, "losses": losses, "errors": errors,
+                             "compile_s": compile_s, "n_params": n_params, "aliases": aliases})
         else:
             say(f"warm-up round {i + 1}/{args.warmup} done")
 
@@ -603,32 +426,6 @@ def rank_main(rank: int, world_size: int, port: int, args, conn=None) -> dict:
                            sum(1 for _ in reference.parameters())) if rank == 0 else {}
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
             "n_params": n_params, "aliases": aliases, "peak_bytes": peak_bytes, "estimates": estimates}
-
-
-_COLLECTIVE_EVENTS = {f"_c10d_functional::{op}" for op in
-                      ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")}
-
-
-def profile_step(step, trace: str | None = None) -> tuple[int, int]:
-    """(peak bytes, functional collectives started) of one call of ``step``, from
-    torch.profiler's CPU events (profile_memory): allocations and frees of this
-    process in time order, summed; the peak of that sum. A TorchDispatchMode
-    would not do: with one active, the compiled function runs eagerly. ``trace``:
-    also write the profile there as a Chrome trace (for ``overlapc.analyze``)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    if trace:
-        prof.export_chrome_trace(trace)
-    live = peak = collectives = 0
-    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
-        name = event.name()
-        if name == "[memory]":
-            live += event.nbytes()
-            peak = max(peak, live)
-        elif name in _COLLECTIVE_EVENTS:
-            collectives += 1
-    return peak, collectives
 
 
 def _estimates(scratch: str, rank: int, variants: list[str], parameters: int = 0) -> dict:
@@ -808,29 +605,6 @@ def comm_step(name: str, cfg, world_size: int, ddp: bool = False):
     return step
 
 
-def concurrent_step(first, second):
-    """A step that runs ``second`` on another thread while ``first`` runs on this one
-    (same arguments); returns ``first``'s result, raises either's error."""
-    import threading
-
-    def step(*args):
-        errors: list = []
-
-        def run_second():
-            try:
-                second(*args)
-            except BaseException as exc:  # noqa: BLE001  (re-raised on the calling thread)
-                errors.append(exc)
-        thread = threading.Thread(target=run_second, name="concurrent_step")
-        thread.start()
-        result = first(*args)
-        thread.join()
-        if errors:
-            raise errors[0]
-        return result
-    return step
-
-
 # ------------------------------------------------------------------ report
 
 
@@ -1004,7 +778,7 @@ def report(args, per_rank: list[dict]) -> int:
                "bound_variants": {n: stats[n] for n in all_bounds if n in stats},
                "ratios": goals, "max_rel_loss_diff": worst,
                "first_step_s": r0["compile_s"], "n_params": r0["n_params"]}
-        _write_json(args.json, out)
+        write_json(args.json, out)
         print(f"wrote {args.json}")
     if worst > LOSS_RTOL:
         print(f"FAIL: losses differ by {worst:.2e} > {LOSS_RTOL:g} ({worst_at})", file=sys.stderr)
@@ -1041,18 +815,12 @@ def _ddp_goals(stats: dict, bounds: dict) -> tuple[dict, list]:
     return goals, checks
 
 
-def _write_json(path, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    return parent(args, [a for a in argv])
+    return run_worker_on_shaped_link(args, [a for a in argv], script=__file__, label="bench", say=log)
 
 
 if __name__ == "__main__":

@@ -63,14 +63,11 @@ excluded). The same profile counts the functional collectives started ("colls").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -78,9 +75,7 @@ for path in (HERE, os.path.join(ROOT, "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from step_time import (  # noqa: E402  (same link set-up and memory probe)
-    _describe_exit, _free_port, concurrent_step, parent, profile_step,
-)
+from harness import concurrent_step, profile_step, run_worker_on_shaped_link, write_json  # noqa: E402
 
 VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "chunks8", "chunks_auto", "compute_only", "comm_only",
             "concurrent"]
@@ -126,81 +121,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# ------------------------------------------------------------------ parent: namespace
-
-
 # ------------------------------------------------------------------ worker: ranks
 
 
 def worker(args) -> int:
-    import multiprocessing as mp
-    from multiprocessing import connection
+    """Launch the 2 ranks (overlapc.launch) and report; a dead, hung or raising rank is said."""
+    from overlapc import launch
 
-    ctx = mp.get_context("spawn")
-    port, world = _free_port(), 2
-    procs, pipes = [], []
-    for rank in range(world):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=rank_entry, args=(rank, world, port, vars(args), send), daemon=True)
-        proc.start()
-        send.close()
-        procs.append(proc)
-        pipes.append(recv)
-    results, failure = {}, None
-    deadline = time.time() + args.timeout
     try:
-        while len(results) < world and failure is None:
-            left = deadline - time.time()
-            if left <= 0:
-                failure = f"ranks {[r for r in range(world) if r not in results]} still running after {args.timeout:.0f} s"
-                break
-            connection.wait([pipes[r] for r in range(world) if r not in results] +
-                            [procs[r].sentinel for r in range(world) if r not in results], timeout=min(left, 5.0))
-            for rank in range(world):
-                if rank in results:
-                    continue
-                if pipes[rank].poll():
-                    try:
-                        status, payload = pipes[rank].recv()
-                    except EOFError:
-                        failure = f"rank {rank} closed its pipe ({_describe_exit(procs[rank].exitcode)})"
-                        break
-                    if status == "error":
-                        failure = f"rank {rank} raised:\n{payload}"
-                        break
-                    results[rank] = payload
-                elif procs[rank].exitcode is not None:
-                    failure = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) before reporting"
-                    break
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-    if failure is not None:
+        per_rank = launch.run(rank_main, 2, (vars(args),), timeout=args.timeout, gloo_timeout=300.0)
+    except Exception as error:  # noqa: BLE001 - reported, and written to the JSON
+        failure = launch.failure_text(error)
         log(f"ERROR: {failure}")
         if args.json:
-            _write_json(args.json, {"link": args.link, "config": config_of(args), "error": failure})
+            write_json(args.json, {"link": args.link, "config": config_of(args), "error": failure})
         return 1
-    return report(args, [results[r] for r in range(world)])
-
-
-def rank_entry(rank, world, port, argd, conn) -> None:
-    import faulthandler
-    faulthandler.enable()
-    try:
-        out = ("ok", rank_main(rank, world, port, argparse.Namespace(**argd)))
-    except BaseException:  # noqa: BLE001 - everything goes back to the worker
-        out = ("error", traceback.format_exc())
-    conn.send(out)
-    conn.close()
-    if out[0] == "error":
-        os._exit(1)  # do not wait on collectives the other rank will never join
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return report(args, per_rank)
 
 
 # ------------------------------------------------------------------ in each rank
@@ -257,15 +193,14 @@ _LOCAL = {"all_gather_into_tensor": _local_all_gather, "reduce_scatter_tensor": 
           "all_to_all_single": _local_all_to_all}
 
 
-def rank_main(rank: int, world: int, port: int, args) -> dict:
+def rank_main(rank: int, world: int, argd: dict) -> dict:
+    """One rank (launched in the gloo group): build, compile and time every model's variants."""
     import torch
     import torch._dynamo
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    from overlapc.backend import route_gloo_all_gathers
+    args = argparse.Namespace(**argd)
+    from overlapc.torch_compat import route_gloo_all_gathers
     route_gloo_all_gathers()   # several all-gathers in flight (README, Known issues)
     import warnings
     warnings.filterwarnings("ignore")
@@ -380,8 +315,6 @@ def _record_chunk_notes() -> None:
 
 
 def _train_step(model, fn, x0):
-    import torch
-
     def step():
         model.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_(True)
@@ -504,16 +437,10 @@ def report(args, per_rank: list[dict]) -> int:
                   f"{med['concurrent'] / max(compute, comm):.2f}x the floor; chunks1 / concurrent = "
                   f"{med['chunks1'] / med['concurrent']:.2f}x is the most any chunk count gains here")
     if args.json:
-        _write_json(args.json, {"link": args.link, "config": config_of(args), "results": rows,
+        write_json(args.json, {"link": args.link, "config": config_of(args), "results": rows,
                                 "losses_per_rank": [r["losses"] for r in per_rank]})
         log(f"wrote {args.json}")
     return 0 if ok else 1
-
-
-def _write_json(path, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
 
 
 def main(argv=None) -> int:
@@ -521,7 +448,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    return parent(args, [a for a in argv if a != "--worker"], script=__file__, label="tpmoe", say=log)
+    return run_worker_on_shaped_link(args, [a for a in argv if a != "--worker"], script=__file__, label="tpmoe",
+                                     say=log)
 
 
 if __name__ == "__main__":

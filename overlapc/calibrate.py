@@ -65,7 +65,6 @@ import platform
 import socket
 import statistics
 import time
-import traceback
 from typing import Callable
 
 import torch
@@ -362,7 +361,7 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     world_size = dist.get_world_size()
     group_name = dist.group.WORLD.group_name
     if dist.get_backend() == "gloo":   # ISSUE_SLOTS functional all-gathers in flight (README, Known issues)
-        from overlapc.backend import route_gloo_all_gathers
+        from overlapc.torch_compat import route_gloo_all_gathers
         route_gloo_all_gathers()
     sync = _sync(device)
     a = torch.randn(256, 256, device=device)
@@ -705,90 +704,29 @@ def write(doc: dict, out: str) -> None:
     os.replace(temporary, out)
 
 
-def _rank_main(conn, rank: int, world_size: int, port: int, out: str, quick: bool, fallback_link: str,
-               verbose: bool) -> None:
-    """Child entry point of ``run_local``: join the gloo group, measure, send back the outcome."""
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=120))
-        say = (lambda message: print(f"overlapc calibrate: {message}", flush=True)) if verbose else (lambda m: None)
-        doc = run_in_group(out, quick, fallback_link, say)
-        conn.send(("ok", doc if rank == 0 else None))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        conn.send(("raised", traceback.format_exc()))
-    finally:
-        conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank: int, world_size: int, out: str, quick: bool, fallback_link: str, verbose: bool):
+    """One rank of ``run_local`` (launched in the gloo group): measure; rank 0 returns the document."""
+    say = (lambda message: print(f"overlapc calibrate: {message}", flush=True)) if verbose else (lambda m: None)
+    doc = run_in_group(out, quick, fallback_link, say)
+    return doc if rank == 0 else None
 
 
 def run_local(world_size: int, out: str, quick: bool = False, timeout: float = 600.0,
               fallback_link: str = "ethernet", verbose: bool = False) -> dict:
-    """Spawn ``world_size`` gloo ranks on 127.0.0.1, measure, write ``out``; return the document.
-    RuntimeError naming the rank when one raises, dies or is still running at ``timeout``
-    (every rank is then killed)."""
-    from multiprocessing import connection, get_context
+    """Launch ``world_size`` gloo ranks on 127.0.0.1 (``overlapc.launch``), measure, write ``out``;
+    return the document. RuntimeError naming the rank when one raises, dies or is still running
+    at ``timeout`` (every rank is then ended)."""
+    from overlapc import launch
 
     if world_size < 2:
         return run_in_group(out, quick, fallback_link,
                             (lambda m: print(f"overlapc calibrate: {m}", flush=True)) if verbose else (lambda m: None),
                             alone=True)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ctx = get_context("spawn")
-    procs, pipes = [], []
-    for rank in range(world_size):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(send, rank, world_size, port, out, quick, fallback_link,
-                                                    verbose), daemon=True, name=f"calibrate-rank{rank}")
-        proc.start()
-        send.close()
-        procs.append(proc)
-        pipes.append(recv)
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(results) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [r for r in range(world_size) if r not in results]
-                raise RuntimeError(f"calibration rank(s) {missing} still running after {timeout:.0f} s; "
-                                   f"all ranks killed (raise --timeout, or check the network)")
-            connection.wait([p for r, p in enumerate(pipes) if r not in results]
-                            + [procs[r].sentinel for r in range(world_size) if r not in results],
-                            timeout=min(0.5, left))
-            for rank in range(world_size):
-                if rank in results:
-                    continue
-                if pipes[rank].poll():
-                    try:
-                        status, payload = pipes[rank].recv()
-                    except EOFError:   # the rank closed its end without a word: it died
-                        status, payload = "died", None
-                    if status == "ok":
-                        results[rank] = payload
-                        continue
-                    if status == "raised":
-                        raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
-                    died = True
-                else:
-                    died = procs[rank].exitcode is not None
-                if died:
-                    procs[rank].join(timeout=5)
-                    raise RuntimeError(f"calibration rank {rank} died (exit code {procs[rank].exitcode}) "
-                                       f"before reporting; all ranks killed")
-        for proc in procs:
-            proc.join(timeout=30)
-        return results[0]
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=10)
-        for pipe in pipes:
-            pipe.close()
+        return launch.run(_rank_main, world_size, (out, quick, fallback_link, verbose), timeout=timeout,
+                          gloo_timeout=120.0)[0]
+    except launch.RankFailure as failure:
+        hint = " (raise --timeout, or check the network)" if failure.how == "hung" else ""
+        raise RuntimeError(f"calibration {failure}{hint}") from failure
+    except Exception as error:  # noqa: BLE001 - a rank's own exception: said with its rank and traceback
+        raise RuntimeError(f"calibration failed: {launch.failure_text(error)}") from error

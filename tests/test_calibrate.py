@@ -111,7 +111,7 @@ def test_compute_only_profile_records_the_builtin_link(tmp_path):
 
 def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     path = tmp_path / "profile.json"
-    code = cli.main(["calibrate", "--world-size", "2", "-o", str(path), "--quick", "--quiet", "--timeout", "90"])
+    code = cli.main(["calibrate", "--world-size", "2", "-o", str(path), "--quick", "--quiet", "--timeout", "400"])
     out, err = capsys.readouterr()
     assert code == 0 and out == "" and err == "", err
     doc = json.loads(path.read_text())
@@ -187,3 +187,9 @@ def test_document_fits_the_start_call_part_of_the_issue_cost():
     assert (doc["link"]["start_us"], doc["link"]["start_gbps"]) == pytest.approx(calibrate.fit_issue(pairs(2)))
     assert doc["measured"]["issue"]["all_reduce"][0] == {"bytes": 4096, "us": 700.0, "start_us": 250.0}
     assert "start_us" not in calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"))["link"]
+
+
+def test_ranks_that_outlive_the_timeout_are_named_and_ended(tmp_path):
+    with pytest.raises(RuntimeError, match=r"calibration rank\(s\) \[0, 1\] hung.*raise --timeout"):
+        calibrate.run_local(2, str(tmp_path / "p.json"), quick=True, timeout=1.0)
+    assert not (tmp_path / "p.json").exists()
