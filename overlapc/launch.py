@@ -195,6 +195,15 @@ class _Watch:
                                   [rank], "died")
 
 
+def failure_text(error: BaseException) -> str:
+    """What ``run`` raised, as text for a log or a result file: the dead or hung
+    rank(s), or the raising rank, its exception and its traceback."""
+    cause = error.__cause__
+    if isinstance(cause, RemoteTraceback):
+        return f"rank {cause.rank} raised {error!r}:{cause}"
+    return str(error)
+
+
 def _rank_entry(conn, where, rank: int, world_size: int, port: int, gloo: bool, gloo_timeout: float,
                 args: tuple) -> None:
     """Child entry point: join the group, import fn by (directory, module, name), run it, send the outcome."""

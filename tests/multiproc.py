@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import warnings
 
-from overlapc.launch import RankFailure, RemoteTraceback, free_port, init_gloo, run  # noqa: F401 - re-exported
+from overlapc.launch import init_gloo, run
+
+__all__ = ["init_gloo", "run_ranks"]
 
 
 def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout: float = 120.0) -> list:
