@@ -7,9 +7,14 @@ ranks of a collective that moved it, or the rows of a view that merged outer
 dims into it, or 1); piece i is entries ``r*n + i*n/k ... + n/k`` of every
 block r (n a block). See ``overlapc.passes.chunk``'s docstring. Every check
 raises ``Skip`` with the reason a note reports.
+
+``check_rowwise`` runs the checks every op shares, then the op's rule: one
+small function per op family, registered for its targets with ``@_rule``
+(a new op family is a new rule); pointwise ops without a rule share one.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -145,10 +150,6 @@ def _dim(node: fx.Node, index: int, rank: int) -> int:
     return value % rank if rank else value
 
 
-def target_is_split(node: fx.Node) -> bool:
-    return node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
-
-
 def cut_dim(node: fx.Node, a: fx.Node, layout: tuple[int, int]) -> int | None:
     """The dim along which ``node``, run on a piece (its layout ``layout``), takes the
     matching piece of ``a``, an operand from outside the pipeline with the full extent
@@ -188,11 +189,59 @@ def _view_layout(shape, layout, out_shape, k: int) -> tuple[int, int]:
 _KEEPDIM_ARG = {aten.sum.dim_IntList: 2, aten.mean.dim: 2, aten.amax.default: 2, aten.amin.default: 2}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """What a row-wise rule reads of the node it checks: its tensor inputs (``args``),
+    those already in pieces (``ins``), its output and first piece input values, the
+    count of pieces, and the layouts of the nodes in pieces."""
+
+    node: fx.Node
+    layouts: dict
+    k: int
+    args: list
+    ins: list
+    out: torch.Tensor
+    src: torch.Tensor
+
+    @property
+    def what(self) -> str:
+        return f"{self.node.name} ({opname(self.node)})"
+
+    @property
+    def why(self) -> str:
+        return f"{self.what} is not row-wise"
+
+    def single(self, first: bool = True) -> None:
+        """Skip unless the node has one tensor input (``args``) and, with ``first``,
+        its first argument is in pieces."""
+        if len(self.args) != 1 or (first and self.node.args[0] not in self.layouts):
+            raise Skip(self.why)
+
+    def all_in_pieces(self) -> None:
+        if any(a not in self.layouts for a in self.args):
+            raise Skip(f"{self.what} joins pipelined rows with others")
+
+
+# target -> rule(site, p, b) -> (p, b): the layout of the node's output from that of its
+# inputs in pieces (dim p, b blocks); Skip with the reason when piece i out is not the
+# node of piece i in. Ops with no rule are row-wise when pointwise (``_pointwise``).
+_RULES: dict = {}
+
+
+def _rule(*targets):
+    def register(rule):
+        for target in targets:
+            if target in _RULES:
+                raise ValueError(f"two row-wise rules for {target}")
+            _RULES[target] = rule
+        return rule
+    return register
+
+
 def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
     """Raise Skip unless piece i of ``node`` is ``node`` of piece i of its inputs;
     ``layouts`` maps the nodes already in pieces to their layouts (dim, blocks).
     Returns ``node``'s layout (each output's, for a node with several)."""
-    target = node.target
     why = f"{node.name} ({opname(node)}) is not row-wise"
     if node.op != "call_function":
         raise Skip(why)
@@ -204,91 +253,144 @@ def check_rowwise(node: fx.Node, layouts: dict, k: int) -> tuple[int, int]:
         raise Skip(why)
     if len({layouts[a] for a in ins}) != 1:
         raise Skip(f"{node.name} ({opname(node)}) mixes inputs of different rank layouts")
-    p, b = layouts[ins[0]]
-    out = val(node)
-    src = val(ins[0])
-    if target is operator.getitem or target in COPIES or keeps_rows(node, p):
-        if node.args[0] not in layouts or len(args) != 1:
-            raise Skip(why)
-    elif target in VIEWS:
-        if len(args) != 1:
-            raise Skip(why)
-        p, b = _view_layout(tuple(src.shape), (p, b), tuple(out.shape), k)
-    elif target in ROW_REDUCTIONS:
-        dims = node.args[1] if len(node.args) > 1 else None
-        if len(args) != 1 or not dims or any(d % src.dim() == p for d in dims):
-            raise Skip(f"{node.name} ({opname(node)}) reduces over the rows")
-        index = _KEEPDIM_ARG.get(target)
-        keepdim = node.kwargs.get("keepdim", node.args[index] if index is not None and len(node.args) > index
-                                  else False)
-        if not keepdim:
-            p -= sum(1 for d in dims if d % src.dim() < p)
-    elif target is aten.native_layer_norm.default:   # a norm left whole (no decompositions)
-        if node.args[0] not in layouts or len(ins) != 1:
-            raise Skip(why)
-        if p >= src.dim() - len(node.args[1]):
-            raise Skip(f"{node.name} ({opname(node)}) normalises over the rows")
-    elif target in RESHAPES:
-        if node.args[0] not in layouts or len(args) != 1:
-            raise Skip(why)
-        p = _reshaped_dim(node, src, out, p)
-    elif target is aten.stack.default:
-        if any(a not in layouts for a in args):
-            raise Skip(f"{node.name} ({opname(node)}) joins pipelined rows with others")
-        p += _dim(node, 1, out.dim()) <= p
-    elif target in PERMUTES:
-        if target is aten.permute.default:
-            order = [d % out.dim() for d in node.args[1]]
-        else:
-            order = list(range(out.dim()))
-            i, j = (0, 1) if target is aten.t.default else (node.args[1] % out.dim(), node.args[2] % out.dim())
-            order[i], order[j] = order[j], order[i]
-        p = order.index(p)
-    elif target_is_split(node):
-        parts = len(outputs(node))
-        d = _dim(node, 1 if target is aten.unbind.int else 2, src.dim())
-        if len(args) != 1:
-            raise Skip(why)
-        if d == p:
-            if target is not aten.split.Tensor or b % parts or src.shape[p] % parts:
-                raise Skip(f"{node.name} ({opname(node)}) splits the rows unevenly across rank blocks")
-            b //= parts   # DTensor's regather: rank blocks become separate tensors
-        elif target is aten.unbind.int and d < p:
-            p -= 1
-    elif target is aten.cat.default:
-        if any(a not in layouts for a in args):
-            raise Skip(f"{node.name} ({opname(node)}) joins pipelined rows with others")
-        if _dim(node, 1, out.dim()) == p:
-            if len({tuple(val(a).shape) for a in args}) != 1:
-                raise Skip(f"{node.name} ({opname(node)}) joins unequal parts along the rows")
-            b *= len(args)   # separate rank blocks become one tensor (before a reduce-scatter)
-        elif len({val(a).shape[p] for a in args}) != 1:
-            raise Skip(why)
-    elif target in MATMULS:
-        first = row_operand(node)
-        if first not in layouts or len(ins) != 1 or p != 0:
-            raise Skip(f"{node.name} ({opname(node)}) does not read the rows as its first operand")
-        if target is aten.addmm.default:
-            bias = val(node.args[0])
-            if bias.dim() == 2 and bias.shape[0] != 1:
-                raise Skip(f"{node.name}: bias {node.args[0].name} has rows")
-    elif target in BATCHWISE:
-        if p != 0 or any(val(a).shape[0] != out.shape[0] for a in ins):
-            raise Skip(f"{node.name} ({opname(node)}) is cut along dim {p}, not its batch")
-        if target in (aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default) \
-                and _dim(node, 2 if target is aten._softmax_backward_data.default else 1, out.dim()) == p:
-            raise Skip(f"{node.name} ({opname(node)}) normalises over the rows")
-    elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-        for a in args:
-            v = val(a)
-            if a in layouts and (v.dim() != out.dim() or v.shape[p] != out.shape[p]):
-                raise Skip(f"{node.name} ({opname(node)}) broadcasts {a.name} along rows")
-            d = p - (out.dim() - v.dim())
-            if a not in layouts and d >= 0 and v.shape[d] not in (1, out.shape[p]):
-                raise Skip(why)
-    else:
+    site = _Site(node, layouts, k, args, ins, val(node), val(ins[0]))
+    rule = _RULES.get(node.target)
+    if rule is None and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        rule = _pointwise
+    if rule is None:
         raise Skip(why)
+    p, b = rule(site, *layouts[ins[0]])
     rows(node, b, k, p)
+    return p, b
+
+
+@_rule(operator.getitem, *COPIES, aten.slice.Tensor)
+def _same_rows(site: _Site, p: int, b: int) -> tuple[int, int]:
+    """Copies, getitem and slices that keep the rows (``keeps_rows``)."""
+    if site.node.target is aten.slice.Tensor and not keeps_rows(site.node, p):
+        raise Skip(site.why)
+    site.single()
+    return p, b
+
+
+@_rule(*VIEWS)
+def _view(site: _Site, p: int, b: int) -> tuple[int, int]:
+    site.single(first=False)
+    return _view_layout(tuple(site.src.shape), (p, b), tuple(site.out.shape), site.k)
+
+
+@_rule(*ROW_REDUCTIONS)
+def _row_reduction(site: _Site, p: int, b: int) -> tuple[int, int]:
+    node, rank = site.node, site.src.dim()
+    dims = node.args[1] if len(node.args) > 1 else None
+    if len(site.args) != 1 or not dims or any(d % rank == p for d in dims):
+        raise Skip(f"{site.what} reduces over the rows")
+    index = _KEEPDIM_ARG.get(node.target)
+    keepdim = node.kwargs.get("keepdim", node.args[index] if index is not None and len(node.args) > index
+                              else False)
+    if not keepdim:
+        p -= sum(1 for d in dims if d % rank < p)
+    return p, b
+
+
+@_rule(aten.native_layer_norm.default)
+def _layer_norm(site: _Site, p: int, b: int) -> tuple[int, int]:
+    """A norm left whole (no decompositions)."""
+    if site.node.args[0] not in site.layouts or len(site.ins) != 1:
+        raise Skip(site.why)
+    if p >= site.src.dim() - len(site.node.args[1]):
+        raise Skip(f"{site.what} normalises over the rows")
+    return p, b
+
+
+@_rule(*RESHAPES)
+def _reshape(site: _Site, p: int, b: int) -> tuple[int, int]:
+    site.single()
+    return _reshaped_dim(site.node, site.src, site.out, p), b
+
+
+@_rule(aten.stack.default)
+def _stack(site: _Site, p: int, b: int) -> tuple[int, int]:
+    site.all_in_pieces()
+    return p + (_dim(site.node, 1, site.out.dim()) <= p), b
+
+
+@_rule(*PERMUTES)
+def _permute(site: _Site, p: int, b: int) -> tuple[int, int]:
+    node, rank = site.node, site.out.dim()
+    if node.target is aten.permute.default:
+        order = [d % rank for d in node.args[1]]
+    else:
+        order = list(range(rank))
+        i, j = (0, 1) if node.target is aten.t.default else (node.args[1] % rank, node.args[2] % rank)
+        order[i], order[j] = order[j], order[i]
+    return order.index(p), b
+
+
+@_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def _split(site: _Site, p: int, b: int) -> tuple[int, int]:
+    node, src = site.node, site.src
+    parts = len(outputs(node))
+    d = _dim(node, 1 if node.target is aten.unbind.int else 2, src.dim())
+    site.single(first=False)
+    if d == p:
+        if node.target is not aten.split.Tensor or b % parts or src.shape[p] % parts:
+            raise Skip(f"{site.what} splits the rows unevenly across rank blocks")
+        b //= parts   # DTensor's regather: rank blocks become separate tensors
+    elif node.target is aten.unbind.int and d < p:
+        p -= 1
+    return p, b
+
+
+@_rule(aten.cat.default)
+def _cat(site: _Site, p: int, b: int) -> tuple[int, int]:
+    site.all_in_pieces()
+    if _dim(site.node, 1, site.out.dim()) == p:
+        if len({tuple(val(a).shape) for a in site.args}) != 1:
+            raise Skip(f"{site.what} joins unequal parts along the rows")
+        b *= len(site.args)   # separate rank blocks become one tensor (before a reduce-scatter)
+    elif len({val(a).shape[p] for a in site.args}) != 1:
+        raise Skip(site.why)
+    return p, b
+
+
+@_rule(*MATMULS)
+def _matmul(site: _Site, p: int, b: int) -> tuple[int, int]:
+    node = site.node
+    if row_operand(node) not in site.layouts or len(site.ins) != 1 or p != 0:
+        raise Skip(f"{site.what} does not read the rows as its first operand")
+    if node.target is aten.addmm.default:
+        bias = val(node.args[0])
+        if bias.dim() == 2 and bias.shape[0] != 1:
+            raise Skip(f"{node.name}: bias {node.args[0].name} has rows")
+    return p, b
+
+
+_SOFTMAX_DIM_ARG = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten._softmax_backward_data.default: 2}
+
+
+@_rule(*BATCHWISE)
+def _batchwise(site: _Site, p: int, b: int) -> tuple[int, int]:
+    out = site.out
+    if p != 0 or any(val(a).shape[0] != out.shape[0] for a in site.ins):
+        raise Skip(f"{site.what} is cut along dim {p}, not its batch")
+    index = _SOFTMAX_DIM_ARG.get(site.node.target)
+    if index is not None and _dim(site.node, index, out.dim()) == p:
+        raise Skip(f"{site.what} normalises over the rows")
+    return p, b
+
+
+def _pointwise(site: _Site, p: int, b: int) -> tuple[int, int]:
+    """Elementwise ops: no operand in pieces broadcast along the rows, none from
+    outside with rows of another length."""
+    out = site.out
+    for a in site.args:
+        v = val(a)
+        if a in site.layouts and (v.dim() != out.dim() or v.shape[p] != out.shape[p]):
+            raise Skip(f"{site.what} broadcasts {a.name} along rows")
+        d = p - (out.dim() - v.dim())
+        if a not in site.layouts and d >= 0 and v.shape[d] not in (1, out.shape[p]):
+            raise Skip(site.why)
     return p, b
 
 
