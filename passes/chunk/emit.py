@@ -4,6 +4,10 @@
     pieces = emitter.emit(plan)      # new start names; the originals erased
     emitter.finish()                 # one stable topological order for the graph
 
+Each Plan is emitted by a ``_Pipeline``, a method a step (a piece's source start,
+compute, sink start and wait; reassembly, rewiring, erasing the originals); the
+Emitter keeps what spans pipelines: the order keys and the wave a new node is in.
+
 Order: in waves. A pipeline's stages are its source start (0), its compute and
 sink start (1) and its sink wait (2), a fed pipeline's counting on from its
 feeder's; wave w holds stage s of piece w - s, stages in order. Nodes that read
@@ -119,133 +123,15 @@ class Emitter:
     def emit(self, plan: Plan) -> tuple[str, ...]:
         """Rewrite ``plan`` into its pieces; returns the new collective starts' names."""
         self.created = []
-        k, world, link = plan.chunks, plan.world, plan.link
-        self.k = k
-        if link is not None:   # counts on in the feeding pipeline's waves
-            self._prefix, self._base = link.joined.prefix, link.joined.stage
+        self.k = plan.chunks
+        if plan.link is not None:   # counts on in the feeding pipeline's waves
+            self._prefix, self._base = plan.link.joined.prefix, plan.link.joined.stage
         else:
             self._prefix, self._base = (self.keys[plan.anchor][0], -1), 0
-        inside = set(plan.region)
-        source_wait = L.one_wait(plan.source) if plan.source is not None else None
-        if source_wait is not None:
-            inside.add(source_wait)
-        envs: list[dict] = [{} for _ in range(k)]
-        new_starts: list[fx.Node] = []
-        source_starts: list[fx.Node] = []
-        sink_starts: list[fx.Node] = []
-        sink_results: list[fx.Node] = []
-        sink_wait = L.one_wait(plan.sink) if plan.sink is not None else None
-        bridge_envs: list[dict] = [{} for _ in range(k)]
-
-        def start_source(i):
-            self._at = (i, 0)
-            src = plan.source
-            op = collective_op(src)
-            if link is not None:   # the feeder's piece i through the row-wise bridge
-                env = bridge_envs[i]
-                env[link.join] = link.joined.pieces[i]
-                for node in link.bridge:
-                    env[node] = self._copy_piece(node, env, i, link.layouts[node], set(link.bridge) | {link.join})
-                shard = env[plan.source_input]
-            elif op == "all_gather_into_tensor":
-                shard = self._piece(plan.source_input, i, (plan.dim, 1), src)
-            else:
-                shard = self._piece(plan.source_input, i, (0, world), src)
-            args = list(src.args)
-            args[0] = shard
-            if op == "all_to_all_single":
-                args[1:3] = [[s[0] // k] * world for s in src.args[1:3]]
-            started = self._new(src.target, args, dict(src.kwargs), like=src, name=f"{src.name}_chunk{i}")
-            started.meta["overlapc_piece_of"] = src.name
-            new_starts.append(started)
-            source_starts.append(started)
-
-        def compute(i):
-            self._at = (i, 1)
-            env = envs[i]
-            if source_wait is not None:
-                env[source_wait] = self._new(F.wait_tensor.default, (source_starts[i],), like=source_wait)
-            for cut in plan.cut:
-                env[cut] = self._piece(cut, i, plan.layouts[cut], plan.region[0])
-            for node in plan.region:
-                env[node] = self._copy_piece(node, env, i, plan.layouts[node], inside | set(plan.cut))
-
-        def start_sink(i):
-            self._at = (i, 1)
-            sink = plan.sink
-            args = list(sink.args)
-            args[0] = envs[i][sink.args[0]]
-            if collective_op(sink) == "all_to_all_single":
-                args[1:3] = [[s[0] // k] * world for s in sink.args[1:3]]
-            started = self._new(sink.target, args, dict(sink.kwargs), like=sink, name=f"{sink.name}_chunk{i}")
-            started.meta["overlapc_piece_of"] = sink.name
-            new_starts.append(started)
-            sink_starts.append(started)
-
-        def wait_sink(i):
-            self._at = (i, 2)
-            sink_results.append(self._new(F.wait_tensor.default, (sink_starts[i],), like=sink_wait))
-
-        # emission order: the pipeline
-        if plan.source is not None:
-            start_source(0)
-        for i in range(k):
-            if plan.source is not None and i + 1 < k:
-                start_source(i + 1)
-            compute(i)
-            if plan.sink is not None:
-                start_sink(i)
-                if i >= 1:
-                    wait_sink(i - 1)
-        if plan.sink is not None:
-            wait_sink(k - 1)
-
-        # reassemble what the rest of the graph reads
-        replaced: dict[fx.Node, fx.Node] = {}
-        if link is not None:
-            self._at = (k - 1, 0)
-            bridge = set(link.bridge)
-            for node in link.bridge:
-                if any(u not in bridge and u is not plan.source for u in node.users):
-                    replaced[node] = self._join([bridge_envs[i][node] for i in range(k)], link.layouts[node], node)
-        self._at = (k - 1, 1)
-        for node in [source_wait, *plan.region] if source_wait is not None else plan.region:
-            outside = [u for u in node.users if u not in inside and u is not plan.sink]
-            if outside:
-                replaced[node] = self._join([envs[i][node] for i in range(k)], plan.layouts[node], node)
-        if plan.sink is not None:
-            self._at = (k - 1, 2)
-            scattered = collective_op(plan.sink) == "reduce_scatter_tensor"
-            layout = (plan.dim, 1) if scattered else (0, world)
-            joined = self._join(sink_results, layout, plan.sink)
-            if tuple(L.val(joined).shape) != tuple(L.val(sink_wait).shape):
-                joined = self._new(aten.view.default, (joined, list(L.val(sink_wait).shape)), like=sink_wait)
-            elif scattered:   # a later all-gather may read these pieces through row-wise compute
-                self.planner.joins.append(
-                    (joined, Joined(sink_results, self._prefix, self._base + 2, plan.sink.name, k, plan.dim)))
-            replaced[sink_wait] = joined
-        keep = set(inside)   # readers that go with the originals
-        if link is not None:
-            keep |= {plan.source, *link.bridge}
-        for old, new in replaced.items():
-            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in keep and u is not plan.sink)
-        # erase the originals (users first)
-        dead = [*plan.region, *(link.bridge if link is not None else ())]
-        if plan.sink is not None:
-            dead += [plan.sink, sink_wait]
-        if plan.source is not None:
-            dead += [plan.source, source_wait]
-        for node in sorted(dead, key=lambda n: self.keys[n], reverse=True):
-            if node.users:
-                raise RuntimeError(f"overlapc chunk: {node.name} ({L.opname(node)}) still has users "
-                                   f"{[u.name for u in node.users]}")
-            self.graph.erase_node(node)
-            self.keys.pop(node, None)
-        if link is not None and not link.join.users:   # every reader now takes the pieces
-            self.graph.erase_node(link.join)
+        names = _Pipeline(self, plan).emit()
         self.created = []
         self.changed = True
-        return tuple(n.name for n in new_starts)
+        return names
 
     def finish(self) -> None:
         """Stable topological order by key: original order, new nodes before their
@@ -266,6 +152,155 @@ class Emitter:
         order = [n for n in order if n.op == "placeholder"] + \
             [n for n in order if n.op not in ("placeholder", "output")] + outputs
         apply_order(self.gm, order)
+
+
+class _Pipeline:
+    """One Plan being emitted through an Emitter, a step a method: its pieces in wave
+    order (``emit``: ``start_source``, ``compute``, ``start_sink``, ``wait_sink``), the
+    whole values the rest of the graph reads (``reassemble``), its readers moved onto
+    those (``rewire``) and the original nodes erased (``erase``)."""
+
+    def __init__(self, emitter: Emitter, plan: Plan):
+        self.emitter, self.plan, self.link = emitter, plan, plan.link
+        self.k, self.world = plan.chunks, plan.world
+        self.inside = set(plan.region)
+        self.source_wait = L.one_wait(plan.source) if plan.source is not None else None
+        if self.source_wait is not None:
+            self.inside.add(self.source_wait)
+        self.envs: list[dict] = [{} for _ in range(self.k)]          # piece i of each region node
+        self.bridge_envs: list[dict] = [{} for _ in range(self.k)]   # piece i of each bridge node
+        self.new_starts: list[fx.Node] = []
+        self.source_starts: list[fx.Node] = []
+        self.sink_starts: list[fx.Node] = []
+        self.sink_results: list[fx.Node] = []
+        self.sink_wait = L.one_wait(plan.sink) if plan.sink is not None else None
+
+    def emit(self) -> tuple[str, ...]:
+        """The pipeline: piece i+1's source start before piece i's compute, piece i's
+        sink start after it and piece i-1's sink wait after that."""
+        plan, k = self.plan, self.k
+        if plan.source is not None:
+            self.start_source(0)
+        for i in range(k):
+            if plan.source is not None and i + 1 < k:
+                self.start_source(i + 1)
+            self.compute(i)
+            if plan.sink is not None:
+                self.start_sink(i)
+                if i >= 1:
+                    self.wait_sink(i - 1)
+        if plan.sink is not None:
+            self.wait_sink(k - 1)
+        self.rewire(self.reassemble())
+        self.erase()
+        return tuple(n.name for n in self.new_starts)
+
+    def _start(self, original: fx.Node, shard: fx.Node, i: int) -> fx.Node:
+        """Piece i of the collective ``original``, on ``shard``."""
+        args = list(original.args)
+        args[0] = shard
+        if collective_op(original) == "all_to_all_single":
+            args[1:3] = [[s[0] // self.k] * self.world for s in original.args[1:3]]
+        started = self.emitter._new(original.target, args, dict(original.kwargs), like=original,
+                                    name=f"{original.name}_chunk{i}")
+        started.meta["overlapc_piece_of"] = original.name
+        self.new_starts.append(started)
+        return started
+
+    def start_source(self, i: int) -> None:
+        self.emitter._at = (i, 0)
+        plan, link, e = self.plan, self.link, self.emitter
+        if link is not None:   # the feeder's piece i through the row-wise bridge
+            env = self.bridge_envs[i]
+            env[link.join] = link.joined.pieces[i]
+            for node in link.bridge:
+                env[node] = e._copy_piece(node, env, i, link.layouts[node], set(link.bridge) | {link.join})
+            shard = env[plan.source_input]
+        elif collective_op(plan.source) == "all_gather_into_tensor":
+            shard = e._piece(plan.source_input, i, (plan.dim, 1), plan.source)
+        else:
+            shard = e._piece(plan.source_input, i, (0, self.world), plan.source)
+        self.source_starts.append(self._start(plan.source, shard, i))
+
+    def compute(self, i: int) -> None:
+        self.emitter._at = (i, 1)
+        plan, env, e = self.plan, self.envs[i], self.emitter
+        if self.source_wait is not None:
+            env[self.source_wait] = e._new(F.wait_tensor.default, (self.source_starts[i],), like=self.source_wait)
+        for cut in plan.cut:
+            env[cut] = e._piece(cut, i, plan.layouts[cut], plan.region[0])
+        for node in plan.region:
+            env[node] = e._copy_piece(node, env, i, plan.layouts[node], self.inside | set(plan.cut))
+
+    def start_sink(self, i: int) -> None:
+        self.emitter._at = (i, 1)
+        self.sink_starts.append(self._start(self.plan.sink, self.envs[i][self.plan.sink.args[0]], i))
+
+    def wait_sink(self, i: int) -> None:
+        self.emitter._at = (i, 2)
+        self.sink_results.append(self.emitter._new(F.wait_tensor.default, (self.sink_starts[i],),
+                                                   like=self.sink_wait))
+
+    def reassemble(self) -> dict[fx.Node, fx.Node]:
+        """original -> its whole value joined from the pieces, for each one read outside
+        the pipeline."""
+        plan, link, k, e = self.plan, self.link, self.k, self.emitter
+        replaced: dict[fx.Node, fx.Node] = {}
+        if link is not None:
+            e._at = (k - 1, 0)
+            bridge = set(link.bridge)
+            for node in link.bridge:
+                if any(u not in bridge and u is not plan.source for u in node.users):
+                    replaced[node] = e._join([self.bridge_envs[i][node] for i in range(k)], link.layouts[node], node)
+        e._at = (k - 1, 1)
+        for node in [self.source_wait, *plan.region] if self.source_wait is not None else plan.region:
+            outside = [u for u in node.users if u not in self.inside and u is not plan.sink]
+            if outside:
+                replaced[node] = e._join([self.envs[i][node] for i in range(k)], plan.layouts[node], node)
+        if plan.sink is not None:
+            e._at = (k - 1, 2)
+            replaced[self.sink_wait] = self._join_sink()
+        return replaced
+
+    def _join_sink(self) -> fx.Node:
+        """The sink's whole result; a reduce-scatter's pieces are offered to a later
+        all-gather that reads them through row-wise compute (``Planner.joins``)."""
+        plan, e, sink_wait = self.plan, self.emitter, self.sink_wait
+        scattered = collective_op(plan.sink) == "reduce_scatter_tensor"
+        layout = (plan.dim, 1) if scattered else (0, self.world)
+        joined = e._join(self.sink_results, layout, plan.sink)
+        if tuple(L.val(joined).shape) != tuple(L.val(sink_wait).shape):
+            joined = e._new(aten.view.default, (joined, list(L.val(sink_wait).shape)), like=sink_wait)
+        elif scattered:
+            e.planner.joins.append(
+                (joined, Joined(self.sink_results, e._prefix, e._base + 2, plan.sink.name, self.k, plan.dim)))
+        return joined
+
+    def rewire(self, replaced: dict[fx.Node, fx.Node]) -> None:
+        """Readers outside the pipeline take the reassembled values."""
+        plan = self.plan
+        keep = set(self.inside)   # readers that go with the originals
+        if self.link is not None:
+            keep |= {plan.source, *self.link.bridge}
+        for old, new in replaced.items():
+            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in keep and u is not plan.sink)
+
+    def erase(self) -> None:
+        """Erase the originals, users first."""
+        plan, link, e = self.plan, self.link, self.emitter
+        dead = [*plan.region, *(link.bridge if link is not None else ())]
+        if plan.sink is not None:
+            dead += [plan.sink, self.sink_wait]
+        if plan.source is not None:
+            dead += [plan.source, self.source_wait]
+        for node in sorted(dead, key=lambda n: e.keys[n], reverse=True):
+            if node.users:
+                raise RuntimeError(f"overlapc chunk: {node.name} ({L.opname(node)}) still has users "
+                                   f"{[u.name for u in node.users]}")
+            e.graph.erase_node(node)
+            e.keys.pop(node, None)
+        if link is not None and not link.join.users:   # every reader now takes the pieces
+            e.graph.erase_node(link.join)
 
 
 def _defer_off_path(nodes: list[fx.Node], key: dict, pipeline: dict) -> None:
