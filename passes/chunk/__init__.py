@@ -148,67 +148,97 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> li
     takes) estimates fastest. Returns one note per pattern found, applied or not, and
     appends them to ``gm.meta["overlapc_chunks"]``. chunks == 1 changes nothing and
     returns []."""
-    from overlapc.passes.chunk import ragged
-    from overlapc.passes.chunk.emit import Emitter
-    from overlapc.passes.chunk.legality import Skip
-    from overlapc.passes.chunk.plan import PATTERNS, Planner
-
     auto = chunks == "auto"
     if not auto and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f'chunk_collectives: chunks must be an int >= 1 or "auto", got {chunks!r}')
-    notes: list[ChunkNote] = []
-    if auto or chunks > 1:
-        prof = choice = None
-        if auto:
-            from overlapc import costmodel
-            prof = costmodel.resolve(profile)
-            choice = _auto_counts(gm, prof)
-        planner = Planner(gm)
-        emitter = Emitter(gm, planner)
-        done: set[fx.Node] = set()
-        for start in [n for n in gm.graph.nodes if collective_op(n) in PATTERNS]:
-            if start in done:
-                continue
-            pattern, group = PATTERNS[collective_op(start)], group_of(start)
-            k, estimates = chunks, ()
-            exchange = ragged.count_exchange(start)
-            if exchange is not None:
-                done.add(start)
-                notes.append(ChunkNote(pattern, (start.name,), group, k if not auto else 1, False, exchange))
-                continue
-            uneven = ragged.is_ragged(start)
-            try:
-                if auto:
-                    if uneven:
-                        k, estimates, plan = _choose_ragged(start, prof)
-                        starts, skip = tuple(n.name for n in plan.starts), None
-                    else:
-                        k, estimates, starts, skip = choice.get(start.name, (1, (), (start.name,), None))
-                    if skip is not None:
-                        raise skip
-                    if k == 1:
-                        done.update(n for n in gm.graph.nodes if n.name in starts)
-                        notes.append(ChunkNote(pattern, starts, group, 1, False,
-                                               "chunks auto: one piece is estimated fastest", estimates=estimates))
-                        continue
-                if not (auto and uneven):
-                    plan = ragged.plan_ragged(start, k) if uneven else planner.plan(start, k)
-                pieces = ragged.emit_ragged(emitter, plan) if uneven else emitter.emit(plan)
-            except Skip as skip:
-                emitter.discard()
-                done.add(start)
-                notes.append(ChunkNote(pattern, (start.name,), group, k if not auto else 1, False, str(skip),
-                                       estimates=estimates))
-                continue
-            done.update(plan.starts)
-            fed_by = plan.link.joined.start if plan.link is not None else ""
-            notes.append(ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, k, True,
-                                   plan.stops, pieces, fed_by, estimates))
-        if emitter.changed:
-            emitter.finish()
-            gm.graph.lint()
+    notes = _Chunker(gm, chunks, profile).run() if auto or chunks > 1 else []
     gm.meta.setdefault("overlapc_chunks", []).extend(notes)
     return notes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """The count a pattern takes: ``k`` pieces (with chunks="auto", 1 when leaving it
+    alone is estimated fastest), the estimates its note reports, its start names, and
+    with chunks="auto" the Skip to report when its chain chose a count it cannot take."""
+
+    k: int
+    estimates: tuple[tuple[int, float], ...]
+    starts: tuple[str, ...]
+    skip: Exception | None = None
+
+
+class _Chunker:
+    """One chunk_collectives run: each pattern's count chosen (given, auto, or auto
+    for data-dependent splits), planned, and emitted through one Emitter."""
+
+    def __init__(self, gm: fx.GraphModule, chunks: int | str, profile):
+        from overlapc.passes.chunk.emit import Emitter
+        from overlapc.passes.chunk.plan import Planner
+
+        self.gm, self.chunks, self.auto = gm, chunks, chunks == "auto"
+        self.left = 1 if self.auto else chunks   # a note's count when the pattern is left alone
+        self.prof, self.choices = None, {}
+        if self.auto:
+            from overlapc import costmodel
+            self.prof = costmodel.resolve(profile)
+            self.choices = _auto_counts(gm, self.prof)
+        self.planner = Planner(gm)
+        self.emitter = Emitter(gm, self.planner)
+        self.done: set[fx.Node] = set()
+
+    def run(self) -> list[ChunkNote]:
+        from overlapc.passes.chunk.plan import PATTERNS
+
+        notes = [self._note(start) for start in [n for n in self.gm.graph.nodes if collective_op(n) in PATTERNS]
+                 if start not in self.done]
+        if self.emitter.changed:
+            self.emitter.finish()
+            self.gm.graph.lint()
+        return notes
+
+    def _note(self, start: fx.Node) -> ChunkNote:
+        """Choose, plan and emit the pattern of ``start``; its note."""
+        from overlapc.passes.chunk import ragged
+        from overlapc.passes.chunk.legality import Skip
+        from overlapc.passes.chunk.plan import PATTERNS
+
+        pattern, group = PATTERNS[collective_op(start)], group_of(start)
+        exchange = ragged.count_exchange(start)
+        if exchange is not None:
+            self.done.add(start)
+            return ChunkNote(pattern, (start.name,), group, self.left, False, exchange)
+        uneven = ragged.is_ragged(start)
+        choice = _Choice(self.left, (), (start.name,))
+        try:
+            choice, plan = self._choose(start, uneven)
+            if choice.skip is not None:
+                raise choice.skip
+            if choice.k == 1:   # chunks="auto" only
+                self.done.update(n for n in self.gm.graph.nodes if n.name in choice.starts)
+                return ChunkNote(pattern, choice.starts, group, 1, False,
+                                 "chunks auto: one piece is estimated fastest", estimates=choice.estimates)
+            if plan is None:
+                plan = ragged.plan_ragged(start, choice.k) if uneven else self.planner.plan(start, choice.k)
+            pieces = ragged.emit_ragged(self.emitter, plan) if uneven else self.emitter.emit(plan)
+        except Skip as skip:
+            self.emitter.discard()
+            self.done.add(start)
+            return ChunkNote(pattern, (start.name,), group, self.left, False, str(skip), estimates=choice.estimates)
+        self.done.update(plan.starts)
+        fed_by = plan.link.joined.start if plan.link is not None else ""
+        return ChunkNote(plan.pattern, tuple(n.name for n in plan.starts), group, choice.k, True,
+                         plan.stops, pieces, fed_by, choice.estimates)
+
+    def _choose(self, start: fx.Node, uneven: bool) -> tuple[_Choice, object]:
+        """The count for ``start``'s pattern: the one given, or chunks="auto"'s choice
+        (``_auto_counts``), or for data-dependent splits its own with the plan it was
+        estimated on (``_choose_ragged``); the plan is None otherwise."""
+        if not self.auto:
+            return _Choice(self.chunks, (), (start.name,)), None
+        if uneven:
+            return _choose_ragged(start, self.prof)
+        return self.choices.get(start.name, _Choice(1, (), (start.name,))), None
 
 
 @dataclasses.dataclass
@@ -222,28 +252,27 @@ class _Trial:
     starts: tuple[str, ...]
 
 
-def _auto_counts(gm: fx.GraphModule, prof) -> dict:
-    """start name -> (k, estimates, the pattern's start names, None), or (1, estimates,
-    names, the Skip of a count the pattern's chain chose but it cannot take), for
-    chunks="auto" and every pattern but the ragged ones and count exchanges. Each count
-    in ``CANDIDATES`` is emitted for the whole graph on a copy; patterns joined by a
-    feed at any count form a chain that takes the count ``estimate.fastest`` puts first
-    by summed estimate, each pattern's estimate including its bridge compute (inside
-    the pipeline when fed, before it when not)."""
-    import copy
+@dataclasses.dataclass
+class _Trials:
+    """Every count in ``CANDIDATES`` (but 1) emitted for the whole graph on a copy."""
 
-    from overlapc import costmodel
-    from overlapc.passes.chunk import ragged
-    from overlapc.passes.chunk.emit import Emitter
-    from overlapc.passes.chunk.estimate import CANDIDATES, fastest, pipeline_ms
-    from overlapc.passes.chunk.legality import Skip
-    from overlapc.passes.chunk.plan import PATTERNS, Planner
+    runs: dict[str, dict[int, _Trial]] = dataclasses.field(default_factory=dict)   # pattern -> k -> trial
+    skips: dict[str, Exception] = dataclasses.field(default_factory=dict)   # pattern -> its first Skip
+    order: list[str] = dataclasses.field(default_factory=list)              # patterns in graph order
+    owner: dict[str, str] = dataclasses.field(default_factory=dict)         # any start's name -> its pattern
 
-    trials: dict[str, dict[int, _Trial]] = {}   # pattern (its first start's name) -> k -> trial
-    skips: dict[str, Skip] = {}
-    order: list[str] = []                       # patterns in graph order
-    owner: dict[str, str] = {}                  # any start's name -> its pattern
-    for k in CANDIDATES[1:]:
+    def add(self, gm: fx.GraphModule, k: int, prof) -> None:
+        """Emit every pattern (but the ragged ones and count exchanges) with ``k`` pieces
+        on a copy of ``gm``; a pattern is named by its first start's name."""
+        import copy
+
+        from overlapc import costmodel
+        from overlapc.passes.chunk import ragged
+        from overlapc.passes.chunk.emit import Emitter
+        from overlapc.passes.chunk.estimate import pipeline_ms
+        from overlapc.passes.chunk.legality import Skip
+        from overlapc.passes.chunk.plan import PATTERNS, Planner
+
         trial = copy.deepcopy(gm)
         planner = Planner(trial)
         emitter = Emitter(trial, planner)
@@ -251,8 +280,8 @@ def _auto_counts(gm: fx.GraphModule, prof) -> dict:
         for start in [n for n in trial.graph.nodes if collective_op(n) in PATTERNS]:
             if start in done or ragged.count_exchange(start) is not None or ragged.is_ragged(start):
                 continue
-            if start.name not in order:
-                order.append(start.name)
+            if start.name not in self.order:
+                self.order.append(start.name)
             try:
                 plan = planner.plan(start, k)
                 ms, one_ms = pipeline_ms(plan, k, prof), pipeline_ms(plan, 1, prof)
@@ -260,51 +289,27 @@ def _auto_counts(gm: fx.GraphModule, prof) -> dict:
             except Skip as skip:
                 emitter.discard()
                 done.add(start)
-                skips.setdefault(start.name, skip)
+                self.skips.setdefault(start.name, skip)
                 continue
             done.update(plan.starts)
             bridge = sum(costmodel.compute_ms(n, prof.device) for n in (plan.link.bridge if plan.link else ()))
             starts = tuple(n.name for n in plan.starts)
-            owner.update((name, start.name) for name in starts)
-            trials.setdefault(start.name, {})[k] = _Trial(
+            self.owner.update((name, start.name) for name in starts)
+            self.runs.setdefault(start.name, {})[k] = _Trial(
                 ms, one_ms - bridge, plan.link.joined.start if plan.link is not None else "", bridge, starts)
-    head = {name: name for name in order}       # chains: union of the feeds at every count
-    for name in order:
-        for t in trials.get(name, {}).values():
-            if t.fed_by in owner:
-                a, b = sorted((_root(head, owner[t.fed_by]), _root(head, name)), key=order.index)
-                head[b] = a
-    chains: dict[str, list[str]] = {}
-    for name in order:
-        chains.setdefault(_root(head, name), []).append(name)
 
-    def estimate(name: str, k: int) -> float:
-        """The pattern's estimate with k pieces (1, or a count it cannot take: left
-        alone), its bridge compute included."""
-        runs = trials[name]
-        bridge = max(r.bridge_ms for r in runs.values())
-        if k not in runs:
-            return runs[min(runs)].one_ms + bridge
-        return runs[k].ms + (0.0 if runs[k].fed_by else bridge)
-
-    choice = {}
-    for members in chains.values():
-        cut = [m for m in members if m in trials]
-        ks = [1, *sorted({k for m in cut for k in trials[m]})]
-        summed = tuple((k, sum(estimate(m, k) for m in cut)) for k in ks)
-        best = fastest(summed) if cut else 1
-        for m in members:
-            if m not in trials:
-                choice[m] = (1, (), (m,), skips[m])
-                continue
-            own = tuple((k, estimate(m, k)) for k in [1, *sorted(trials[m])])
-            runs = trials[m]
-            if best not in runs and best != 1:
-                why = skips.get(m) or Skip(f"chunks auto: its chain takes {best} pieces, which do not cut it")
-                choice[m] = (1, own, runs[min(runs)].starts, why)
-            else:
-                choice[m] = (best, summed if len(cut) > 1 else own, runs.get(best, runs[min(runs)]).starts, None)
-    return choice
+    def chains(self) -> list[_Chain]:
+        """Patterns joined by a feed at any count, each chain in graph order."""
+        head = {name: name for name in self.order}
+        for name in self.order:
+            for t in self.runs.get(name, {}).values():
+                if t.fed_by in self.owner:
+                    a, b = sorted((_root(head, self.owner[t.fed_by]), _root(head, name)), key=self.order.index)
+                    head[b] = a
+        members: dict[str, list[str]] = {}
+        for name in self.order:
+            members.setdefault(_root(head, name), []).append(name)
+        return [_Chain(names, self) for names in members.values()]
 
 
 def _root(head: dict, name: str) -> str:
@@ -313,12 +318,70 @@ def _root(head: dict, name: str) -> str:
     return name
 
 
-def _choose_ragged(start: fx.Node, prof):
-    """(k, estimates, the Plan for k) for chunks="auto" on an all-to-all with
-    data-dependent splits (``ragged``): every count cuts (empty pieces are allowed),
-    estimated assuming balanced routing; such pipelines never chain."""
+@dataclasses.dataclass
+class _Chain:
+    """Patterns that feed one another at some count: they take one count together, the
+    one ``estimate.fastest`` puts first by summed estimate."""
+
+    members: list[str]
+    trials: _Trials
+
+    def estimate(self, name: str, k: int) -> float:
+        """The pattern's estimate with k pieces (1, or a count it cannot take: left
+        alone), its bridge compute included (inside the pipeline when fed, before it
+        when not)."""
+        runs = self.trials.runs[name]
+        bridge = max(r.bridge_ms for r in runs.values())
+        if k not in runs:
+            return runs[min(runs)].one_ms + bridge
+        return runs[k].ms + (0.0 if runs[k].fed_by else bridge)
+
+    def choices(self) -> dict[str, _Choice]:
+        from overlapc.passes.chunk.estimate import fastest
+
+        cut = [m for m in self.members if m in self.trials.runs]
+        ks = [1, *sorted({k for m in cut for k in self.trials.runs[m]})]
+        summed = tuple((k, sum(self.estimate(m, k) for m in cut)) for k in ks)
+        best = fastest(summed) if cut else 1
+        return {m: self._choice(m, best, summed if len(cut) > 1 else None) for m in self.members}
+
+    def _choice(self, name: str, best: int, summed) -> _Choice:
+        """``name``'s choice when its chain takes ``best`` pieces; its note reports the
+        chain's ``summed`` estimates, or its own when it is alone (None)."""
+        from overlapc.passes.chunk.legality import Skip
+
+        runs, skip = self.trials.runs.get(name), self.trials.skips.get(name)
+        if runs is None:
+            return _Choice(1, (), (name,), skip)
+        own = tuple((k, self.estimate(name, k)) for k in [1, *sorted(runs)])
+        if best not in runs and best != 1:
+            why = skip or Skip(f"chunks auto: its chain takes {best} pieces, which do not cut it")
+            return _Choice(1, own, runs[min(runs)].starts, why)
+        return _Choice(best, summed or own, runs.get(best, runs[min(runs)]).starts)
+
+
+def _auto_counts(gm: fx.GraphModule, prof) -> dict[str, _Choice]:
+    """start name -> its _Choice, for chunks="auto" and every pattern but the ragged
+    ones and count exchanges. Each count in ``CANDIDATES`` is emitted for the whole
+    graph on a copy (``_Trials``); patterns joined by a feed at any count form a chain
+    (``_Chain``) that takes one count."""
+    from overlapc.passes.chunk.estimate import CANDIDATES
+
+    trials = _Trials()
+    for k in CANDIDATES[1:]:
+        trials.add(gm, k, prof)
+    choices: dict[str, _Choice] = {}
+    for chain in trials.chains():
+        choices.update(chain.choices())
+    return choices
+
+
+def _choose_ragged(start: fx.Node, prof) -> tuple[_Choice, object]:
+    """chunks="auto" on an all-to-all with data-dependent splits (``ragged``): the choice
+    and the Plan for its count; every count cuts (empty pieces are allowed), estimated
+    assuming balanced routing; such pipelines never chain."""
     from overlapc.passes.chunk import ragged
     from overlapc.passes.chunk.estimate import CANDIDATES
     plan = ragged.plan_ragged(start, CANDIDATES[1])
     k, estimates = ragged.estimate_ragged(plan, CANDIDATES[1:], prof)
-    return k, estimates, dataclasses.replace(plan, chunks=k)
+    return _Choice(k, estimates, tuple(n.name for n in plan.starts)), dataclasses.replace(plan, chunks=k)
