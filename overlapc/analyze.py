@@ -407,6 +407,30 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             threads.setdefault(key, []).append(e)
     if not any(_is_comm_op(e["name"]) for events in threads.values() for e in events):
         raise ValueError(f"{path}: no communication ops found (profile with ProfilerActivity.CPU)")
+    ops = _comm_ops(threads, spans)
+    everything = [e for events in threads.values() for e in events]
+    steps = sorted((int(_STEP.match(e["name"]).group(1)), e["ts"], e["ts"] + e["dur"])
+                   for e in everything if _STEP.match(e["name"]))
+    if not steps:
+        steps = [(0, min(e["ts"] for e in everything), max(e["ts"] + e["dur"] for e in everything))]
+    regions = sorted((e["ts"], e["ts"] + e["dur"], _REGIONS[e["name"]], (e.get("pid"), e.get("tid")))
+                     for e in everything if e["name"] in _REGIONS)
+    graphs = load_dump(dump, rank) if dump else []
+
+    found: list[_Collective] = []
+    runs: list[tuple] = []
+    for number, begin, end in steps:
+        found += _match(number, [op for op in ops if begin <= op.begin < end],
+                        [r for r in regions if begin <= r[0] < end], graphs, runs)
+    timing = _cuda_timing(spans, found, steps) if cuda else _cpu_timing(spans, workers, found, ops, steps)
+    measured = _measured(found, timing, _estimator(profile, info), steps)
+    return Analysis(path, "cuda" if cuda else "cpu", rank, dump, _steps(steps, runs, found, measured, timing),
+                    measured)
+
+
+def _comm_ops(threads: dict, spans: list[dict]) -> list[_Op]:
+    """The top-level communication ops of each compute thread, in time order, each with
+    the CUDA launches (correlations) made inside it."""
     launches: dict = {}
     for e in spans:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and isinstance(e.get("args"), dict) \
@@ -423,48 +447,53 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             op.correlations = tuple(c for _, c in calls[low:bisect.bisect_right(calls, (op.end, float("inf")))])
         ops += mine
     ops.sort(key=lambda op: op.begin)
-    everything = [e for events in threads.values() for e in events]
-    steps = sorted((int(_STEP.match(e["name"]).group(1)), e["ts"], e["ts"] + e["dur"])
-                   for e in everything if _STEP.match(e["name"]))
-    if not steps:
-        steps = [(0, min(e["ts"] for e in everything), max(e["ts"] + e["dur"] for e in everything))]
-    regions = sorted((e["ts"], e["ts"] + e["dur"], _REGIONS[e["name"]], (e.get("pid"), e.get("tid")))
-                     for e in everything if e["name"] in _REGIONS)
-    graphs = load_dump(dump, rank) if dump else []
+    return ops
 
-    found: list[_Collective] = []
-    runs: list[tuple] = []
-    for number, begin, end in steps:
-        found += _match(number, [op for op in ops if begin <= op.begin < end],
-                        [r for r in regions if begin <= r[0] < end], graphs, runs)
-    step_exposed: dict[int, float] = {}
-    if cuda:
-        comm, compute = _cuda_kernels(spans, found)
-        shares = _shared_exposure(comm, compute)
-        exposed = [0.0] * len(found)
-        durations: list[float | None] = [None] * len(found)
-        ran: list[float | None] = [None] * len(found)
-        for (begin, end, index, _), share in zip(comm, shares):
-            if index is not None:
-                exposed[index] += share / 1e3
-                durations[index] = (durations[index] or 0.0) + (end - begin) / 1e3
-                ran[index] = begin if ran[index] is None else min(ran[index], begin)
-        for number, *_ in steps:
-            step_exposed[number] = _minus([(b, e) for b, e, _, s in comm if s == number], compute) / 1e3
-    else:
-        runs_on_workers = _cpu_runs(spans, workers, found)
-        durations = [None if r is None else (r[1] - r[0]) / 1e3 for r in runs_on_workers]
-        ran = [None if r is None else r[0] for r in runs_on_workers]
-        exposed = [sum(w.end - w.begin for w in c.waits) / 1e3 for c in found]
-        for number, begin, end in steps:
-            step_exposed[number] = _length([(op.begin, op.end) for op in ops
-                                            if op.kind is None and begin <= op.begin < end]) / 1e3
 
-    estimate = _estimator(profile, info)
+@dataclasses.dataclass
+class _Timing:
+    """Per collective (as ``found``): how long it ran, when it began running (trace us),
+    its exposed time; per step number: its exposed communication (ms)."""
+
+    durations: list
+    ran: list
+    exposed: list
+    step_exposed: dict
+
+
+def _cuda_timing(spans: list[dict], found: list[_Collective], steps: list[tuple]) -> _Timing:
+    """NCCL kernels: exposed = kernel time with no compute kernel running, shared."""
+    comm, compute = _cuda_kernels(spans, found)
+    shares = _shared_exposure(comm, compute)
+    timing = _Timing([None] * len(found), [None] * len(found), [0.0] * len(found), {})
+    for (begin, end, index, _), share in zip(comm, shares):
+        if index is not None:
+            timing.exposed[index] += share / 1e3
+            timing.durations[index] = (timing.durations[index] or 0.0) + (end - begin) / 1e3
+            timing.ran[index] = begin if timing.ran[index] is None else min(timing.ran[index], begin)
+    for number, *_ in steps:
+        timing.step_exposed[number] = _minus([(b, e) for b, e, _, s in comm if s == number], compute) / 1e3
+    return timing
+
+
+def _cpu_timing(spans: list[dict], workers: set, found: list[_Collective], ops: list[_Op],
+                steps: list[tuple]) -> _Timing:
+    """gloo: a collective runs in its worker span; exposed = time in its waits."""
+    on_workers = _cpu_runs(spans, workers, found)
+    step_exposed = {number: _length([(op.begin, op.end) for op in ops
+                                     if op.kind is None and begin <= op.begin < end]) / 1e3
+                    for number, begin, end in steps}
+    return _Timing([None if r is None else (r[1] - r[0]) / 1e3 for r in on_workers],
+                   [None if r is None else r[0] for r in on_workers],
+                   [sum(w.end - w.begin for w in c.waits) / 1e3 for c in found], step_exposed)
+
+
+def _measured(found: list[_Collective], timing: _Timing, estimate, steps: list[tuple]) -> list[Measured]:
+    """One Measured per collective: its dump row's fields (when matched) and the trace's times."""
     step_begin = {number: begin for number, begin, _ in steps}
     since = lambda t, c: None if t is None else (t - step_begin[c.step]) / 1e3  # noqa: E731
     measured = []
-    for c, duration, stalled, began in zip(found, durations, exposed, ran):
+    for c, duration, stalled, began in zip(found, timing.durations, timing.exposed, timing.ran):
         row, head = c.row, c.start or c.waits[0]
         measured.append(Measured(
             step=c.step, graph=c.graph.name if c.graph else "", order=c.order,
@@ -478,8 +507,14 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
             waited_at_ms=since(c.waits[0].begin if c.waits else None, c),
             estimated_start_ms=row.get("start_ms") if row else None,
             estimated_end_ms=row.get("end_ms") if row else None))
+    return measured
+
+
+def _steps(steps: list[tuple], runs: list[tuple], found: list[_Collective], measured: list[Measured],
+           timing: _Timing) -> list[Step]:
+    """Each step with its graph runs (matched regions) and their measured and estimated totals."""
     run_exposed, run_issue = [0.0] * len(runs), [0.0] * len(runs)
-    for c, stalled in zip(found, exposed):
+    for c, stalled in zip(found, timing.exposed):
         if c.run is not None:
             run_exposed[c.run] += stalled
             run_issue[c.run] += (c.start.end - c.start.begin) / 1e3 if c.start else 0.0
@@ -492,12 +527,12 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
                for index, (graph, start, stop) in enumerate(runs) if begin <= start < end]
         rows = [m for m in measured if m.step == number]
         result.append(Step(
-            step=number, step_ms=(end - begin) / 1e3, exposed_ms=step_exposed[number],
+            step=number, step_ms=(end - begin) / 1e3, exposed_ms=timing.step_exposed[number],
             issue_ms=sum(m.issue_ms for m in rows), collectives=len(rows),
             estimated_step_ms=sum(r.estimated_ms for r in ran) if ran else None,
             estimated_exposed_ms=sum(r.estimated_exposed_ms for r in ran) if ran else None,
             graphs=ran, begin_ms=(begin - steps[0][1]) / 1e3))
-    return Analysis(path, "cuda" if cuda else "cpu", rank, dump, result, measured)
+    return result
 
 
 def _estimator(profile, info: dict):
