@@ -571,7 +571,7 @@ def _report(records, header: dict, profile, fmt: str, wide: bool = False, quiet:
         f"{link.name} {link.gbps:.3g} GB/s, {link.latency_us:.3g} us latency"
         + "".join(f"; {kind} {gbps:.3g} GB/s, {lat:.3g} us" for kind, gbps, lat in link.per_kind),
     ]
-    text = "".join(line + "\n" if wide else report._wrap(line, "    ") for line in lines)
+    text = "".join(line + "\n" if wide else report.wrap(line, "    ") for line in lines)
     return text + "".join("\n" + report.format_graph(*graph, wide=wide, quiet=quiet) for graph in graphs)
 
 

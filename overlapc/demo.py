@@ -2,39 +2,47 @@
 
 First the ranks calibrate a profile of this machine and link (``overlapc
 calibrate``'s quick sweep, ``profiled``: under torch.profiler, as the steps
-whose measurements the estimates are compared with), so the reports'
-estimates are this machine's. Each
-rank builds the same model, shards it with overlapc.fsdp, and trains it twice
-from the same initial weights: under backend="overlapc" (default options unless
-flags say otherwise) and under plain Inductor. Rank 0 prints the loss per step,
-the schedule overlapc chose for the forward and backward graphs (from the
-backend's own artifacts: collectives per graph before -> after bucketing,
-estimates, peak memory), and the median step time of both. Then ``PROFILED``
-more overlapc steps run under torch.profiler, and rank 0 prints, per graph and
-per step, the estimated and the measured time and exposed communication
-(``overlapc.analyze`` on its trace). A step's estimate is its graphs' simulated
-times plus what runs outside them: ``costmodel.outside_ms`` (the calibrated
-per-step and per-parameter costs) and the step's barrier (the calibrated
-all-reduce latency). ``--keep DIR`` keeps the profile, dumps
-and traces. A rank that dies or hangs ends the demo with a message instead of
-a hang.
+whose measurements the estimates are compared with), so the estimates are this
+machine's. Each rank builds the same model, shards it with overlapc.fsdp, and
+compiles it twice from the same initial weights: under backend="overlapc"
+(default options unless flags say otherwise) and under plain Inductor. After
+one compiling step each, the two models train in alternating steps (the first
+of each pair alternates too), so a burst of load on a shared machine hits both
+alike; the step times are the medians over the pairs. Then ``PROFILED`` more
+overlapc steps run under torch.profiler (``overlapc.analyze`` reads the trace).
+
+Rank 0 prints, in three parts: a header block (model and mesh, whether the
+losses are equal, the measured step of overlapc vs Inductor and their ratio,
+the estimate of the same ratio, peak memory of both orders, exposed
+communication before/after), one compact table per graph (``report.format_graph``),
+and only with ``--verbose`` the details: losses and times per step, the wide
+tables, and per profiled step the estimated vs the measured time
+(``overlapc.analyze``). A step's estimate is its graphs' simulated times plus
+what runs outside them: ``costmodel.outside_ms`` (the calibrated per-step and
+per-parameter costs) and the step's barrier (the calibrated all-reduce latency).
+
+The ranks' stderr (file descriptor 2: Python warnings and logs, and torch's
+native lines such as the profiler's) goes to ``rank<R>.log`` in the demo's
+folder, never to the terminal. The ranks run under ``overlapc.launch``: a rank that
+raises has its traceback printed, one that dies or hangs ends the demo with its
+name and the end of its log (where a hung rank's stacks go).
+``--keep DIR`` keeps the folder: logs, profile, schedule dumps and traces.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
+import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 class TinyTransformer(torch.nn.Module):
@@ -51,44 +59,84 @@ class TinyTransformer(torch.nn.Module):
         return self.head(x)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _step(model, optimizer, x, y) -> tuple[float, float]:
+    """One training step and its barrier: (loss, seconds)."""
+    begin = time.perf_counter()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    dist.barrier()
+    return loss.item(), time.perf_counter() - begin
 
 
-def _train(model, data, steps: int) -> tuple[list[float], list[float]]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, times = [], []
-    for step in range(steps):
-        x, y = data[step % len(data)]
+def _train_alternating(models: dict, data, steps: int, say) -> dict:
+    """Step 0 of each model (its compile), one after the other; then steps 1.. in
+    alternating pairs, the model going first alternating too. name -> (losses, seconds)."""
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.05) for name, model in models.items()}
+    results = {name: ([], []) for name in models}
+    names = list(models)
+    for name in names:
+        say(f"compiling under {_LABEL[name]} (its first step) ...")
         begin = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        dist.barrier()
-        times.append(time.perf_counter() - begin)
-        losses.append(loss.item())
-    return losses, times
+        loss, seconds = _step(models[name], optimizers[name], *data[0])
+        results[name][0].append(loss)
+        results[name][1].append(seconds)
+        say(f"  {_LABEL[name]}: first step incl. compile {time.perf_counter() - begin:.0f} s")
+    say(f"timing {steps - 1} alternating pairs of steps ...")
+    for step in range(1, steps):
+        for name in (names if step % 2 else names[::-1]):
+            loss, seconds = _step(models[name], optimizers[name], *data[step % len(data)])
+            results[name][0].append(loss)
+            results[name][1].append(seconds)
+    return results
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, dump_dir: str) -> None:
+_LABEL = {"overlapc": "overlapc", "inductor": "Inductor"}
+
+
+def _log_stderr(path: str) -> None:
+    """Send this process's file descriptor 2 (Python's stderr and every native library's)
+    to ``path`` from now on."""
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str):
+    """File descriptor 2 goes to ``path`` for the duration (processes started meanwhile keep it:
+    what the ranks write before ``_rank_main`` runs, such as import-time warnings)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        _log_stderr(path)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: str) -> None:
+    """One rank (``overlapc.launch`` has joined the gloo group): calibrate, train both, profile, report."""
+    _log_stderr(os.path.join(dump_dir, f"rank{rank}.log"))
     import overlapc.fsdp
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
     logging.basicConfig(level=logging.WARNING)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,))
-    say = print if rank == 0 else (lambda *a, **k: None)
+
+    def say(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
     generator = torch.Generator().manual_seed(1234 + rank)
     data = [(torch.randn(args.batch, args.seq, args.width, generator=generator),
              torch.randn(args.batch, args.seq, args.width, generator=generator)) for _ in range(4)]
 
     from overlapc.calibrate import run_in_group
     profile = os.path.join(dump_dir, "profile.json")
-    say("calibrating this machine and link (quick sweep, under torch.profiler as the measured steps) ...",
-        flush=True)
+    say("calibrating this machine and link (quick sweep, under torch.profiler like the measured steps) ...")
     run_in_group(profile, quick=True, profiled=True)
     dist.barrier()
     options = {"dump_dir": dump_dir, "profile": profile}
@@ -97,57 +145,106 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     if args.bucket is not None:
         options["bucket"] = {"none": None}.get(args.bucket, int(args.bucket) if args.bucket.isdigit()
                                                else args.bucket)
-    results, models = {}, {}
-    for name, backend, options in (("overlapc", "overlapc", options), ("inductor", "inductor", None)):
+    models = {}
+    for name, backend, opts in (("overlapc", "overlapc", options), ("inductor", "inductor", None)):
         torch.manual_seed(0)
         model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
-        compiled = torch.compile(model, backend=backend, options=options)
-        say(f"[{name}] compiling and training {args.steps} steps ...", flush=True)
-        begin = time.perf_counter()
-        losses, times = _train(compiled, data, args.steps)
-        results[name], models[name] = (losses, times), compiled
-        say(f"[{name}] losses: " + " ".join(f"{loss:.5f}" for loss in losses)
-            + f"   (first step incl. compile {times[0]:.1f} s, total {time.perf_counter() - begin:.1f} s)",
-            flush=True)
+        models[name] = torch.compile(model, backend=backend, options=opts)
+    results = _train_alternating(models, data, args.steps, say)
 
     trace = os.path.join(dump_dir, f"trace_rank{rank}.json")
-    say(f"[overlapc] profiling {PROFILED} steps (torch.profiler) ...", flush=True)
+    say(f"profiling {PROFILED} overlapc steps (torch.profiler) ...")
     _profile(models["overlapc"], data, trace)
     dist.barrier()
     if rank == 0:
-        for graph in sorted(os.listdir(os.path.join(dump_dir, "rank0")), key=lambda g: (g[:2] != "fw", g)):
-            folder = os.path.join(dump_dir, "rank0", graph)
-            with open(os.path.join(folder, "report.txt")) as report:
-                text = report.read().rstrip()
-            before, after = (_count_collectives(os.path.join(folder, f)) for f in ("before.txt", "after.txt"))
-            print(f"\n== schedule of {graph} (rank 0): {before} collectives before -> {after} after ==\n{text}")
-        timed = {name: statistics.median(times[1:]) for name, (_, times) in results.items()}
-        same = max(abs(a - b) / max(abs(b), 1e-12)
-                   for a, b in zip(results["overlapc"][0], results["inductor"][0]))
-        print(f"\nmedian step time (steps 2..{args.steps}): overlapc {timed['overlapc'] * 1e3:.1f} ms, "
-              f"inductor {timed['inductor'] * 1e3:.1f} ms "
-              f"(ratio {timed['inductor'] / timed['overlapc']:.2f}x); "
-              f"losses agree to {same:.1e} relative")
-        from overlapc import costmodel
-        from overlapc.analyze import analyze, comparison_text
-        calibrated = costmodel.load_profile(profile)
-        params = sum(1 for _ in models["overlapc"].parameters())
-        framework = costmodel.outside_ms(params, calibrated.device)
-        barrier = calibrated.link.for_kind("all_reduce")[1] * 1e-3   # the step's dist.barrier(): latency
-        print("\n== estimated vs measured (rank 0, profiled steps; `overlapc analyze`) ==")
-        print(f"outside the graphs, estimated {framework + barrier:.1f} ms: framework and SGD "
-              f"{framework:.1f} ms (calibrated {calibrated.device.step_us:.0f} us + {params} parameters x "
-              f"{calibrated.device.param_us:.1f} us), the barrier {barrier:.1f} ms (all-reduce latency)")
-        measured = analyze(trace, dump_dir)
-        print(comparison_text(measured, framework + barrier))
-        estimate = statistics.median(s.estimated_step_ms for s in measured.steps) + framework + barrier
-        profiled = statistics.median(s.step_ms for s in measured.steps)
-        print(f"estimated step {estimate:.1f} ms: {estimate / profiled:.2f}x the profiled median "
-              f"({profiled:.1f} ms), {estimate / (timed['overlapc'] * 1e3):.2f}x the timed median above "
-              f"({timed['overlapc'] * 1e3:.1f} ms, not profiled)")
-        print("Estimates use the profile calibrated above (quick sweep, noisy on shared cores); "
-              "benchmarks/step_time.py shapes the link to show the overlap at realistic ratios.")
-    dist.destroy_process_group()
+        parameters = sum(1 for _ in models["overlapc"].parameters())
+        print(_results_text(args, world_size, dump_dir, profile, trace, results, parameters), end="", flush=True)
+
+
+def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str, results: dict,
+                  parameters: int) -> str:
+    """Rank 0's three parts: the header block, a compact table per graph, details (--verbose)."""
+    from overlapc import costmodel, report
+    from overlapc.analyze import analyze, comparison_text
+
+    graphs = _graphs(os.path.join(dump_dir, "rank0"))
+    calibrated = costmodel.load_profile(profile)
+    framework = costmodel.outside_ms(parameters, calibrated.device)
+    barrier = calibrated.link.for_kind("all_reduce")[1] * 1e-3   # the step's dist.barrier(): latency
+    measured = analyze(trace, dump_dir)
+    lines = _header(args, world_size, results, graphs, framework + barrier, measured)
+    lines += ["", "schedule per graph (estimates from the profile calibrated above)"]
+    text = "\n".join(report.wrap(line, "    ").rstrip("\n") for line in lines) + "\n"
+    for name, rows, summary in graphs:
+        text += "\n" + report.format_graph(name, rows, summary)
+    if not args.verbose:
+        return text + "\n(`overlapc demo --verbose` adds per-step losses and times, the wide tables and " \
+            "estimated vs measured\n profiled steps)\n"
+    details = ["", "== details =="]
+    for name, (losses, times) in results.items():
+        details.append(f"[{name}] losses: " + " ".join(f"{loss:.5f}" for loss in losses))
+        details.append(f"[{name}] step ms: " + " ".join(f"{t * 1e3:.1f}" for t in times)
+                       + "   (the first includes compilation)")
+    for name, rows, summary in graphs:
+        details += ["", report.format_graph(name, rows, summary, wide=True).rstrip("\n")]
+    details += ["", "== estimated vs measured (rank 0, profiled steps; `overlapc analyze`) ==",
+                f"outside the graphs, estimated {framework + barrier:.1f} ms: framework and SGD {framework:.1f} ms "
+                f"(calibrated {calibrated.device.step_us:.0f} us + {parameters} parameters x "
+                f"{calibrated.device.param_us:.1f} us), the barrier {barrier:.1f} ms (all-reduce latency)",
+                comparison_text(measured, framework + barrier)]
+    return text + "\n".join(details) + "\n"
+
+
+def _graphs(folder: str) -> list:
+    """(name, rows, summary) of each graph the backend dumped into ``folder``, forward first."""
+    from overlapc import report
+
+    graphs = []
+    for graph in sorted(os.listdir(folder), key=lambda g: (g[:2] != "fw", g)):
+        with open(os.path.join(folder, graph, "report.json"), encoding="utf-8") as source:
+            document = json.load(source)
+        graphs.append((graph, [report.Row(**row) for row in document["collectives"]], document["summary"]))
+    return graphs
+
+
+def _header(args, world_size: int, results: dict, graphs: list, outside_ms: float, measured) -> list[str]:
+    """The header block: what ran, losses, measured and estimated step, memory, exposed communication."""
+    from overlapc.report import _size
+
+    (o_losses, o_times), (i_losses, i_times) = results["overlapc"], results["inductor"]
+    pairs = list(zip(o_times[1:], i_times[1:]))
+    overlapc_ms = statistics.median(o for o, _ in pairs) * 1e3
+    inductor_ms = statistics.median(i for _, i in pairs) * 1e3
+    pair_ratio = statistics.median(i / o for o, i in pairs)
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(o_losses, i_losses))
+    losses = (f"equal in all {len(o_losses)} steps" if worst == 0 else
+              f"agree to {worst:.1e} relative (largest difference over {len(o_losses)} steps)")
+    before = sum(s["step_ms_before"] for _, _, s in graphs) + outside_ms
+    after = sum(s["step_ms_after"] for _, _, s in graphs) + outside_ms
+    ratio = inductor_ms / overlapc_ms
+    exposed = [(s["exposed_ms_before"], s["exposed_ms_after"]) for _, _, s in graphs]
+    per_graph = ", ".join(f"{name} {b:.1f} -> {a:.1f}" for (name, _, _), (b, a) in zip(graphs, exposed))
+    peak = [max(s[f"peak_bytes_{order}"] for _, _, s in graphs) for order in ("before", "after")]
+    timed = [s for s in measured.steps if s.estimated_step_ms is not None] or measured.steps
+    measured_exposed = statistics.median(s.exposed_ms for s in timed) if timed else float("nan")
+    return [
+        f"== overlapc demo: {args.layers} x TransformerEncoderLayer (width {args.width}, {args.heads} heads) "
+        f"+ Linear, batch {args.batch} x seq {args.seq}",
+        f"   sharded by overlapc.fsdp over a 1-D mesh of {world_size} gloo ranks on this CPU; "
+        f"torch {torch.__version__}",
+        f"losses       {losses} (overlapc vs Inductor, same weights and data)",
+        f"step time    overlapc {overlapc_ms:.1f} ms, Inductor {inductor_ms:.1f} ms: overlapc "
+        f"{ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} (medians of {len(pairs)} alternating pairs; "
+        f"per pair {pair_ratio:.2f}x)",
+        f"estimated    original order {before:.1f} ms -> overlapc's order {after:.1f} ms per step "
+        f"({before / after:.2f}x; measured {ratio:.2f}x)",
+        f"peak memory  original order {_size(peak[0])}, overlapc's order {_size(peak[1])} "
+        f"({peak[1] / peak[0]:.3f}x; estimated live bytes of the largest graph)",
+        f"exposed comm estimated {sum(b for b, _ in exposed):.1f} -> {sum(a for _, a in exposed):.1f} ms per step "
+        f"({per_graph})",
+        f"             measured under overlapc {measured_exposed:.1f} ms per step (median of {len(timed)} profiled "
+        f"steps)",
+    ]
 
 
 PROFILED = 9   # steps under torch.profiler, after one warm-up step: on 2 shared cores a step takes
@@ -171,55 +268,86 @@ def _profile(model, data, path: str) -> None:
             prof.step()
 
 
-def _count_collectives(path: str) -> int:
-    """Collective starts in a dumped graph's code (every functional op but wait_tensor)."""
-    with open(path) as code:
-        return sum(1 for line in code if "torch.ops._c10d_functional." in line and "wait_tensor" not in line)
+_EXAMPLES = """examples:
+  overlapc demo
+  overlapc demo --keep demo-out --verbose
+  overlapc demo --layers 4 --width 128 --max-in-flight 2 --bucket none"""
+
+
+def _arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="overlapc demo", description=textwrap.fill(
+            "Train a small sharded transformer on 2 local gloo ranks under overlapc and under Inductor; print "
+            "whether the losses agree, both step times and overlapc's schedule.", 100),
+        epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="training steps per model, the first compiling "
+                        "(default 8: 7 timed pairs)")
+    parser.add_argument("--layers", type=int, default=2, help="TransformerEncoderLayer blocks (default 2)")
+    parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step and rank (default 8)")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="collectives of a group and kind in flight (0 = no limit; default: overlapc's, 3)")
+    parser.add_argument("--bucket", default=None,
+                        help='"auto", "module", a byte count, or "none" (default: overlapc\'s, auto)')
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds before the ranks are stopped (default 900)")
+    parser.add_argument("--keep", metavar="DIR", help="write the rank logs, profile, schedule dumps and "
+                        "profiler traces here and keep them (default: a temporary folder); then try "
+                        "`overlapc analyze DIR/trace_rank0.json --dump DIR`")
+    parser.add_argument("--verbose", action="store_true", help="also print losses and times per step, the "
+                        "wide tables and the estimated vs measured profiled steps (default: off)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overlapc demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--max-in-flight", type=int, default=None,
-                        help="collectives of a group and kind in flight (0 = no limit; default: overlapc's)")
-    parser.add_argument("--bucket", default=None, help='"auto", "module", a byte count, or "none" (default: overlapc\'s)')
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
-    parser.add_argument("--keep", metavar="DIR", help="write the profile, schedule dumps and profiler traces "
-                        "here and keep them (default: a temporary folder); then try "
-                        "`overlapc analyze DIR/trace_rank0.json --dump DIR`")
+    parser = _arguments()
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step includes compilation)")
     world_size = 2
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
+    print(f"overlapc demo: {world_size} gloo ranks on this machine; their stderr goes to rank<R>.log in "
+          f"{'the folder --keep names' if args.keep else 'a temporary folder (--keep DIR keeps it)'}", flush=True)
     with (contextlib.nullcontext(os.path.abspath(args.keep)) if args.keep
           else tempfile.TemporaryDirectory(prefix="overlapc-demo-")) as dump_dir:
-        context = mp.start_processes(_rank_main, args=(world_size, _free_port(), args, dump_dir),
-                                     nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + args.timeout
-        try:
-            while not context.join(timeout=5):
-                if time.monotonic() > deadline:
-                    print(f"overlapc demo: ranks still running after {args.timeout:.0f} s; stopping them",
-                          file=sys.stderr)
-                    return 1
-        except mp.ProcessExitedException as error:
-            print(f"overlapc demo: rank {error.error_index} died ({error}); stopping", file=sys.stderr)
-            return 1
-        except mp.ProcessRaisedException as error:
-            print(f"overlapc demo: a rank failed:\n{error}", file=sys.stderr)
-            return 1
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
+        code = _run_ranks(world_size, args, dump_dir)
+    if args.keep:
+        print(f"\nkept (logs, profile, dumps, traces; try `overlapc analyze DIR/trace_rank0.json --dump DIR`):\n"
+              f"  {os.path.abspath(args.keep)}")
+    return code
+
+
+def _run_ranks(world_size: int, args: argparse.Namespace, dump_dir: str) -> int:
+    """Run the ranks through ``overlapc.launch`` (their stderr, from interpreter start, in
+    ``dump_dir``); 1 with the failing rank's error when one raises, dies or outlives
+    ``args.timeout`` (then with the end of the logs, where a hung rank's stacks go)."""
+    from overlapc import launch
+
+    try:
+        with _stderr_to(os.path.join(dump_dir, "launch.log")):
+            launch.run(_rank_main, world_size, args=(args, dump_dir), timeout=args.timeout)
+    except launch.RankFailure as error:
+        print(f"overlapc demo: {error}" + _log_tails(dump_dir, error.ranks), file=sys.stderr)
+        return 1
+    except Exception as error:   # noqa: BLE001 - a rank's exception, re-raised by the launcher
+        print(f"overlapc demo: {launch.failure_text(error)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _log_tails(dump_dir: str, ranks, lines: int = 20) -> str:
+    """The last ``lines`` lines of each rank's log, for a rank that died or hung."""
+    text = ""
+    for rank in ranks:
+        path = os.path.join(dump_dir, f"rank{rank}.log")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as log:
+                tail = log.read().splitlines()[-lines:]
+            text += f"\n--- end of {path} ---\n" + "\n".join(tail)
+    return text
 
 
 if __name__ == "__main__":

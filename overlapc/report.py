@@ -112,6 +112,7 @@ import copy
 import dataclasses
 import json
 import os
+import textwrap
 import weakref
 from typing import Callable
 
@@ -590,18 +591,17 @@ def format_graph(name: str, rows: list[Row], summary: dict, wide: bool = False, 
              f"{s['step_ms_before']:.3g} -> {s['step_ms_after']:.3g} ms", f"  {memory_text(s)}"]
     flight = in_flight_text(s)
     lines += [f"  {flight}"] if flight else []
-    text = "".join(_wrap(line, "    ") for line in lines)
+    text = "".join(wrap(line, "    ") for line in lines)
     if quiet:
         return text
     text += format_compact(rows)
     for line in rewrites_text(s, compact=True).splitlines():
-        text += _wrap(line, "    ")
+        text += wrap(line, "    ")
     return text
 
 
-def _wrap(line: str, indent: str, width: int = WIDTH) -> str:
+def wrap(line: str, indent: str, width: int = WIDTH) -> str:
     """``line`` broken at spaces into lines of at most ``width`` columns, the later ones indented."""
-    import textwrap
     return "\n".join(textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=True,
                                     break_on_hyphens=False)) + "\n"
 

@@ -5,6 +5,7 @@ the CLI makes (and destroys) its own fake process group, or reuses the
 session's ``fake_pg`` (also world size 8) when an earlier test made it. One
 test runs ``python -m overlapc.cli`` in a subprocess.
 """
+import argparse
 import json
 import os
 import subprocess
@@ -94,7 +95,7 @@ def test_report_json_schema(capsys):
 def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     mlp = small_target(tmp_path, "mlp", dim=64, hidden=128, depth=2, tokens=64)
     code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw", "--max-in-flight-bytes", "64KiB",
-                         "--bucket", "none")
+                         "--bucket", "none", "--wide")
     assert code == 0, err
     assert "schedule: max_in_flight=3, max_in_flight_bytes=65536" in out
     assert "fw_0: 12 collectives (h100, nvlink)" in out and "bw_0" not in out
@@ -102,11 +103,14 @@ def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     assert "estimated exposed" in out and "peak in flight per group: all_gather" in out and "; step " in out
     assert "reduce_scatter" not in out   # forward only: no line for a kind it lacks
     assert "collectives 12 ->" not in out and "bucket " not in out   # --bucket none: no rewrite lines
-    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw")   # default bucket="auto"
+    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw", "--wide")   # default bucket="auto"
     assert code == 0, err
     # per block: norm weight and bias and the up-projection's bias merge; the big weights stay alone
     assert "fw_0: 8 collectives" in out and "collectives 12 -> 8: 6 merged into 2 buckets" in out
     assert "bucket all_gather_bucket (all_gather, group 0, " in out and "blocks.1.norm, blocks.1.norm" in out
+    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw")   # compact: members grouped by module
+    assert code == 0 and "collectives 12 -> 8: 6 merged into 2 buckets" in out
+    assert "bucket all_gather_bucket_1 (AG, 1.0KiB, 3 members): blocks.1.{norm x2, up}" in out
     llama = small_target(tmp_path, "llama", vocab=64, dim=32, heads=2, hidden=64, depth=1, seq=16)
     code, out, err = run(capsys, "report", llama, *WORLD, "--graph", "bw", "--quiet")
     assert code == 0, err
@@ -358,3 +362,92 @@ def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, make_argv
 def test_bucket_option_typo_gets_did_you_mean():
     with pytest.raises(ValueError, match=r"got 'modul'; did you mean 'module'\?"):
         overlapc.OverlapConfig.from_options({"bucket": "modul"})
+
+
+LLAMA = os.path.join(REPO, "examples", "llama.py") + ":build"
+
+
+def test_report_fits_120_columns_and_wide_gives_every_column(capsys):
+    code, out, err = run(capsys, "report", LLAMA, *WORLD)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+    header = [line for line in lines if line.startswith("collective ")]
+    assert len(header) == 2 and header[0].split()[:4] == ["collective", "kind", "group", "bytes"]
+    assert "by estimate with h100:nvlink" in out and "estimated exposed" in out
+    code, wide, err = run(capsys, "report", LLAMA, *WORLD, "--wide", "--quiet")
+    assert code == 0 and err == ""
+    assert max(len(line) for line in wide.splitlines()) > 120
+    assert [line.split() for line in wide.splitlines() if line.startswith("collective ")][0] == [
+        "collective", "kind", "group", "bytes", "dtype", "issue", "wait", "compute", "comm_ms", "exposed_ms",
+        "verdict", "placed", "module"]
+    rows = sum(1 for line in lines if line.startswith(("all_gather", "reduce_scatter")))
+    assert rows == sum(1 for line in wide.splitlines() if line.startswith(("all_gather", "reduce_scatter")))
+
+
+def test_report_quiet_prints_the_summaries_only(capsys):
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--quiet")
+    assert code == 0 and err == ""
+    assert "fw_0: 4 collectives" in out and "bw_0: 4 collectives" in out and "estimated exposed" in out
+    assert "all_gather_into_tensor" not in out and "issued at" not in out
+
+
+def _parsers():
+    parser = cli._parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return parser, commands.choices
+
+
+def test_help_teaches_every_command(capsys):
+    import overlapc.demo as demo
+    parser, commands = _parsers()
+    assert "pydoc" not in parser.format_help() and "examples:" in parser.format_help()
+    commands = {**commands, "demo": demo._arguments()}
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert sub.description and sub.description.strip(), name
+        examples = [line.strip() for line in text.split("examples:")[1].splitlines() if line.strip()]
+        assert 2 <= len(examples) <= 3, (name, examples)
+        for example in examples:
+            assert name in example.split(), (name, example)
+            for target in (w for w in example.split() if w.startswith("examples/")):
+                path, _, function = target.partition(":")
+                assert os.path.isfile(os.path.join(REPO, path)), target
+                assert f"def {function}(" in open(os.path.join(REPO, path)).read(), target
+        for action in sub._actions:
+            if action.dest == "help" or not action.option_strings:
+                continue
+            assert action.help and ("default" in action.help or action.required), (name, action.dest)
+    _, commands = _parsers()
+    assert "writes" in commands["dump"].description or "write" in commands["dump"].description
+    device = next(a for a in commands["report"]._actions if a.dest == "device")
+    assert "FLOP" in device.help and "default h100" in device.help
+    fmt = next(a for a in commands["report"]._actions if a.dest == "format")
+    assert "json" in fmt.help and "default text" in fmt.help
+    for line in parser.format_help().split("examples:")[1].splitlines():
+        if "examples/" in line:
+            target = next(w for w in line.split() if w.startswith("examples/"))
+            assert os.path.isfile(os.path.join(REPO, target.partition(":")[0])), line
+
+
+def test_demo_prints_its_header_first_without_profiler_noise_within_120_columns(tmp_path):
+    """`make demo`'s terminal (a smaller model): the header block within the first 15 lines,
+    no torch profiler line (the ranks' stderr goes to their logs), no line over 120 columns."""
+    kept = tmp_path / "kept"
+    done = subprocess.run([sys.executable, "-m", "overlapc.cli", "demo", "--layers", "1", "--width", "32",
+                           "--heads", "2", "--batch", "2", "--seq", "8", "--steps", "3", "--keep", str(kept)],
+                          capture_output=True, text=True, timeout=1200, cwd=REPO)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    terminal = done.stdout + done.stderr
+    assert "USDT" not in terminal and "SyncActivityProfilerHandler" not in terminal
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+    first = next(i for i, line in enumerate(lines) if line.startswith("== overlapc demo:"))
+    assert first < 15, lines[:first + 1]
+    block = [line.split()[0] for line in lines[first + 2:first + 7]]
+    assert block == ["losses", "step", "estimated", "peak", "exposed"], lines[first:first + 8]
+    assert "equal in all 3 steps" in lines[first + 2] and "Inductor" in lines[first + 3]
+    assert sum(line.startswith(("fw_", "bw_")) and "by estimate with profile.json (calibrated)" in line
+               for line in lines) == 2
+    assert "== details ==" not in done.stdout and os.path.isfile(kept / "rank0.log")
+    assert os.path.isfile(kept / "rank1.log") and os.path.isfile(kept / "trace_rank0.json")
