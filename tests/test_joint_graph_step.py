@@ -59,6 +59,9 @@ def test_summary_takes_the_slower_rank_per_step_and_ratios_within_a_mode(bench):
     assert rows["overlapc/regional"]["ratio_to_graph_trainer"] == round(8.0 / 25.0, 3)
     assert rows["overlapc/full"]["ratio_to_graph_trainer"] == round(70.0 / 100.0, 3)
     assert rows["graph_trainer/full"]["ratio_to_graph_trainer"] == 1.0
+    # per round: overlapc/regional 8/12, 9/30, 7/25 -> median 9/30
+    assert rows["overlapc/regional"]["paired_ratio_median"] == round(9.0 / 30.0, 3)
+    assert rows["overlapc/full"]["paired_ratio_median"] == round(70.0 / 110.0, 3)
     assert rows["overlapc/full"]["estimate_before_inductor"]["peak_mib"] == 10.0   # rank 0's estimate
 
 
