@@ -119,6 +119,17 @@ def _stderr_to(path: str):
         os.close(saved)
 
 
+def _schedule_options(args: argparse.Namespace) -> dict:
+    """The overlapc options the flags ask for (checked in ``main`` before any rank starts)."""
+    options = {}
+    if args.max_in_flight is not None:
+        options["max_in_flight"] = None if args.max_in_flight == 0 else args.max_in_flight
+    if args.bucket is not None:
+        options["bucket"] = {"none": None}.get(args.bucket, int(args.bucket) if args.bucket.isdigit()
+                                               else args.bucket)
+    return options
+
+
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: str) -> None:
     """One rank (``overlapc.launch`` has joined the gloo group): calibrate, train both, profile, report."""
     _log_stderr(os.path.join(dump_dir, f"rank{rank}.log"))
@@ -139,12 +150,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: s
     say("calibrating this machine and link (quick sweep, under torch.profiler like the measured steps) ...")
     run_in_group(profile, quick=True, profiled=True)
     dist.barrier()
-    options = {"dump_dir": dump_dir, "profile": profile}
-    if args.max_in_flight is not None:
-        options["max_in_flight"] = None if args.max_in_flight == 0 else args.max_in_flight
-    if args.bucket is not None:
-        options["bucket"] = {"none": None}.get(args.bucket, int(args.bucket) if args.bucket.isdigit()
-                                               else args.bucket)
+    options = {"dump_dir": dump_dir, "profile": profile, **_schedule_options(args)}
     models = {}
     for name, backend, opts in (("overlapc", "overlapc", options), ("inductor", "inductor", None)):
         torch.manual_seed(0)
@@ -306,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step includes compilation)")
+    from overlapc.config import OverlapConfig
+    try:
+        OverlapConfig.from_options(_schedule_options(args), env={})
+    except ValueError as error:
+        parser.error(str(error))
     world_size = 2
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)

@@ -451,3 +451,11 @@ def test_demo_prints_its_header_first_without_profiler_noise_within_120_columns(
                for line in lines) == 2
     assert "== details ==" not in done.stdout and os.path.isfile(kept / "rank0.log")
     assert os.path.isfile(kept / "rank1.log") and os.path.isfile(kept / "trace_rank0.json")
+
+
+def test_demo_refuses_bad_options_before_starting_ranks(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", "--bucket", "bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "overlapc demo: error: OverlapConfig.bucket must be" in err and "'bogus'" in err
