@@ -89,8 +89,10 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     """Schedule ``gm.graph`` in place with the core and check the result.
     ``budget_of(structure)`` gives the Budget; ``s``: the graph's Structure when
     the caller has it (the graph unchanged since). A graph with chained
-    collectives whose schedule fails the check (or the core) is scheduled again
-    with late chain points, else placed serially (``_chains_again``). Each
+    collectives is scheduled with its headroom under the serial order's peak
+    (chain points where a chain's own buffers fit it) and checked against that
+    order too; if its schedule fails the check (or the core), it is scheduled
+    again with late chain points, else placed serially (``_chains_again``). Each
     placed start and wait gets its reason in ``meta["overlapc_reason"]`` once
     the check passed."""
     s = s if s is not None else Structure(gm)
