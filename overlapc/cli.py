@@ -22,9 +22,14 @@ came from.
         DIR/<graph>/before.txt, after.txt, report.txt, report.json
         (``overlapc.report.write_artifacts``; report.json is "overlapc.report/1").
     overlapc report TARGET --world-size N [--format text|json] [--wide] [--quiet]
+                    [--html FILE [--trace TRACE]]
         A summary per graph and one row per collective, on stdout: compact
         rows within 120 columns (``overlapc.report.format_graph``), every
-        column with ``--wide``, the summaries only with ``--quiet``.
+        column with ``--wide``, the summaries only with ``--quiet``. ``--html``
+        also writes one self-contained page (``overlapc.html_report``): per
+        graph, the simulated timelines before and after, live bytes of both
+        orders and the collectives; with ``--trace`` (a torch.profiler trace
+        of these graphs) the measured run beside the estimate.
     overlapc timeline TARGET --world-size N [-o trace.json]
         The simulated schedule before and after, as a Chrome / Perfetto trace.
     overlapc calibrate [--world-size N] [-o profile.json] [--quick]
@@ -175,8 +180,8 @@ _EXAMPLES = {
   overlapc dump examples/mlp.py:build --world-size 8 --graph fw --bucket none""",
     "report": """examples:
   overlapc report examples/llama.py:build --world-size 8
-  overlapc report examples/llama.py:build --world-size 8 --profile profile.json --quiet
-  overlapc report examples/mlp.py:build --world-size 8 --profile cpu:ethernet --wide""",
+  overlapc report examples/mlp.py:build --world-size 8 --profile cpu:ethernet --wide
+  overlapc report examples/llama.py:build --world-size 8 --profile cpu:ethernet --html schedule.html""",
     "timeline": """examples:
   overlapc timeline examples/llama.py:build --world-size 8 -o llama-trace.json
   overlapc timeline examples/mlp.py:build --world-size 8 --max-in-flight none""",
@@ -257,6 +262,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--wide", action="store_true", help="text: every column (dtype, wait positions, "
                         "compute between, comm time, recorded reasons), lines as wide as they need "
                         "(default: compact rows within 120 columns)")
+    report.add_argument("--html", metavar="FILE", help="also write the schedule as one self-contained HTML page: "
+                        "simulated timelines before and after, live bytes, the collectives (default: none)")
+    report.add_argument("--trace", metavar="FILE", help="with --html: a torch.profiler trace of these graphs "
+                        "(what `overlapc analyze` reads), its measured run drawn beside the estimate (default: none)")
     timeline = _command(commands, "timeline", "write the simulated schedule before and after as a "
                         "Chrome/Perfetto trace file", parents=[common])
     timeline.add_argument("-o", "--out", default="overlapc-trace.json", metavar="FILE",
@@ -406,6 +415,12 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     if args.command == "dump":
         _check_writable(args.out)
+    elif args.command == "report" and (args.html or args.trace):
+        if not args.html:
+            raise UsageError("--trace draws a measured run on the HTML page: give --html FILE as well")
+        if os.path.isdir(args.html):
+            raise UsageError(f"{args.html} is a folder; --html takes a file name")
+        _check_writable(os.path.dirname(os.path.abspath(args.html)))
     elif args.command == "timeline":
         if os.path.isdir(args.out):
             raise UsageError(f"{args.out} is a folder; -o takes a file name")
@@ -445,6 +460,9 @@ def _run(args: argparse.Namespace) -> int:
             _dump(records, args.out, profile, say)
         elif args.command == "report":
             sys.stdout.write(_report(records, header, profile, args.format, args.wide, args.quiet))
+            if args.html:
+                _write_html(args, records, header, profile, cfg)
+                say(f"wrote {args.html}")
         else:
             _write(args.out, _trace(records, header, profile))
             say(f"wrote {args.out} (open in https://ui.perfetto.dev or chrome://tracing)")
@@ -514,6 +532,19 @@ def _describe(value) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
     return type(value).__name__
+
+
+def _write_html(args: argparse.Namespace, records, header: dict, profile, cfg) -> None:
+    """``report --html``: the records' schedule page (``overlapc.html_report``)."""
+    from overlapc import html_report
+
+    settings = ", ".join(f"{k}={v}" for k, v in header["config"].items())
+    try:
+        html_report.write_html(args.html, records, profile, cfg, trace=args.trace,
+                               title=f"overlapc schedule: {args.target}",
+                               notes=[f"world size {args.world_size}, rank {args.rank}; {settings}"])
+    except ValueError as error:   # a trace that `overlapc analyze` rejects
+        raise UsageError(str(error)) from None
 
 
 @contextlib.contextmanager

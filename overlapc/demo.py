@@ -26,7 +26,9 @@ native lines such as the profiler's) goes to ``rank<R>.log`` in the demo's
 folder, never to the terminal. The ranks run under ``overlapc.launch``: a rank that
 raises has its traceback printed, one that dies or hangs ends the demo with its
 name and the end of its log (where a hung rank's stacks go).
-``--keep DIR`` keeps the folder: logs, profile, schedule dumps and traces.
+``--keep DIR`` keeps the folder: logs, profile, schedule dumps, traces, and
+``schedule.html`` (``overlapc.html_report``: the timelines before and after, live
+bytes and the profiled run beside the estimate).
 """
 from __future__ import annotations
 
@@ -165,6 +167,23 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: s
     if rank == 0:
         parameters = sum(1 for _ in models["overlapc"].parameters())
         print(_results_text(args, world_size, dump_dir, profile, trace, results, parameters), end="", flush=True)
+    if args.keep:
+        _write_page(rank, mesh, args, data, options, profile, trace, dump_dir)
+
+
+def _write_page(rank: int, mesh, args, data, options: dict, profile: str, trace: str, dump_dir: str) -> None:
+    """``DIR/schedule.html`` (``overlapc.html_report``) of rank 0's graphs with its profiled run.
+    Every rank captures the model once more (aot_eager: the collectives run on gloo, so all take part)."""
+    import overlapc.fsdp
+    from overlapc import backend as overlapc_backend
+    from overlapc import html_report
+
+    torch.manual_seed(0)
+    model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
+    records = overlapc_backend.capture(model, (data[0][0],), {k: v for k, v in options.items() if k != "dump_dir"})
+    if rank == 0:
+        html_report.write_html(os.path.join(dump_dir, "schedule.html"), records, profile, options, trace=trace,
+                               dump=dump_dir, title="overlapc demo: the schedule of rank 0")
 
 
 def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str, results: dict,
@@ -299,8 +318,8 @@ def _arguments() -> argparse.ArgumentParser:
                         help='"auto", "module", a byte count, or "none" (default: overlapc\'s, auto)')
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds before the ranks are stopped (default 900)")
-    parser.add_argument("--keep", metavar="DIR", help="write the rank logs, profile, schedule dumps and "
-                        "profiler traces here and keep them (default: a temporary folder); then try "
+    parser.add_argument("--keep", metavar="DIR", help="write the rank logs, profile, schedule dumps, "
+                        "profiler traces and the schedule page schedule.html here and keep them (default: a temporary folder); then try "
                         "`overlapc analyze DIR/trace_rank0.json --dump DIR`")
     parser.add_argument("--verbose", action="store_true", help="also print losses and times per step, the "
                         "wide tables and the estimated vs measured profiled steps (default: off)")
@@ -326,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
           else tempfile.TemporaryDirectory(prefix="overlapc-demo-")) as dump_dir:
         code = _run_ranks(world_size, args, dump_dir)
     if args.keep:
-        print(f"\nkept (logs, profile, dumps, traces; try `overlapc analyze DIR/trace_rank0.json --dump DIR`):\n"
+        print(f"\nkept (logs, profile, dumps, traces, schedule.html; try `overlapc analyze DIR/trace_rank0.json --dump DIR`):\n"
               f"  {os.path.abspath(args.keep)}")
     return code
 

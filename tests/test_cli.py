@@ -451,6 +451,8 @@ def test_demo_prints_its_header_first_without_profiler_noise_within_120_columns(
                for line in lines) == 2
     assert "== details ==" not in done.stdout and os.path.isfile(kept / "rank0.log")
     assert os.path.isfile(kept / "rank1.log") and os.path.isfile(kept / "trace_rank0.json")
+    page = (kept / "schedule.html").read_text()   # the kept folder's schedule page, with the profiled run
+    assert "fw_0" in page and "bw_0" in page and "measured" in page and "https://" not in page
 
 
 def test_demo_refuses_bad_options_before_starting_ranks(capsys):
@@ -459,3 +461,23 @@ def test_demo_refuses_bad_options_before_starting_ranks(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "overlapc demo: error: OverlapConfig.bucket must be" in err and "'bogus'" in err
+
+
+def test_report_html_writes_the_schedule_page_beside_the_rows(tmp_path, capsys):
+    page = tmp_path / "schedule.html"
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--quiet", "--html", page)
+    assert code == 0 and err == "" and "fw_0: 4 collectives" in out
+    html = page.read_text()
+    assert html.startswith("<!DOCTYPE html>") and "fw_0" in html and "bw_0" in html
+    assert "http://" not in html and "https://" not in html     # self-contained
+    code, _, err = run(capsys, "report", ALLGATHER, *WORLD, "--html", page, "--format", "json")
+    assert code == 0 and page.read_text() == html                # deterministic
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--trace", "trace.json"], "--trace draws a measured run on the HTML page: give --html FILE as well"),
+    (["--html", "."], ". is a folder; --html takes a file name"),
+])
+def test_report_html_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and expected in err, err
