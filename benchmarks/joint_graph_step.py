@@ -34,7 +34,20 @@ thread. ``overlapc.backend.route_gloo_all_gathers`` is installed in every rank
 variants alike.
 
     python benchmarks/joint_graph_step.py [--batch 8] [--seq 256] [--steps 10] [--warmup 2]
-        [--inductor regional|full] [--reference] [--json benchmarks/results/joint_graph_step.json]
+        [--inductor regional full] [--keep-order] [--reference] [--json out.json]
+
+On plain loopback the step is CPU-bound and the collectives' order hardly
+shows. To make the link the bottleneck, run it in a network namespace whose
+loopback is shaped (root; DESIGN.md's recipe):
+
+    ip netns add jgs_step; ip -n jgs_step link set lo up
+    ip netns exec jgs_step tc qdisc add dev lo root tbf rate 200mbit burst 256kb limit 64mb
+    ip netns exec jgs_step python benchmarks/joint_graph_step.py ...
+
+With SDPA attention graph_trainer's "regional" Inductor compiles nothing (it
+tags only FlexAttention regions), so that pair runs as FX graphs; "full"
+compiles the whole step (minutes per variant on 2 loaded cores; Inductor's
+FX graph cache hits on a rerun).
 """
 from __future__ import annotations
 
