@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from overlapc import rankcheck
+from overlapc.collectives import name_inputs
 from overlapc.config import OverlapConfig
 from overlapc.passes.pipeline import schedule, unscheduled_order
 from overlapc.torch_compat import (
@@ -175,6 +176,8 @@ def _named(kind: str, compile_fn: Callable, index: int, cfg: OverlapConfig | Non
         try:
             if model is not None:
                 model.saw(gm, name)
+            if input_names:
+                name_inputs(gm, input_names)   # reports name what a collective moves by its parameter
             if cfg is not None and rankcheck.enabled(cfg):
                 seconds = rankcheck.check(gm, name, cfg, input_names or [])
                 if seconds is not None:
@@ -423,8 +426,8 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
     graphs = itertools.count()
 
     def backend(gm, example_inputs):
-        return _aot_eager(cfg, next(graphs), sink=records.append,
-                          decompositions=select_decomp_table())(gm, example_inputs)
+        return _aot_eager(cfg, next(graphs), sink=records.append, decompositions=select_decomp_table(),
+                          input_names=_input_names(gm))(gm, example_inputs)
 
     torch._dynamo.reset()
     inputs = example_inputs if isinstance(example_inputs, (list, tuple)) else (example_inputs,)

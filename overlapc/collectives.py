@@ -543,6 +543,54 @@ def module_path(node: fx.Node) -> str:
     return module or parameter
 
 
+SOURCE_KEY = "overlapc_source"   # placeholder meta: the Dynamo source it stands for ("blocks.0.norm1.weight")
+_ATTRIBUTE = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
+
+
+def name_inputs(gm: fx.GraphModule, input_names: list[str]) -> None:
+    """Record on each placeholder of an AOTAutograd graph ``gm`` the Dynamo graph input it
+    stands for (``meta[SOURCE_KEY]``: ``input_source``). Placeholders without an input
+    descriptor (a backward's saved tensors) are left alone."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = input_source(node, input_names)
+        if name:
+            node.meta[SOURCE_KEY] = name
+
+
+def input_source(placeholder: fx.Node, input_names: list[str]) -> str:
+    """The Dynamo graph input an AOTAutograd placeholder stands for, by its source relative
+    to the compiled module ("blocks.0.norm1.weight"), or "": read from the placeholder's AOT
+    descriptor (``meta["desc"]``: a plain input, or a subclass's inner tensor of one) and
+    ``input_names`` (the Dynamo graph's inputs by source, ``L['self']._modules['blocks']...``)."""
+    index = getattr(input_descriptor(placeholder), "idx", None)
+    if not isinstance(index, int) or not 0 <= index < len(input_names):
+        return ""
+    return _DYNAMO_ROOT.sub("", _ATTRIBUTE.sub(r".\1", input_names[index]))   # L['self']._modules['0'] -> 0
+
+
+def input_descriptor(placeholder: fx.Node):
+    """The AOT descriptor of the input behind ``placeholder`` (a subclass's inner tensor
+    walked back to its base), or None."""
+    desc = placeholder.meta.get("desc")
+    while desc is not None and not hasattr(desc, "idx") and hasattr(desc, "base"):
+        desc = desc.base
+    return desc
+
+
+def moved_input(start: fx.Node) -> fx.Node | None:
+    """The node a collective moves, through the casts and views feeding its start."""
+    node = start.args[0] if start.args else None
+    while isinstance(node, fx.Node) and node.op == "call_function" and is_cheap(node) and node.args:
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) else None
+
+
+def source_of(start: fx.Node) -> str:
+    """The graph input a collective moves, by the name ``name_inputs`` recorded, else ""."""
+    node = moved_input(start)
+    return node.meta.get(SOURCE_KEY, "") if node is not None and node.op == "placeholder" else ""
+
+
 _DYNAMO_ROOT = re.compile(r"^[LG]\['[^']*'\]\.?")   # L['self'], L['fn'], G['model'] ...
 _PLAIN = re.compile(r"^(\w+(\.\w+)*)?$")
 _WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}

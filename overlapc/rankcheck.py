@@ -33,18 +33,16 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import time
 from datetime import timedelta
 
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import is_cheap, is_wait, module_path, scan
+from overlapc.collectives import input_descriptor, input_source, is_wait, module_path, moved_input, scan
 from overlapc.config import OverlapConfig
 
 _PREFIX = "overlapc/rankcheck"
-_ATTRIBUTE = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
 _sequence = itertools.count()   # the n-th graph with collectives compiled in this process
 
 
@@ -261,18 +259,13 @@ def _difference(reference: dict, mine: dict, rank: int) -> str:
 
 def _source(start: fx.Node, input_names: list[str]) -> str:
     """The graph input a collective moves (through casts and views), named by Dynamo's source."""
-    node = start.args[0] if start.args else None
-    while isinstance(node, fx.Node) and node.op == "call_function" and is_cheap(node) and node.args:
-        node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "placeholder":
+    node = moved_input(start)
+    if node is None or node.op != "placeholder":
         return ""
-    desc = node.meta.get("desc")
-    while desc is not None and not hasattr(desc, "idx") and hasattr(desc, "base"):
-        desc = desc.base
-    if desc is not None and isinstance(getattr(desc, "idx", None), int) and desc.idx < len(input_names):
-        name = _ATTRIBUTE.sub(r".\1", input_names[desc.idx])   # L['self']._modules['0'] -> L['self'].0
-        return name.removeprefix("L['self'].")
-    target = getattr(desc, "target", None)
+    name = input_source(node, input_names)
+    if name:
+        return name
+    target = getattr(input_descriptor(node), "target", None)
     return str(target) if target is not None else node.name
 
 

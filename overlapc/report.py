@@ -444,9 +444,11 @@ def rewrites_text(summary: dict, compact: bool = False) -> str:
             lines.append(f"chunk {r['pattern']} ({', '.join(r['starts'])}, group {r['group']}): {state}")
         else:
             kind, group, size = r.get("kind", "?"), r.get("group", "?"), _size(r.get("nbytes"))
-            if compact and any(r.get("modules") or ()):
+            sources = r.get("sources") or ()
+            named = sources if sources and all(sources) else r.get("modules")
+            if compact and any(named or ()):   # the parameters moved where known, else their modules
                 lines.append(f"bucket {r.get('start', '?')} ({KIND_SHORT.get(kind, kind)}, {size}, "
-                             f"{len(r.get('modules'))} members): {grouped_modules(r['modules'])}")
+                             f"{len(named)} members): {grouped_modules(named)}")
                 continue
             members = ", ".join(r.get("modules") or r.get("members") or ())
             lines.append(f"bucket {r.get('start', '?')} ({kind}, group {group}, {size}): {members}")
@@ -456,7 +458,8 @@ def rewrites_text(summary: dict, compact: bool = False) -> str:
 def grouped_modules(modules) -> str:
     """Module paths as a tree, each shared prefix written once and a module's count of
     members after it: ("blocks.0.norm1", "blocks.0.norm1", "blocks.0.attn.q", "blocks.0.attn.k")
-    -> "blocks.0.{norm1 x2, attn.{q, k}}"; "" (unknown) reads "?". Order of first appearance."""
+    -> "blocks.0.{norm1 x2, attn.{q, k}}"; "" (unknown) reads "?". Order of first appearance.
+    Parameter names group the same way: "blocks.0.norm1.{weight, bias}"."""
     tree: dict = {}
     for module in modules:
         node = tree

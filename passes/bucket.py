@@ -86,7 +86,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import Collective, module_path, node_value, real_consumers
+from overlapc.collectives import Collective, module_path, node_value, real_consumers, source_of
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
 
@@ -110,7 +110,9 @@ _OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatte
 class BucketNote:
     """One bucket: ``start`` is the new collective's node, ``nbytes`` its output
     (all-gather) or input (reduce-scatter) bytes; ``members`` the original start
-    nodes merged, in layout order, and ``modules`` their module paths ("" unknown)."""
+    nodes merged, in layout order, ``modules`` their module paths ("" unknown) and
+    ``sources`` the graph inputs they move ("blocks.0.norm1.weight", ``collectives.source_of``;
+    "" where unknown: not an input, or a graph the backend did not name)."""
 
     start: str
     kind: str
@@ -118,6 +120,7 @@ class BucketNote:
     nbytes: int
     members: tuple[str, ...]
     modules: tuple[str, ...]
+    sources: tuple[str, ...] = ()
 
 
 def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None) -> list[tuple[str, ...]]:
@@ -291,6 +294,7 @@ class _Member:
     ready: int                 # position of the last node its start bundle reads (-1: none)
     target: int                # position of its wait's first real consumer (or region end)
     target_node: fx.Node
+    source: str                # the graph input it moves, "" unknown (collectives.source_of)
 
     @functools.cached_property
     def module(self) -> str:
@@ -340,6 +344,7 @@ def _member(s: Structure, c: Collective) -> _Member | None:
         c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
         nbytes=(out if gathered else value).numel() * value.element_size(),
         ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
+        source=source_of(start),
     )
 
 
@@ -555,4 +560,5 @@ class _Rewrite:
         return BucketNote(start=start.name, kind=kind, group=members[0].c.group,
                           nbytes=sum(m.nbytes for m in members),
                           members=tuple(m.c.start.name for m in members),
-                          modules=tuple(m.module for m in members))
+                          modules=tuple(m.module for m in members),
+                          sources=tuple(m.source for m in members))

@@ -102,7 +102,7 @@ def test_all_gathers_of_uneven_shapes_become_one_with_identical_values(fake_pg):
         start="all_gather_bucket", kind="all_gather", group="0", nbytes=4 * (256 + 16 + 256 + 384 + 256),
         members=("all_gather_into_tensor", "all_gather_into_tensor_1", "all_gather_into_tensor_2",
                  "all_gather_into_tensor_3", "all_gather_into_tensor_4"),
-        modules=("",) * 5)
+        modules=("",) * 5, sources=("",) * 5)   # a make_fx graph: no Dynamo sources to name them by
     assert gm.meta["overlapc_buckets"] == notes
     assert_same_values(original, gm)
     start = next(n for n in gm.graph.nodes if n.name == note.start)

@@ -108,9 +108,9 @@ def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     # per block: norm weight and bias and the up-projection's bias merge; the big weights stay alone
     assert "fw_0: 8 collectives" in out and "collectives 12 -> 8: 6 merged into 2 buckets" in out
     assert "bucket all_gather_bucket (all_gather, group 0, " in out and "blocks.1.norm, blocks.1.norm" in out
-    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw")   # compact: members grouped by module
+    code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw")   # compact: parameters by module
     assert code == 0 and "collectives 12 -> 8: 6 merged into 2 buckets" in out
-    assert "bucket all_gather_bucket_1 (AG, 1.0KiB, 3 members): blocks.1.{norm x2, up}" in out
+    assert "bucket all_gather_bucket_1 (AG, 1.0KiB, 3 members): blocks.1.{norm.{weight, bias}, up.bias}" in out
     llama = small_target(tmp_path, "llama", vocab=64, dim=32, heads=2, hidden=64, depth=1, seq=16)
     code, out, err = run(capsys, "report", llama, *WORLD, "--graph", "bw", "--quiet")
     assert code == 0, err
@@ -375,6 +375,9 @@ def test_report_fits_120_columns_and_wide_gives_every_column(capsys):
     header = [line for line in lines if line.startswith("collective ")]
     assert len(header) == 2 and header[0].split()[:4] == ["collective", "kind", "group", "bytes"]
     assert "by estimate with h100:nvlink" in out and "estimated exposed" in out
+    # a bucket of all-gathers names the parameters it gathers, grouped by module
+    assert "bucket all_gather_bucket_1 (AG, 945.0KiB, 3 members): layers.0.{attention.o.weight, " \
+           "ffn_norm.weight, ffn.gate.weight}" in out
     code, wide, err = run(capsys, "report", LLAMA, *WORLD, "--wide", "--quiet")
     assert code == 0 and err == ""
     assert max(len(line) for line in wide.splitlines()) > 120
