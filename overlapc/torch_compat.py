@@ -12,6 +12,9 @@ decides whether the installed torch needs it and the behaviour it works around:
 - ``inductor_patches``: Inductor passes that move collectives or waits, off
   (keyed on the config keys the installed Inductor has; per compile, through
   ``config_patches``, never process-wide).
+- ``inductor_keeps_order``: the same, for a caller that turns Inductor's
+  peak-memory reordering back on inside (torchtitan graph_trainer's full
+  Inductor pass; for the duration of a with block).
 - ``save_seeded_ops_in_checkpoints`` / ``SaveSeededOps``: the DeviceMesh saved
   as a tensor when a checkpointed seeded op is recomputed (torch >= 2.13,
   which passes the mesh into graphs as an opaque input; per compile).
@@ -27,6 +30,7 @@ Importing overlapc installs nothing process-wide (tests/test_torch_compat.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import sys
@@ -68,6 +72,36 @@ def inductor_patches() -> dict[str, object]:
     from torch._inductor import config
     known = config.get_config_copy()
     return {key: value for key, value in _ORDER_MOVING_PASSES.items() if key in known}
+
+
+@contextlib.contextmanager
+def inductor_keeps_order():
+    """While active, Inductor keeps the order of collectives and waits in the graphs it
+    compiles, even where a caller turns ``reorder_for_peak_memory`` back on inside:
+    ``inductor_patches()`` are applied, and Inductor's peak-memory reordering, if it
+    runs, tries no order but the one it is given (``methods=[]``: its baseline).
+
+    Works around: torchtitan graph_trainer's ``full_inductor_compilation_pass``
+    (0.3.0) patches ``reorder_for_peak_memory=True`` inside itself, over any patch
+    around it, to undo the order AOTAutograd's re-trace leaves; that reordering puts
+    hoisted all-gathers back next to their waits. The FX graph cache key reads
+    config values, not this replaced function, so the key gets a tag
+    (``torch.compiler.config.cache_key_tag``) and a graph compiled without it is not
+    loaded for one compiled with it, or the other way round."""
+    from torch._inductor import config, memory
+
+    reorder = memory.reorder_for_peak_memory
+
+    def given_order_only(*args, **kwargs):
+        return reorder(*args, **{**kwargs, "methods": []})
+
+    tag = f"{torch.compiler.config.cache_key_tag}|overlapc.keep_order"
+    memory.reorder_for_peak_memory = given_order_only
+    try:
+        with config.patch(inductor_patches()), torch.compiler.config.patch(cache_key_tag=tag):
+            yield
+    finally:
+        memory.reorder_for_peak_memory = reorder
 
 
 def with_joint_pre_pass(existing, added):

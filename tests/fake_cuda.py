@@ -301,10 +301,13 @@ def scheduled_starts(gm: torch.fx.GraphModule) -> list[dict]:
 
 
 def compile_on_fake_h100(graphs: list[tuple[str, torch.fx.GraphModule]], options: dict,
-                         config_patches: dict, cudagraph_partitions: bool = False) -> list[dict]:
+                         config_patches: dict, cudagraph_partitions: bool = False,
+                         around=contextlib.nullcontext) -> list[dict]:
     """Compile each captured graph for the fake H100 with overlapc's schedule as Inductor's
-    post-grad pass (as the backend runs it) under ``config_patches``. Returns per graph
-    {"graph": "fw" | "bw", "code": wrapper source, "scheduled": ``scheduled_starts``}."""
+    post-grad pass (as the backend runs it) under ``config_patches``, applied inside
+    ``around()`` (a caller's context, as graph_trainer's pass runs inside overlapc's
+    adapter). Returns per graph {"graph": "fw" | "bw", "code": wrapper source,
+    "scheduled": ``scheduled_starts``}."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
 
@@ -321,7 +324,7 @@ def compile_on_fake_h100(graphs: list[tuple[str, torch.fx.GraphModule]], options
             if cudagraph_partitions:
                 patches.update({"graph_partition": True, "triton.cudagraphs": True})
             before = len(fake.codes)
-            with torch._inductor.config.patch(patches):
+            with around(), torch._inductor.config.patch(patches):
                 compile_fx_inner(cuda_gm, inputs, is_backward=kind == "bw", graph_id=number,
                                  cudagraphs=BoxedBool(cudagraph_partitions))
             if len(fake.codes) != before + 1 or len(records) != 1:
@@ -354,6 +357,8 @@ def case_llama() -> dict:
     """examples/llama.py sharded over the fake group of 8: overlapc's order as Inductor is
     patched to keep it, with cudagraph partitions, and controls the checks must catch:
     Inductor's peak-memory reordering left on, and on torch >= 2.14 its simple_overlap."""
+    from overlapc.torch_compat import inductor_keeps_order
+
     model, inputs = _example("llama").build()
     graphs = capture_training_graphs(model, inputs)
     options = {"max_in_flight": MAX_IN_FLIGHT, "on_error": "raise"}
@@ -364,6 +369,10 @@ def case_llama() -> dict:
         # controls: the backward is where peak-memory reordering undoes the overlap, the forward
         # where simple_overlap exceeds the bound; each is compiled only there
         "peak_memory_reorder": compile_on_fake_h100(graphs[1:], options, {**patches, "reorder_for_peak_memory": True}),
+        # ... turned back on inside torch_compat.inductor_keeps_order (graph_trainer's full
+        # Inductor pass under overlapc's adapter): the order must hold
+        "peak_memory_reorder_inside_keeps_order": compile_on_fake_h100(
+            graphs[1:], options, {**patches, "reorder_for_peak_memory": True}, around=inductor_keeps_order),
         **({"simple_overlap": compile_on_fake_h100(graphs[:1], options, {**patches, SIMPLE_OVERLAP: True})}
            if SIMPLE_OVERLAP in patches else {}),
     }}

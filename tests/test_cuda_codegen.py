@@ -155,6 +155,15 @@ def test_peak_memory_reorder_control_loses_the_overlap(cases):
     assert any(lost)
 
 
+def test_peak_memory_reorder_turned_on_inside_inductor_keeps_order_keeps_the_order(cases):
+    """torchtitan graph_trainer's full Inductor pass turns reorder_for_peak_memory back on
+    inside overlapc's adapter (torch_compat.inductor_keeps_order): the order, the bound and
+    the overlap still hold in the backward, where the control above loses the overlap."""
+    for name, graph, events in _graphs(cases, "llama", "peak_memory_reorder_inside_keeps_order"):
+        check_order_and_bound(name, graph, events)
+        assert lost_overlap(graph, events) == [], name
+
+
 WRAPPER = """
 async_compile = AsyncCompile()
 triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''

@@ -5,6 +5,7 @@ import logging
 import os
 import re
 
+import pytest
 import torch
 
 from overlapc import torch_compat
@@ -119,3 +120,35 @@ def test_importing_installs_nothing_process_wide_compiling_does(tmp_path):
     assert seen["sharded"] == {**nothing, "torch_wrap_logger": ["_QuietOwnRegions"]}, seen
     assert seen["compiled"] == {"overlapc_logger": ["_RankAndGraph"], "torch_wrap_logger": ["_QuietOwnRegions"],
                                 "cpu_all_gather_kernel": True}, seen
+
+
+def test_inductor_keeps_order_holds_when_reordering_is_turned_back_on_inside():
+    """A caller's reorder_for_peak_memory=True inside keeps the config on, but Inductor's
+    peak-memory pass tries only the given order; the cache key is tagged; all undone after."""
+    from torch._inductor import config, memory
+
+    from overlapc.torch_compat import inductor_keeps_order
+
+    original, tag = memory.reorder_for_peak_memory, torch.compiler.config.cache_key_tag
+    seen = {}
+
+    def spy(*args, methods=("default",), **kwargs):
+        seen["methods"] = list(methods)
+        return list(args[0])
+
+    memory.reorder_for_peak_memory = spy
+    try:
+        with inductor_keeps_order():
+            assert config.reorder_for_peak_memory is False
+            assert torch.compiler.config.cache_key_tag.endswith("overlapc.keep_order")
+            with config.patch(reorder_for_peak_memory=True):   # what graph_trainer's pass does
+                from torch._inductor.memory import reorder_for_peak_memory   # looked up as Inductor does
+                assert reorder_for_peak_memory(["b", "a"], {}, {}, set(), set()) == ["b", "a"]
+        assert seen["methods"] == []
+        assert memory.reorder_for_peak_memory is spy and torch.compiler.config.cache_key_tag == tag
+        with pytest.raises(RuntimeError):
+            with inductor_keeps_order():
+                raise RuntimeError("a failing compile")
+        assert memory.reorder_for_peak_memory is spy
+    finally:
+        memory.reorder_for_peak_memory = original

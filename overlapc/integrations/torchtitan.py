@@ -35,9 +35,11 @@ What changes in graph_trainer's list, and what to leave off:
   leave off; its fused all-gather-matmul ops are custom ops, which overlapc
   keeps in place as barriers.
 * Inductor (``full_inductor_compilation_pass``, ``regional_inductor_pass``):
-  kept, run under ``overlapc.torch_compat.inductor_patches()`` so Inductor
+  kept, run under ``overlapc.torch_compat.inductor_keeps_order()`` so Inductor
   keeps the order of collectives and waits it is handed (its peak-memory
-  reordering would otherwise put each all-gather back next to its wait).
+  reordering would otherwise put each all-gather back next to its wait; the
+  full-graph pass turns that reordering back on inside itself, and it then
+  keeps the given order).
 * Everything before the bucketing pass (dead-code removal, canonicalisation,
   the dedup of unshard chains, the memory policy, selective remat, CPU
   offload, the EP passes) stays: overlapc schedules the graph they leave.
@@ -50,11 +52,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
-import torch
 import torch.fx as fx
 
 import overlapc
-from overlapc.torch_compat import inductor_patches
+from overlapc.torch_compat import inductor_keeps_order
 
 __all__ = ["overlapc_pass", "pass_name", "replace_bucketing", "register", "REPLACED", "REMOVED", "KEEP_ORDER"]
 
@@ -74,9 +75,11 @@ def overlapc_pass(gm: fx.GraphModule, example_inputs=None, *,
 
 
 def _keeping_order(pass_fn: Callable) -> Callable:
-    """``pass_fn`` run with Inductor's order-moving passes turned off (same name)."""
+    """``pass_fn`` run with Inductor keeping the order it is given (same name):
+    ``torch_compat.inductor_keeps_order``, which holds even though
+    ``full_inductor_compilation_pass`` turns peak-memory reordering back on inside."""
     def run(gm, example_inputs, *args, **kwargs):
-        with torch._inductor.config.patch(inductor_patches()):
+        with inductor_keeps_order():
             return pass_fn(gm, example_inputs, *args, **kwargs)
     run.__name__ = run.__qualname__ = pass_name(pass_fn)
     return run
