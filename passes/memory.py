@@ -143,19 +143,31 @@ class Headroom:
             if node not in s.bundled:
                 level[s.pos[node]] = peak - nbytes
         self.peak = peak
-        # plain lists, no torch: the backend runs this under a fake tensor mode
-        self.table = [level]
-        width = 1
-        while 2 * width <= len(level):
-            below = self.table[-1]
-            self.table.append(list(map(min, below, below[width:])))
-            width *= 2
+        self._least = RangeTable(level, min)
 
     def least(self, first: int, last: int) -> int:
         """Smallest headroom at positions first..last (inclusive, first <= last)."""
+        return self._least.query(first, last)
+
+
+class RangeTable:
+    """``combine`` (min or max) of ``values[first..last]`` in O(1): a sparse table of
+    plain lists (no torch: the backend runs the passes under a fake tensor mode)."""
+
+    def __init__(self, values: list[int], combine):
+        self.combine = combine
+        self.table = [values]
+        width = 1
+        while 2 * width <= len(values):
+            below = self.table[-1]
+            self.table.append(list(map(combine, below, below[width:])))
+            width *= 2
+
+    def query(self, first: int, last: int) -> int:
+        """``combine`` over positions first..last (inclusive, first <= last)."""
         k = (last - first + 1).bit_length() - 1
         row = self.table[k]
-        return min(row[first], row[last - (1 << k) + 1])
+        return self.combine(row[first], row[last - (1 << k) + 1])
 
 
 class SpineRoom:
@@ -167,18 +179,7 @@ class SpineRoom:
 
     def __init__(self, headroom: Headroom, positions: list[int]):
         """``positions``: ``s.pos`` of each spine node, in spine order."""
-        level = [headroom.least(p, p) for p in positions]
-        self.table = [level]
-        width = 1
-        while 2 * width <= len(level):
-            below = self.table[-1]
-            self.table.append(list(map(max, below, below[width:])))
-            width *= 2
-
-    def _most(self, first: int, last: int) -> int:
-        k = (last - first + 1).bit_length() - 1
-        row = self.table[k]
-        return max(row[first], row[last - (1 << k) + 1])
+        self._most = RangeTable([headroom.least(p, p) for p in positions], max).query
 
     def first_fitting(self, first: int, last: int, nbytes: int) -> int | None:
         """Smallest spine index in first..last whose headroom is at least ``nbytes``, or None."""
