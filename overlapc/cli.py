@@ -202,7 +202,9 @@ def _command(commands, name: str, purpose: str, **kwargs) -> argparse.ArgumentPa
                                **kwargs)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _common_options() -> argparse.ArgumentParser:
+    """The options dump, report and timeline share: the target, the fake world, the
+    scheduling knobs (OverlapConfig's) and the estimates' profile."""
     from overlapc import costmodel
 
     common = argparse.ArgumentParser(add_help=False)
@@ -243,7 +245,13 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: the profile's)")
     common.add_argument("--quiet", action="store_true", help="no progress lines on stderr; report: print "
                         "the header and each graph's summary only, no rows (default: off)")
+    return common
 
+
+def _parser() -> argparse.ArgumentParser:
+    from overlapc import costmodel
+
+    common = _common_options()
     parser = _Parser(prog="overlapc", description=textwrap.fill(
                      "Capture, schedule and explain the communication of a model's training graphs: which "
                      "collectives overlapc moves, where to, and what the estimates say they hide.", 100),
