@@ -156,18 +156,14 @@ def _drop_unread_repeats(gm: fx.GraphModule, before_rewrite: Callable[[], None] 
     graph, so every rank erases the same collectives. Returns (kept, erased)
     name pairs in graph order."""
     from overlapc.collectives import collective_op, wait_nodes
+    starts = [node for node in gm.graph.nodes if collective_op(node) is not None]
+    if not any(_unread(start) for start in starts):   # the common case: no arguments hashed
+        return []
     seen: dict[tuple, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if collective_op(node) is not None:
-            seen.setdefault((node.target, _key(node.args), _key(node.kwargs)), []).append(node)
-    dropped: list[tuple[fx.Node, fx.Node]] = []
-    for starts in seen.values():
-        for earlier, later in zip(starts, starts[1:]):
-            waits = wait_nodes(earlier)
-            only_waits = all(u in waits or (u.target is operator.getitem and all(w in waits for w in u.users))
-                             for u in earlier.users)
-            if waits and only_waits and not any(w.users for w in waits):
-                dropped.append((later, earlier))
+    for node in starts:
+        seen.setdefault((node.target, _key(node.args), _key(node.kwargs)), []).append(node)
+    dropped = [(later, earlier) for same in seen.values()
+               for earlier, later in zip(same, same[1:]) if _unread(earlier)]
     if not dropped:
         return []
     if before_rewrite is not None:
@@ -184,6 +180,16 @@ def _drop_unread_repeats(gm: fx.GraphModule, before_rewrite: Callable[[], None] 
     log.info("overlapc: erased %d collectives whose results nothing reads, each repeated later: %s",
              len(names), "; ".join(f"{erased} (again as {kept})" for kept, erased in names))
     return names
+
+
+def _unread(start: fx.Node) -> bool:
+    """Whether nothing reads the result of the collective ``start``: it has waits, its
+    only users are them (or getitems read only by them), and the waits have no users."""
+    from overlapc.collectives import wait_nodes
+    waits = wait_nodes(start)
+    only_waits = all(u in waits or (u.target is operator.getitem and all(w in waits for w in u.users))
+                     for u in start.users)
+    return bool(waits) and only_waits and not any(w.users for w in waits)
 
 
 def _merge_identical_runs(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
@@ -294,7 +300,12 @@ class _Member:
     ready: int                 # position of the last node its start bundle reads (-1: none)
     target: int                # position of its wait's first real consumer (or region end)
     target_node: fx.Node
-    source: str                # the graph input it moves, "" unknown (collectives.source_of)
+
+    @functools.cached_property
+    def source(self) -> str:
+        """The graph input it moves, "" unknown (``collectives.source_of``); looked up for the
+        bucket notes only (the original start stays until the rewrite finishes)."""
+        return source_of(self.c.start)
 
     @functools.cached_property
     def module(self) -> str:
@@ -344,7 +355,6 @@ def _member(s: Structure, c: Collective) -> _Member | None:
         c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
         nbytes=(out if gathered else value).numel() * value.element_size(),
         ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
-        source=source_of(start),
     )
 
 
