@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     print(f"overlapc demo: {world_size} gloo ranks on this machine; their stderr goes to rank<R>.log in "
-          f"{'the folder --keep names' if args.keep else 'a temporary folder (--keep DIR keeps it)'}", flush=True)
+          f"{'the folder --keep names' if args.keep else 'a temporary folder (--keep keeps it)'}", flush=True)
     with (contextlib.nullcontext(os.path.abspath(args.keep)) if args.keep
           else tempfile.TemporaryDirectory(prefix="overlapc-demo-")) as dump_dir:
         code = _run_ranks(world_size, args, dump_dir)

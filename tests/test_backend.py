@@ -39,7 +39,7 @@ class GatheredMLP(torch.nn.Module):
 
     def forward(self, x):
         for shard in self.shards:
-            full = fc.all_gather_tensor_autograd(shard, 0, dist.group.WORLD)
+            full = fc.all_gather_single_autograd(shard, 0, dist.group.WORLD)
             x = torch.relu(x @ full.t())
         return x
 
@@ -327,7 +327,7 @@ class SequenceParallelMLP(torch.nn.Module):
         self.down = torch.nn.Parameter(torch.randn(hidden, width) * 0.1)
 
     def forward(self, x):
-        full = fc.all_gather_tensor_autograd(x, 0, dist.group.WORLD)
+        full = fc.all_gather_single_autograd(x, 0, dist.group.WORLD)
         y = torch.nn.functional.gelu(full @ self.up) @ self.down
         return fc.reduce_scatter_tensor_autograd(y, "sum", 0, dist.group.WORLD)
 

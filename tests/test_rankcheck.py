@@ -33,7 +33,7 @@ class Gathered(torch.nn.Module):
 
     def forward(self, x):
         for i in self.order:
-            x = torch.tanh(x @ fc.all_gather_tensor_autograd(self.shards[i], 0, dist.group.WORLD).t())
+            x = torch.tanh(x @ fc.all_gather_single_autograd(self.shards[i], 0, dist.group.WORLD).t())
         return x
 
 
