@@ -1,6 +1,6 @@
 """What overlapc adds to a compile: cold and warm first steps against plain Inductor.
 
-2 local gloo ranks (tests/multiproc.py, the project's rank runner) train
+2 local gloo ranks (overlapc.launch, the project's rank launcher) train
 examples/llama.py's sharded model (``overlapc.fsdp.shard``); the first step
 (forward + backward) includes every compile. Per round, model and variant:
 
@@ -54,11 +54,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-for path in (os.path.join(REPO, "tests"), os.path.join(REPO, "examples")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+if os.path.join(REPO, "examples") not in sys.path:
+    sys.path.insert(0, os.path.join(REPO, "examples"))
 
-from multiproc import init_gloo, run_ranks  # noqa: E402
+from overlapc import launch  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 # examples/llama.py build() arguments; "small" is issue 28's 8-layer Llama ("tiny": a smoke test)
@@ -103,14 +102,14 @@ def _compile_seconds() -> dict:
     return {n: float(v) for n, v in zip(names, values)}
 
 
-def _job(rank, world_size, port, model_name, variant, cache_dir):
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+def _job(rank, world_size, model_name, variant, cache_dir):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir   # before torch reads it: the group is joined below
     import torch
     import torch.distributed as dist
     from torch._inductor import config as inductor_config
 
     import llama
-    init_gloo(rank, world_size, port)
+    launch.init_gloo(rank, world_size, int(os.environ["MASTER_PORT"]))
     inductor_config.compile_threads = 1   # 2 shared cores: no worker pool, for both backends
     ours = {}
     backend, options = VARIANTS[variant]
@@ -171,7 +170,7 @@ def _split(r: dict) -> dict:
 
 def _run(model_name: str, variant: str, cache_dir: str, timeout: float) -> dict:
     load = os.getloadavg()[0]
-    ranks = run_ranks(_job, world_size=2, args=(model_name, variant, cache_dir), timeout=timeout)
+    ranks = launch.run(_job, world_size=2, args=(model_name, variant, cache_dir), timeout=timeout, gloo=False)
     slowest = max(ranks, key=lambda r: r["first_s"])
     return dict(first_s=slowest["first_s"], second_s=max(r["second_s"] for r in ranks),
                 split=_split(ranks[0]), cache=ranks[0]["cache"], aot_bypass=ranks[0]["aot_bypass"], load1=load,
