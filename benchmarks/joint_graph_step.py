@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -151,25 +150,14 @@ def variant_passes(traced, config, dims, options) -> dict:
     return lists
 
 
-@contextlib.contextmanager
-def baseline_order_only(active: bool):
-    """While active: Inductor's peak-memory reordering tries no new order (keeps the
-    one it is given). graph_trainer's ``full_inductor_compilation_pass`` turns
-    ``reorder_for_peak_memory`` on inside itself, over the adapter's patch; this
-    is the benchmark's what-if of an adapter that keeps the order there too.
-    Inductor's caches are off meanwhile: their keys do not see this patch, and
-    the same graph compiled just before would be loaded as it was."""
-    import torch._inductor.memory as memory
-    original = memory.reorder_for_peak_memory
-    if not active:
-        yield
-        return
-    memory.reorder_for_peak_memory = functools.partial(original, methods=[])
-    try:
-        with torch.compiler.config.patch(force_disable_caches=True):
-            yield
-    finally:
-        memory.reorder_for_peak_memory = original
+def order_kept(name: str):
+    """The context a variant compiles in: for "... order kept", Inductor keeping the
+    order it is given (``overlapc.torch_compat.inductor_keeps_order``, which the
+    adapter already applies around graph_trainer's Inductor passes: the variant
+    repeats "overlapc/full" with the patch applied twice, a check that the
+    adapter's own patch is in effect); else nothing."""
+    from overlapc.torch_compat import inductor_keeps_order
+    return inductor_keeps_order() if name.endswith("order kept") else contextlib.nullcontext()
 
 
 def rank_job(rank: int, world_size: int, options: dict) -> dict:
@@ -193,7 +181,7 @@ def rank_job(rank: int, world_size: int, options: dict) -> dict:
         say(f"traced {len(traced.gm.graph.nodes)} nodes")
         built = {}
         for name, passes in variant_passes(traced, config, dims, options).items():
-            with baseline_order_only(name.endswith("order kept")):
+            with order_kept(name):
                 built[name] = build(name, passes, traced, profile, say)
     runners = {name: run_traced(b[0], module=model) for name, b in built.items()}
     return _measure(runners, seen["args"], seen["kwargs"], built, options, say)

@@ -77,12 +77,11 @@ def test_value_check_tells_bitwise_close_and_different_apart(bench):
     assert not far["allclose"] and far["loss_abs_diff"] == pytest.approx(1.0)
 
 
-def test_baseline_order_only_is_undone(bench):
+def test_order_kept_variant_uses_torch_compats_patch_and_undoes_it(bench):
     import torch._inductor.memory as memory
     original = memory.reorder_for_peak_memory
-    with bench.baseline_order_only(True):
-        assert memory.reorder_for_peak_memory is not original
-        assert memory.reorder_for_peak_memory.keywords == {"methods": []}
+    with bench.order_kept("overlapc/full, order kept"):
+        assert memory.reorder_for_peak_memory is not original   # torch_compat.inductor_keeps_order's
     assert memory.reorder_for_peak_memory is original
-    with bench.baseline_order_only(False):
+    with bench.order_kept("overlapc/full"):
         assert memory.reorder_for_peak_memory is original
