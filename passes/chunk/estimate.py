@@ -81,6 +81,11 @@ def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
     return t
 
 
+def compute_ms(nodes, profile: costmodel.Profile) -> float:
+    """Estimated time of ``nodes`` on their full rows (one piece): a bridge's compute."""
+    return sum(costmodel.compute_ms(n, profile.device) for n in nodes)
+
+
 def fastest(estimates) -> int:
     """The count of least estimate among (k, ms) pairs; ties (within 1e-9) to the
     most pieces. A tie is a pipeline whose compute hides its communication at
