@@ -7,7 +7,8 @@ import importlib
 
 from overlapc.collectives import Collective, collectives
 from overlapc.config import OverlapConfig
-from overlapc.passes.pipeline import ScheduleError, schedule, verify
+from overlapc.api import schedule
+from overlapc.passes.pipeline import ScheduleError, verify
 
 __all__ = ["OverlapConfig", "Collective", "collectives", "schedule", "verify", "ScheduleError", "fsdp"]
 __version__ = "0.1.0"

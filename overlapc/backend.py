@@ -51,7 +51,8 @@ import torch.fx as fx
 from overlapc import rankcheck
 from overlapc.collectives import name_inputs
 from overlapc.config import OverlapConfig
-from overlapc.passes.pipeline import schedule, unscheduled_order
+from overlapc.api import schedule_graph
+from overlapc.passes import pipeline
 from overlapc.torch_compat import (
     SaveSeededOps, inductor_patches, route_gloo_all_gathers, save_seeded_ops_in_checkpoints, warn_if_untested,
     with_joint_pre_pass,
@@ -118,22 +119,20 @@ def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
                          sink: Callable[[GraphRecord], None] | None, recompile: bool = True) -> None:
     """Schedule ``gm`` in place; hand the before/after record to ``sink`` and dump_dir."""
     want_record = sink is not None or cfg.dump_dir
-    before_order = [n.name for n in gm.graph.nodes] if want_record else []
     before_code = gm.print_readable(print_output=False) if want_record else ""
-    schedule(gm, cfg, recompile=recompile)
+    done = schedule_graph(gm, cfg, recompile=recompile, report=bool(cfg.dump_dir))
     _pass_runs["n"] += 1
     if not want_record:
         return
     # After bucketing/chunking, "before" is the rewritten graph's order before scheduling.
-    before_order = unscheduled_order(gm, before_order)
-    record = GraphRecord(_graph_name.get() or "graph", gm, before_order, before_code,
+    record = GraphRecord(_graph_name.get() or "graph", gm, list(done.result.before), before_code,
                          gm.print_readable(print_output=False))
     if sink is not None:
         sink(record)
     if cfg.dump_dir:
         from overlapc.report import write_artifacts
         folder = os.path.join(cfg.dump_dir, f"rank{_rank()}", record.name)
-        write_artifacts(record, folder, cfg.profile)
+        write_artifacts(record, folder, cfg.profile, built=(done.rows, done.summary))
         log.info("overlapc: wrote %s", folder)
 
 
@@ -524,7 +523,7 @@ _graphs_seen = {"n": 0}   # fw/bw graphs handed to overlapc's per-graph wrapper 
 
 _cut_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OVERLAPC_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, sys.modules[schedule.__module__].__file__))
+_OVERLAPC_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, pipeline.__file__))
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 
 

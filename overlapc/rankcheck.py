@@ -118,14 +118,13 @@ def share_profile(store, rank: int, world: int, n: int, graph: str, cfg: Overlap
     rank schedule the ``n``-th checked graph with rank 0's profile: rank 0
     publishes its resolved profile through the Store, every other rank reads
     it and schedules with it wherever its config names its own
-    (``pipeline.use_profile``), so a profile calibrated on one node only, or
+    (``api.use_profile``), so a profile calibrated on one node only, or
     files that differ, cannot give ranks different schedules. Nothing is
     exchanged otherwise. RankMismatchError when rank 0 does not publish within
     ``cfg.check_ranks_timeout``."""
     if not profile_decides(cfg):
         return
-    from overlapc import costmodel
-    from overlapc.passes import pipeline
+    from overlapc import api, costmodel
     key = f"{_PREFIX}/{n}/profile"
     if rank == 0:   # read afresh: a recalibrated file counts from the next graph on
         profile = costmodel.resolve(cfg.profile)
@@ -136,7 +135,7 @@ def share_profile(store, rank: int, world: int, n: int, graph: str, cfg: Overlap
         timeout = timedelta(seconds=cfg.check_ranks_timeout)
         _wait(store, [key], timeout, rank, world, f"{_PREFIX}/{n}/", where, f"rank 0's profile for {where}", [])
         profile = _decode_profile(store.get(key).decode())
-    pipeline.use_profile(cfg.profile, profile)
+    api.use_profile(cfg.profile, profile)
 
 
 def profile_decides(cfg: OverlapConfig) -> bool:
@@ -148,9 +147,8 @@ def profile_digest(cfg: OverlapConfig) -> str:
     """sha256 of the content of the profile the schedule of ``cfg`` reads (rank 0's
     when ranks shared it, else ``cfg.profile`` resolved): its device and link
     numbers, not its name or path, so a recalibrated file changes it."""
-    from overlapc import costmodel
-    from overlapc.passes import pipeline
-    profile = costmodel.resolve(pipeline.schedule_profile(cfg.profile))
+    from overlapc import api, costmodel
+    profile = costmodel.resolve(api.schedule_profile(cfg.profile))
     content = dataclasses.asdict(profile)
     content.pop("name")
     content.pop("source")

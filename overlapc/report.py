@@ -170,22 +170,26 @@ _last: list = []   # [(key, rows, summary)] of the latest study: rows() then sum
 
 def study(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.Profile | str | None = None, *,
           compute_ms: Callable[[fx.Node], float] | None = None,
-          comm_ms: Callable[[Collective], float] | None = None) -> tuple[list[Row], dict]:
+          comm_ms: Callable[[Collective], float] | None = None,
+          structure: Structure | None = None) -> tuple[list[Row], dict]:
     """``(rows, summary)`` of one graph: each order (before, after) simulated once. The
     latest result is kept, so ``rows`` and ``summary`` called one after the other on the
-    same graph, orders, profile and costs share it. Arguments as in ``rows``."""
+    same graph, orders, profile and costs share it. Arguments as in ``rows``;
+    ``structure``: the ``Structure`` of ``gm_after`` as it stands, when the caller has
+    it (``ScheduleResult.structure``), else built here."""
     profile = costmodel.resolve(profile)
     key = (id(gm_after), tuple(before_order), tuple(n.name for n in gm_after.graph.nodes), profile,
            compute_ms, comm_ms)
     if _last and _last[0][0] == key and _last[0][1]() is gm_after:
         _, _, rows_, summary_ = _last[0]
     else:
-        rows_, summary_ = _study(gm_after, before_order, profile, compute_ms, comm_ms)
+        rows_, summary_ = _study(gm_after, before_order, profile, compute_ms, comm_ms, structure)
         _last[:] = [(key, weakref.ref(gm_after), rows_, summary_)]
     return list(rows_), copy.deepcopy(summary_)
 
 
-def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, compute_ms, comm_ms):
+def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, compute_ms, comm_ms,
+           structure: Structure | None = None):
     """Simulate both orders and build every row and the summary."""
     if compute_ms is None:   # estimate each node once for both orders
         memo: dict[fx.Node, float] = {}
@@ -198,7 +202,7 @@ def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, c
     after = list(gm_after.graph.nodes)
     timeline_before = simulate(gm_after, profile, before, compute_ms=compute_ms, comm_ms=comm_ms)
     timeline_after = simulate(gm_after, profile, after, compute_ms=compute_ms, comm_ms=comm_ms)
-    info = Structure(gm_after)
+    info = structure if structure is not None else Structure(gm_after)
     cost = {name: end - start for name, (start, end) in timeline_after.compute.items()}
     is_compute = [cost.get(n.name, 0.0) > 0 and n not in info.bundled for n in after]
     _, ms_after = _prefix(after, is_compute, cost)
@@ -626,12 +630,15 @@ def format_graph_wide(name: str, rows: list[Row], summary: dict) -> str:
     )
 
 
-def write_artifacts(record, folder: str, profile: costmodel.Profile | str | None = None) -> None:
+def write_artifacts(record, folder: str, profile: costmodel.Profile | str | None = None,
+                    built: tuple[list[Row], dict] | None = None) -> None:
     """Write one scheduled graph (a ``backend.GraphRecord``) into ``folder``, creating it:
     before.txt and after.txt (its readable code before and after scheduling), report.txt
     (``format_graph_wide`` and a last line naming the profile's source) and report.json
-    (``to_json``). ``profile`` as in ``rows``. Same record and profile -> same bytes."""
-    rows_, summary_ = study(record.gm, record.before_order, profile)
+    (``to_json``). ``profile`` as in ``rows``; ``built``: the graph's (rows, summary) with
+    that profile when the caller built them (the backend, from its schedule), else built
+    here. Same record and profile -> same bytes."""
+    rows_, summary_ = built if built is not None else study(record.gm, record.before_order, profile)
     os.makedirs(folder, exist_ok=True)
     files = {
         "before.txt": record.before_code,

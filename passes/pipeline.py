@@ -1,15 +1,24 @@
-"""schedule = [chunk, bucket] -> core -> invariants -> commit or roll back; verify; the presets."""
+"""run = [chunk, bucket] -> core -> invariants -> commit or roll back; verify; the presets.
+
+    result = run(gm, config, estimator=None)   # a ScheduleResult; gm rescheduled in place
+    gm = schedule(gm, config)                  # the same, returning gm
+
+The ground floor: nothing here logs a report or reads a cost model. What the
+chunk pass needs to choose piece counts (``chunks="auto"``) is handed in as
+``estimator``; ``overlapc.schedule`` (``overlapc/api.py``) builds it from the
+config's profile, runs this, and logs the report from the result.
+"""
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import gc
 import logging
 import warnings
 
 import torch.fx as fx
 
-from overlapc.collectives import collectives as overlapc_collectives
 from overlapc.config import OverlapConfig
 from overlapc.passes import invariants
 from overlapc.passes.inflight import Budget, auto_budget
@@ -20,10 +29,12 @@ from overlapc.passes.structure import Structure, apply_order
 
 log = logging.getLogger("overlapc")
 
-__all__ = ["ScheduleError", "schedule", "verify", "reorder_all_gathers", "limit_in_flight", "sink_waits"]
+__all__ = ["ScheduleError", "ScheduleResult", "run", "schedule", "verify", "reorder_all_gathers", "limit_in_flight",
+           "sink_waits"]
 
 
-def _config(config) -> OverlapConfig:
+def as_config(config) -> OverlapConfig:
+    """``config`` as an OverlapConfig (None: the defaults; an options dict: validated)."""
     if config is None:
         return OverlapConfig()
     if isinstance(config, OverlapConfig):
@@ -33,40 +44,76 @@ def _config(config) -> OverlapConfig:
     raise TypeError(f"expected an OverlapConfig or an options dict, got {type(config).__name__}")
 
 
-def _check_graph(gm) -> None:
+def check_graph(gm) -> None:
+    """TypeError unless ``gm`` is a torch.fx.GraphModule."""
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"overlapc expects a torch.fx.GraphModule, got {type(gm).__name__}; "
                         "trace the function first (make_fx or torch.fx.symbolic_trace)")
 
 
 @dataclasses.dataclass(frozen=True)
-class PassResult:
+class _Placed:
     """What one run of the core did: how many movable collectives it placed,
-    whether it reordered the graph, and what the invariant check measured on the
-    result (None when nothing was movable or only waits moved). Why each start
-    and wait stands where it is is in its ``meta["overlapc_reason"]``."""
+    whether it reordered the graph, what the invariant check measured on the
+    result (None when nothing was movable or only waits moved), and why each
+    start and wait stands where it is ((node name, reason), in graph order)."""
 
     collectives: int
     modified: bool
     peaks: Peaks | None = None
+    reasons: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScheduleResult:
+    """What ``run`` did to ``gm``.
+
+    collectives: movable collectives the core placed (0: nothing movable, or the
+        schedule was disabled or rolled back). modified: the core changed the order.
+    peaks: what the invariant check measured on the scheduled order (None when
+        nothing was checked). before: node names in the order just before the core
+        ran (after bucketing and chunking rewrote the graph, that graph's order).
+    duplicates, buckets, chunks: this run's rewrite notes (``merge_duplicates``'
+        merged names, ``BucketNote``s, ``ChunkNote``s; also appended to ``gm.meta``).
+    reasons: (node name, why the core placed it) per placed start and wait (also
+        each node's ``meta``). error: the ScheduleError that rolled the graph back
+        (on_error="fallback"), else None.
+    ``structure``: the ``Structure`` of the scheduled graph, built once on first use
+    (the report reads it)."""
+
+    gm: fx.GraphModule
+    collectives: int = 0
+    modified: bool = False
+    peaks: Peaks | None = None
+    before: tuple[str, ...] = ()
+    duplicates: tuple[tuple[str, ...], ...] = ()
+    buckets: tuple = ()
+    chunks: tuple = ()
+    reasons: tuple[tuple[str, str], ...] = ()
+    error: ScheduleError | None = None
+
+    @functools.cached_property
+    def structure(self) -> Structure:
+        return Structure(self.gm)
 
 
 def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
     """The Budget ``cfg`` sets for the graph of ``s`` (its movable collectives);
-    with the "auto" byte budget, the headroom under the serial order's peak."""
+    with the "auto" byte budget, the headroom under the serial order's peak; with
+    "serial-peak", that headroom alone (``Budget.within_peak``)."""
     collectives, held = s.movable, s.held
     groups = sorted({c.group for c in collectives})
-    headroom = None
-    if cfg.max_in_flight_bytes == "auto":
-        max_bytes: dict[str, int | None] = dict(auto_budget(collectives, held))
-        headroom = Headroom(s, invariants.serial_order(s, asap=True)) if collectives else None
+    headroom, within_peak = None, cfg.max_in_flight_bytes == "serial-peak"
+    if cfg.max_in_flight_bytes in ("auto", "serial-peak"):
+        max_bytes: dict[str, int | None] = {} if within_peak else dict(auto_budget(collectives, held))
+        headroom = Headroom(s, invariants.serial_order(s, asap=True), segments=within_peak) if collectives else None
     else:
         max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
     reserve: dict[str, int] = {}
     for c in collectives:
         if c.kind != "all_gather":
             reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
-    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom)
+    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak)
 
 
 def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> Peaks:
@@ -74,8 +121,8 @@ def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> Pe
     consumer order, waits, the in-flight budget of ``config``, the memory
     guarantee); raise ScheduleError naming the first node that breaks one.
     Returns the measured Peaks."""
-    _check_graph(gm)
-    cfg = _config(config)
+    check_graph(gm)
+    cfg = as_config(config)
     try:
         gm.graph.lint()
     except Exception as error:
@@ -85,7 +132,7 @@ def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> Pe
 
 
 def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
-             kinds: tuple[str, ...] | None = None, s: Structure | None = None) -> PassResult:
+             kinds: tuple[str, ...] | None = None, s: Structure | None = None) -> _Placed:
     """Schedule ``gm.graph`` in place with the core and check the result.
     ``budget_of(structure)`` gives the Budget; ``s``: the graph's Structure when
     the caller has it (the graph unchanged since). A graph with chained
@@ -97,7 +144,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
-        return PassResult(0, False)
+        return _Placed(0, False)
     budget: Budget = budget_of(s)
     reasons: dict[fx.Node, str] = {}
     room = Headroom(s, invariants.serial_order(s)) if mode != "sink" and _has_chains(s) else None
@@ -113,7 +160,8 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     apply_order(gm, order)
     for node, reason in reasons.items():
         node.meta["overlapc_reason"] = reason
-    return PassResult(len(s.movable), order != s.nodes, peaks)
+    placed = tuple((n.name, reasons[n]) for n in order if n in reasons)
+    return _Placed(len(s.movable), order != s.nodes, peaks, placed)
 
 
 def _has_chains(s: Structure) -> bool:
@@ -184,48 +232,40 @@ def _check_kept(s: Structure, order: list[fx.Node]) -> None:
                 raise fail(s, node, "moved across a barrier", order)
 
 
-# profile spec -> the Profile to schedule with instead (the cross-rank check installs rank 0's)
-_agreed_profiles: dict = {}
+@dataclasses.dataclass(frozen=True)
+class _Rewritten:
+    """What ``_run_passes`` did: the core's placement, the node names just before the
+    core ran when a rewrite may have changed the graph (else None), and the notes."""
+
+    placed: _Placed
+    before: tuple[str, ...] | None = None
+    duplicates: tuple = ()
+    buckets: tuple = ()
+    chunks: tuple = ()
 
 
-def use_profile(spec: str | None, profile) -> None:
-    """Schedule with ``profile`` (a ``costmodel.Profile``) wherever a config names
-    ``spec``: ``rankcheck.share_profile`` installs rank 0's profile here, so that
-    every rank's chunk pass chooses its piece counts from the same numbers."""
-    _agreed_profiles[spec] = profile
-
-
-def schedule_profile(spec: str | None):
-    """What the chunk pass reads for a config's ``profile``: the profile installed by
-    ``use_profile`` for it, else the spec itself."""
-    return _agreed_profiles.get(spec, spec)
-
-
-def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot) -> PassResult:
-    """Everything ``schedule`` does to the graph; returns what ``_reorder`` measured.
-    ``snapshot()`` runs before a rewrite first changes the graph."""
+def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot, estimator=None) -> _Rewritten:
+    """Everything ``run`` does to the graph; returns what the rewrites noted and what
+    ``_reorder`` measured. ``snapshot()`` runs before a rewrite first changes the graph;
+    ``estimator``: what ``chunks="auto"`` estimates with."""
+    duplicates, buckets, chunks = [], [], []
     if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
         from overlapc.passes.bucket import merge_duplicates
-        merge_duplicates(gm, before_rewrite=snapshot)
+        duplicates = merge_duplicates(gm, before_rewrite=snapshot)
     if cfg.chunks != 1:
         from overlapc.passes.chunk import chunk_collectives
         snapshot()
-        chunk_collectives(gm, cfg.chunks, schedule_profile(cfg.profile))
+        chunks = chunk_collectives(gm, cfg.chunks, estimator)
     s = None
     if cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives
         s = Structure(gm)
-        if bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s):
+        buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s)
+        if buckets:
             s = None   # the graph changed: the core needs a new one
-    if cfg.chunks != 1 or cfg.bucket is not None:
-        gm.meta["overlapc_unscheduled_order"] = [n.name for n in gm.graph.nodes]
-    return _reorder(gm, lambda s: budget_for(s, cfg), s=s)
-
-
-def unscheduled_order(gm: fx.GraphModule, before: list[str]) -> list[str]:
-    """Node names of ``gm`` just before the scheduling core ran: ``before`` (the
-    order ``schedule`` was given) unless bucketing or chunking rewrote the graph."""
-    return gm.meta.get("overlapc_unscheduled_order", before)
+    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None else None
+    placed = _reorder(gm, lambda s: budget_for(s, cfg), s=s)
+    return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks))
 
 
 _REWRITE_NOTES = ("overlapc_duplicates", "overlapc_buckets", "overlapc_chunks")
@@ -235,9 +275,8 @@ def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], n
     """Put ``gm`` back as it was: its node order, or (when a pass added or removed
     nodes) a copy of every node of ``saved`` under the same names, in the same
     Graph object (Inductor holds it); ``gm.meta`` gets back the rewrite notes
-    ``notes`` held and loses the unscheduled order a rewrite recorded."""
+    ``notes`` held."""
     graph = gm.graph
-    gm.meta.pop("overlapc_unscheduled_order", None)
     for key in _REWRITE_NOTES:
         gm.meta.pop(key, None)
         if key in notes:
@@ -253,9 +292,9 @@ def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], n
     graph.output(value, type_expr=output.type).meta.update(output.meta)
 
 
-def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
-             recompile: bool = True) -> fx.GraphModule:
-    """Reschedule ``gm`` in place so communication overlaps compute; return it.
+def run(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estimator=None,
+        recompile: bool = True) -> ScheduleResult:
+    """Reschedule ``gm`` in place so communication overlaps compute; say what was done.
 
     Runs the chunk and bucket passes when ``config`` asks for them, then the
     scheduling core under the config's budget, then the invariant check.
@@ -263,27 +302,32 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     graph without movable collectives (or config.enabled False) comes back
     untouched. On failure the graph is restored; on_error="raise" raises
     ScheduleError, "fallback" warns (node, op, group, position) and returns
-    the unscheduled graph. ``recompile=False`` skips regenerating
-    ``gm.forward`` (for callers that read only ``gm.graph``, such as Inductor).
+    the result with ``error`` set. ``estimator``: what ``chunks="auto"`` chooses
+    piece counts with (``overlapc.costmodel``'s, handed to ``chunk_collectives``;
+    ``overlapc.schedule`` builds it from ``config.profile``); required for
+    chunks="auto". ``recompile=False`` skips regenerating ``gm.forward`` (for
+    callers that read only ``gm.graph``, such as Inductor).
     """
-    _check_graph(gm)
-    cfg = _config(config)
-    if not cfg.enabled:
-        return gm
+    check_graph(gm)
+    cfg = as_config(config)
+    if cfg.chunks == "auto" and estimator is None:
+        raise ValueError('overlapc.passes: chunks="auto" chooses piece counts with an estimator: pass '
+                         "estimator= (overlapc.costmodel.resolve(profile)), or call overlapc.schedule, which "
+                         "builds it from the config's profile")
     original = list(gm.graph.nodes)
-    gm.meta.pop("overlapc_unscheduled_order", None)
-    rewrites = cfg.chunks != 1 or cfg.bucket is not None
+    before = tuple(n.name for n in original)
+    if not cfg.enabled:
+        return ScheduleResult(gm, before=before)
     saved: list[fx.Graph] = []   # a copy to roll back to, taken only when a rewrite changes the graph
 
     def snapshot() -> None:
         if not saved:
             saved.append(copy.deepcopy(gm.graph))
     notes = {key: list(gm.meta[key]) for key in _REWRITE_NOTES if key in gm.meta}
-    collectives_before = len(overlapc_collectives(gm)) if rewrites and log.isEnabledFor(logging.INFO) else None
     collecting = gc.isenabled()
     gc.disable()   # the pass allocates many small objects; collections would cost more than it does
     try:
-        stats = _run_passes(gm, cfg, snapshot)
+        done = _run_passes(gm, cfg, snapshot, estimator)
     except Exception as error:
         _restore(gm, saved[0] if saved else None, original, notes)
         if recompile:
@@ -292,26 +336,24 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
             f"{type(error).__name__}: {error}")
         if cfg.on_error == "raise":
             raise failure from error
-        warnings.warn(f"overlapc left the graph unscheduled: {failure}", stacklevel=2)
+        warnings.warn(f"overlapc left the graph unscheduled: {failure}", stacklevel=3)
         log.warning("overlapc left the graph unscheduled: %s", failure)
-        return gm
+        return ScheduleResult(gm, before=before, error=failure)
     finally:
         if collecting:
             gc.enable()
-    if not stats.collectives:   # nothing movable (a rewrite would have left movable collectives)
-        return gm
-    if recompile:
+    placed = done.placed
+    if placed.collectives and recompile:   # nothing movable: nothing changed (a rewrite leaves movable ones)
         gm.recompile()
-    if log.isEnabledFor(logging.INFO):
-        from overlapc import report
-        before = unscheduled_order(gm, [n.name for n in original])
-        summary = report.summary(gm, before, cfg.profile)
-        rewritten = f"collectives {collectives_before} -> {summary['collectives']} (buckets/chunks); " \
-            if collectives_before is not None else ""
-        log.info("overlapc: %s%s; %s", rewritten, report.summary_line(summary), report.memory_text(summary))
-        if log.isEnabledFor(logging.DEBUG):   # one line per collective, under a header
-            for line in report.format_table(report.rows(gm, before, cfg.profile)).splitlines():
-                log.debug("overlapc: %s", line)
+    return ScheduleResult(gm, placed.collectives, placed.modified, placed.peaks, done.before or before,
+                          done.duplicates, done.buckets, done.chunks, placed.reasons)
+
+
+def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estimator=None,
+             recompile: bool = True) -> fx.GraphModule:
+    """``run`` (arguments the same), returning ``gm``: the passes alone, without the
+    report's log lines (``overlapc.schedule`` adds those and builds the estimator)."""
+    run(gm, config, estimator=estimator, recompile=recompile)
     return gm
 
 

@@ -301,7 +301,7 @@ def test_a_recalibrated_profile_changes_the_inductor_cache_key(tmp_path):
 
 
 def test_every_rank_schedules_with_rank_0s_profile_through_the_store(tmp_path):
-    from overlapc.passes import pipeline
+    from overlapc import api
     store = dist.HashStore()
     paths = [_pipelines(tmp_path / "rank0.json"), _one_piece(tmp_path / "rank1.json")]
     cfgs = [overlapc.OverlapConfig(chunks="auto", profile=p, check_ranks_timeout=5) for p in paths]
@@ -321,9 +321,9 @@ def test_every_rank_schedules_with_rank_0s_profile_through_the_store(tmp_path):
     try:
         assert errors == {}
         assert rankcheck.profile_digest(cfgs[1]) == rankcheck.profile_digest(cfgs[0])
-        assert "rank 0's profile" in pipeline.schedule_profile(paths[1]).source
+        assert "rank 0's profile" in api.schedule_profile(paths[1]).source
     finally:
-        pipeline._agreed_profiles.clear()
+        api._agreed_profiles.clear()
 
 
 def _sp_block(x, w1, w2):
@@ -337,19 +337,20 @@ def _job_different_profiles(rank, world_size, port, folder):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import overlapc.backend
+    from overlapc import costmodel
     from overlapc.passes.chunk import chunk_collectives
     init_gloo(rank, world_size, port)
     path = (_pipelines if rank == 0 else _one_piece)(os.path.join(folder, f"rank{rank}.json"))
     args = [torch.randn(32, 64), torch.randn(64, 128), torch.randn(128, 64)]
     # what this rank's own profile would choose, without the check
-    alone = [n.chunks for n in chunk_collectives(make_fx(_sp_block)(*args), "auto", path)]
-    scheduled, schedule = [], overlapc.backend.schedule
+    alone = [n.chunks for n in chunk_collectives(make_fx(_sp_block)(*args), "auto", costmodel.resolve(path))]
+    scheduled, schedule_graph = [], overlapc.backend.schedule_graph
 
     def recording(gm, cfg, **kwargs):
-        out = schedule(gm, cfg, **kwargs)
+        out = schedule_graph(gm, cfg, **kwargs)
         scheduled.append([(n.name, str(n.target)) for n in gm.graph.nodes])
         return out
-    overlapc.backend.schedule = recording
+    overlapc.backend.schedule_graph = recording
     options = {"chunks": "auto", "profile": path, "inner": "aot_eager", "on_error": "raise",
                "check_ranks_timeout": 120}
     out = torch.compile(_sp_block, backend="overlapc", options=options)(*args)

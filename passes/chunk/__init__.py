@@ -1,6 +1,6 @@
 """Split collectives on the critical path into pipelined pieces.
 
-    notes = chunk_collectives(gm, chunks)   # chunks: int, or "auto" (with profile=...);
+    notes = chunk_collectives(gm, chunks)   # chunks: int, or "auto" (with an estimator);
                                             # rewrites gm.graph in place; no recompile
 
 Targets: a collective whose input is produced right before it and whose result
@@ -139,19 +139,23 @@ class ChunkNote:
     estimates: tuple[tuple[int, float], ...] = ()
 
 
-def chunk_collectives(gm: fx.GraphModule, chunks: int | str, profile=None) -> list[ChunkNote]:
+def chunk_collectives(gm: fx.GraphModule, chunks: int | str, estimator=None) -> list[ChunkNote]:
     """Split qualifying all-gather/matmul, matmul/reduce-scatter and
     all-to-all/expert/all-to-all patterns of ``gm`` into ``chunks`` pipelined
     pieces, in place (``gm.graph`` only: the caller recompiles). ``chunks="auto"``:
     per pattern (per chain of patterns that feed one another), the count in
-    ``estimate.CANDIDATES`` that ``profile`` (anything ``overlapc.costmodel.resolve``
-    takes) estimates fastest. Returns one note per pattern found, applied or not, and
+    ``estimate.CANDIDATES`` that ``estimator`` (what ``estimate``'s functions take: an
+    ``overlapc.costmodel.Profile``, handed in by the caller) estimates
+    fastest; ValueError without one. Returns one note per pattern found, applied or not, and
     appends them to ``gm.meta["overlapc_chunks"]``. chunks == 1 changes nothing and
     returns []."""
     auto = chunks == "auto"
     if not auto and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f'chunk_collectives: chunks must be an int >= 1 or "auto", got {chunks!r}')
-    notes = _Chunker(gm, chunks, profile).run() if auto or chunks > 1 else []
+    if auto and estimator is None:
+        raise ValueError('chunk_collectives: chunks="auto" needs an estimator to choose piece counts with: '
+                         "pass overlapc.costmodel.resolve(profile), or call overlapc.schedule")
+    notes = _Chunker(gm, chunks, estimator).run() if auto or chunks > 1 else []
     gm.meta.setdefault("overlapc_chunks", []).extend(notes)
     return notes
 
@@ -172,7 +176,7 @@ class _Chunker:
     """One chunk_collectives run: each pattern's count chosen (given, auto, or auto
     for data-dependent splits), planned, and emitted through one Emitter."""
 
-    def __init__(self, gm: fx.GraphModule, chunks: int | str, profile):
+    def __init__(self, gm: fx.GraphModule, chunks: int | str, estimator):
         from overlapc.passes.chunk.emit import Emitter
         from overlapc.passes.chunk.plan import Planner
 
@@ -180,8 +184,7 @@ class _Chunker:
         self.left = 1 if self.auto else chunks   # a note's count when the pattern is left alone
         self.prof, self.choices = None, {}
         if self.auto:
-            from overlapc import costmodel
-            self.prof = costmodel.resolve(profile)
+            self.prof = estimator
             self.choices = _auto_counts(gm, self.prof)
         self.planner = Planner(gm)
         self.emitter = Emitter(gm, self.planner)
@@ -266,7 +269,6 @@ class _Trials:
         on a copy of ``gm``; a pattern is named by its first start's name."""
         import copy
 
-        from overlapc import costmodel
         from overlapc.passes.chunk import ragged
         from overlapc.passes.chunk.emit import Emitter
         from overlapc.passes.chunk.estimate import pipeline_ms
@@ -292,7 +294,7 @@ class _Trials:
                 self.skips.setdefault(start.name, skip)
                 continue
             done.update(plan.starts)
-            bridge = sum(costmodel.compute_ms(n, prof.device) for n in (plan.link.bridge if plan.link else ()))
+            bridge = sum(prof.compute_ms(n) for n in (plan.link.bridge if plan.link else ()))
             starts = tuple(n.name for n in plan.starts)
             self.owner.update((name, start.name) for name in starts)
             self.runs.setdefault(start.name, {})[k] = _Trial(

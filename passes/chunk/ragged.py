@@ -384,7 +384,7 @@ def _copy(node: fx.Node, env: dict, new) -> fx.Node:
 
 # -- chunks="auto" ---------------------------------------------------------------------------------
 
-def estimate_ragged(plan: RaggedPlan, ks, profile):
+def estimate_ragged(plan: RaggedPlan, ks, estimator):
     """(best k, ((k, estimated ms), ...)) for ``plan`` with each count in ``ks`` and 1,
     by ``estimate.choose`` on a copy of the pipeline whose sizes assume balanced
     routing (module docstring); Skip when no token count is known."""
@@ -413,7 +413,7 @@ def estimate_ragged(plan: RaggedPlan, ks, profile):
     region = [env[n] for n in plan.region]
     plans = {k: Plan(plan.pattern, plan.group, plan.world, k, env[plan.source], env[plan.source.args[0]],
                      env[plan.sink], region, [], env[plan.sink], {}) for k in ks}
-    return estimate.choose(plans, profile)
+    return estimate.choose(plans, estimator)
 
 
 def _hint(size, hints: dict) -> int:
