@@ -8,6 +8,8 @@ from typing import Any, Mapping
 
 _ON_ERROR = ("fallback", "raise")
 _INNER = ("inductor", "aot_eager")
+BYTE_MODES = ("auto", "serial-peak")
+_REGATHER = ("always", "auto")   # the named values of max_in_flight_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,12 +25,25 @@ class OverlapConfig:
         (twice the group's largest collective, see
         ``overlapc.passes.inflight.auto_budget``, and more wherever everything
         in flight fits under the graph's memory peak, see
-        ``overlapc.passes.memory.Headroom``), or None for no limit.
+        ``overlapc.passes.memory.Headroom``), "serial-peak" (no fixed number:
+        a collective goes ahead only where everything in flight, all groups,
+        fits under the peak of the graph's serial order, so the scheduled
+        graph's peak never exceeds that order's, which ``verify`` checks; a
+        reduce-scatter or all-reduce that does not fit is waited right after
+        its start, as in the serial order), or None for no limit.
     bucket: merge small collectives before scheduling: "auto" (within a block
         of the model, up to the size of the group's largest collective, so the
         byte budget and memory stay as without buckets), "module" (one bucket
         per block where the graph records modules, 64 MiB otherwise), an int
         byte target, or None (off). See ``overlapc.passes.bucket``.
+    regather: where a joint forward + backward graph gathers a parameter in the
+        forward and again in the backward (FSDP's reshard-after-forward):
+        "always" keeps every re-gather as traced; "auto" decides per block
+        (last block first) to keep the forward's gathered weights alive for the
+        backward and drop the re-gather wherever the graph's peak live bytes do
+        not rise (``overlapc.passes.regather``; the choice is logged at INFO and
+        noted in ``gm.meta["overlapc_regather"]``). Graphs without re-gathers
+        are unaffected.
     chunks: split collectives on the critical path into this many pipelined
         pieces (int >= 1; 1 = off), or "auto": per pattern, the count that the
         estimator (``profile``) puts fastest. See ``overlapc.passes.chunk``.
@@ -54,6 +69,7 @@ class OverlapConfig:
     max_in_flight: int | None = 3
     max_in_flight_bytes: int | str | None = "auto"
     bucket: str | int | None = "auto"
+    regather: str = "always"
     chunks: int | str = 1
     profile: str | None = None
     inductor_mode: str | None = None
@@ -66,14 +82,24 @@ class OverlapConfig:
 
     def __post_init__(self) -> None:
         _positive_or_none("max_in_flight", self.max_in_flight)
-        if self.max_in_flight_bytes != "auto":
-            _positive_or_none("max_in_flight_bytes", self.max_in_flight_bytes, extra=', "auto"')
+        if isinstance(self.max_in_flight_bytes, str):
+            if self.max_in_flight_bytes not in BYTE_MODES:
+                close = difflib.get_close_matches(self.max_in_flight_bytes.lower(), BYTE_MODES, n=1, cutoff=0.4)
+                raise ValueError(f"OverlapConfig.max_in_flight_bytes must be an int >= 1 (bytes), \"auto\", "
+                                 f"\"serial-peak\" or None, got {self.max_in_flight_bytes!r}"
+                                 + (f"; did you mean {close[0]!r}?" if close else ""))
+        else:
+            _positive_or_none("max_in_flight_bytes", self.max_in_flight_bytes, extra=' (bytes), "auto", "serial-peak"')
         if isinstance(self.bucket, str) and self.bucket not in ("auto", "module"):
             close = difflib.get_close_matches(self.bucket.lower(), ["auto", "module"], n=1, cutoff=0.5)
             raise ValueError(f"OverlapConfig.bucket must be \"auto\", \"module\", an int >= 1 (bytes) or None, "
                              f"got {self.bucket!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
         if self.bucket not in (None, "auto", "module"):
             _positive_or_none("bucket", self.bucket, extra=' (bytes), "auto", "module"')
+        if self.regather not in _REGATHER:
+            raise ValueError(f"OverlapConfig.regather must be one of {_REGATHER} (\"always\": every backward "
+                             f"re-gather stays; \"auto\": keep a block's forward gathers where the peak allows), "
+                             f"got {self.regather!r}")
         if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
                                       or self.chunks < 1):
             raise ValueError(f'OverlapConfig.chunks must be an int >= 1 (1 = off) or "auto", got {self.chunks!r}')

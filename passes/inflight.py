@@ -37,12 +37,19 @@ class Budget:
         a collective may also be issued past ``max_bytes`` when everything in
         flight (all groups) fits the headroom at every spine node from here to
         its wait's target (``fits_headroom``); None: ``max_bytes`` alone.
+    within_peak: the "serial-peak" byte budget: the headroom alone bounds the
+        bytes in flight (``max_bytes`` is empty): a collective goes ahead only
+        where everything in flight fits it; one other than an all-gather that
+        does not fit is waited right after its start, an all-gather that does
+        not fit is issued right before its wait; the invariant check compares
+        the peak with the serial order's peak exactly (``Headroom.peak``).
     """
 
     max_count: int | None
     max_bytes: dict[str, int | None]
     reserve: dict[str, int]
     headroom: Headroom | None = None
+    within_peak: bool = False
 
     def fits_headroom(self, in_flight: int, first: int, last: int) -> bool:
         """Whether ``in_flight`` bytes (all groups, the new collective included) fit

@@ -23,7 +23,10 @@
    order (``serial_order``, built here without the scheduler: the same spine
    and starts, every collective other than an all-gather waited right after
    its start, every all-gather issued right before its wait, just before its
-   first reader).
+   first reader). With ``max_in_flight_bytes="serial-peak"``
+   (``Budget.within_peak``): peak live bytes <= the serial order's peak
+   (``serial_order(s, asap=True)``, the budget's headroom reference), exactly,
+   with no allowance for the bytes in flight.
 
 Valid topological order (lint) and "nothing crossed a barrier / compute kept
 its order" need the order before scheduling; ``pipeline.schedule`` checks
@@ -126,6 +129,11 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     liveness = room.liveness if room is not None else Liveness(s.nodes)
     live = liveness.live_bytes(order)
     peak = max(live, default=0)
+    if budget.within_peak:
+        serial_peak = room.peak if room is not None else liveness.peak_bytes(serial_order(s, asap=True))
+        if peak > serial_peak:
+            raise _memory_error(o, liveness, live, "serial order", serial_peak, None)
+        return Peaks(peak, serial_peak, flight.peak_total, peak_count)
     references = [] if reference is None else [("order before scheduling", liveness.peak_bytes(reference))]
     if serial or reference is None:
         references.append(("serial order", liveness.peak_bytes(serial_order(s))))
@@ -136,17 +144,20 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
 
 
 def _memory_error(o: _Order, liveness: Liveness, live: list[int], what: str, reference: int,
-                  in_flight: int) -> ScheduleError:
+                  in_flight: int | None) -> ScheduleError:
     """The memory guarantee broken: named at the node of ``o`` where the live bytes
-    peak, with the largest buffers live there (a collective's with its kind and group)."""
+    peak, with the largest buffers live there (a collective's with its kind and group).
+    ``in_flight`` None: the bound is ``reference`` alone ("serial-peak")."""
     s, at = o.s, live.index(max(live))
     largest, groups = [], []
     for node, nbytes in liveness.live_at(o.nodes, at)[:4]:
         c = s.coll_of_start.get(node)
         largest.append(f"{node.name} {nbytes} B" + (f" ({c.kind} of group {c.group})" if c else ""))
         groups += [c.group] if c else []
-    return ScheduleError(f"peak live bytes {live[at]} exceed the {what}'s {reference} plus the {in_flight} "
-                         f"bytes in flight; largest live there: {', '.join(largest)}", node=o.nodes[at],
+    bound = f"the {what}'s {reference} plus the {in_flight} bytes in flight" if in_flight is not None else \
+        f"the {what}'s peak {reference} (max_in_flight_bytes=\"serial-peak\")"
+    return ScheduleError(f"peak live bytes {live[at]} exceed {bound}; largest live there: {', '.join(largest)}",
+                         node=o.nodes[at],
                          group=groups[0] if len(set(groups)) == 1 else None, position=at)
 
 

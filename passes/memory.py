@@ -131,17 +131,27 @@ class Headroom:
     the live bytes there. A schedule whose bytes in flight (all groups) stay
     within the headroom at every spine node they span keeps the reference's
     peak: its live bytes there are the reference's plus what is in flight.
-    Positions are ``s.pos``; ``least(first, last)`` is O(1) (a sparse table)."""
+    Positions are ``s.pos``; ``least(first, last)`` is O(1) (a sparse table).
 
-    def __init__(self, s: Structure, serial: list[fx.Node]):
+    ``segments``: the headroom at a spine node is also no more than at the
+    bundle nodes (collectives' starts and waits, their input chains) the
+    reference runs after it, up to the next spine node: a collective in flight
+    at a spine node is in flight until the next one too, so it must fit there
+    as well ("serial-peak" asks this; without it bundle nodes do not constrain)."""
+
+    def __init__(self, s: Structure, serial: list[fx.Node], segments: bool = False):
         self.serial = serial
         self.liveness = Liveness(s.nodes)   # kept: the invariant check reuses both
         live = self.liveness.live_bytes(self.serial)
         peak = max(live, default=0)
-        level = [peak] * len(s.nodes)        # nodes in bundles do not constrain
+        level = [peak] * len(s.nodes)
+        spine = None   # s.pos of the spine node the reference ran last
         for node, nbytes in zip(self.serial, live):
             if node not in s.bundled:
-                level[s.pos[node]] = peak - nbytes
+                spine = s.pos[node]
+                level[spine] = peak - nbytes
+            elif segments and spine is not None:
+                level[spine] = min(level[spine], peak - nbytes)
         self.peak = peak
         self._least = RangeTable(level, min)
 

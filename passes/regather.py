@@ -18,13 +18,17 @@ the same group, with no barrier between them. The block of a gather is
 
 ``keep_or_regather(gm, budget)`` edits ``gm`` in place (the backward's wait
 readers read the forward's wait; the re-gather and its input chain are
-erased) and returns what it chose. Run it before scheduling: the scheduler
-then sees one all-gather where there were two.
+erased), returns what it chose and appends the choices to
+``gm.meta["overlapc_regather"]``. ``overlapc.schedule`` runs it before
+bucketing and scheduling with ``OverlapConfig(regather="auto")`` (the
+scheduler then sees one all-gather where there were two); a graph without
+re-gathers (a forward or backward graph alone) is left as it is.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -66,14 +70,21 @@ class _Pair:
     nbytes: int
 
 
-def keep_or_regather(gm: fx.GraphModule, budget: int | None = None) -> RegatherResult:
+def keep_or_regather(gm: fx.GraphModule, budget: int | None = None,
+                     before_rewrite: Callable[[], None] | None = None) -> RegatherResult:
     """Drop the re-gathers of every block whose forward gathers fit the memory
     budget kept alive (module docstring). ``budget``: peak live bytes allowed,
-    None for the graph's own peak. Returns the choices, last block first."""
+    None for the graph's own peak. ``before_rewrite``: called once before the
+    graph is first changed (the pipeline's snapshot for a rollback). Returns the
+    choices, last block first (also appended to ``gm.meta["overlapc_regather"]``)."""
     nodes = list(gm.graph.nodes)
+    blocks = _pairs_by_block(gm, nodes)
+    if not blocks:
+        return RegatherResult((), budget or 0, 0, 0)
+    if before_rewrite is not None:
+        before_rewrite()
     peak_before = peak_bytes(nodes)
     budget = peak_before if budget is None else budget
-    blocks = _pairs_by_block(gm, nodes)
     dead: set[fx.Node] = set()
     choices = []
     for block, pairs in blocks:
@@ -97,12 +108,19 @@ def keep_or_regather(gm: fx.GraphModule, budget: int | None = None) -> RegatherR
         gm.graph.lint()
         gm.recompile()
     result = RegatherResult(tuple(choices), budget, peak_before, peak_bytes(list(gm.graph.nodes)))
-    if choices:
-        log.info("overlapc: forward gathers kept for the backward in %d of %d blocks (%s); peak %d -> %d bytes, "
-                 "budget %d", sum(c.kept for c in choices), len(choices),
-                 ", ".join(f"{c.block or '?'} {'kept' if c.kept else 're-gathered'}" for c in choices),
-                 result.peak_before, result.peak_after, budget)
+    gm.meta.setdefault("overlapc_regather", []).extend(choices)
+    log.info("overlapc: %s", summary_text(result))
     return result
+
+
+def summary_text(result: RegatherResult) -> str:
+    """One line: the blocks whose forward gathers were kept for the backward (with
+    the bytes kept alive and re-gathers dropped), the count re-gathered, the peaks."""
+    kept = [c for c in result.choices if c.kept]
+    names = ", ".join(f"{c.block or '?'} ({c.nbytes} B, {len(c.regathers)} re-gathers dropped)" for c in kept)
+    return (f"forward gathers kept for the backward in {len(kept)} of {len(result.choices)} blocks"
+            + (f": {names}" if kept else "") + f"; peak {result.peak_before} -> {result.peak_after} bytes "
+            f"(budget {result.budget})")
 
 
 def _pairs_by_block(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[tuple[str, list[_Pair]]]:

@@ -18,6 +18,10 @@ Room: the count bound always; the byte budget, or, when the budget has a
 headroom (``max_in_flight_bytes="auto"``), the headroom from the spine node
 last placed to the collective's wait target: where the graph's memory is far
 below its peak, collectives go ahead further than the byte budget alone allows.
+With ``max_in_flight_bytes="serial-peak"`` (``Budget.within_peak``) the
+headroom alone: a collective other than an all-gather that does not fit it is
+waited right after its start (as in the serial order), an all-gather that does
+not fit is issued when its result is due.
 
 Modes: "schedule" (the above), "sink" (starts stay where they are; only waits
 move, no budget), "serial" (all-gathers issued right before their wait, every
@@ -54,6 +58,7 @@ REASONS = {
     "before output": "waited before the graph output",
     "before barrier": "waited before the barrier that closes its region",
     "early for room": "waited early to make room in the in-flight budget",
+    "no headroom": "waited right after its start: in flight it would raise the serial order's peak",
 }
 
 
@@ -346,6 +351,8 @@ class _Core:
         return limit is not None and self.flight.count(c.group, c.kind) >= limit and self.flight.adds_one(c)
 
     def _bytes_over(self, c: Collective) -> bool:
+        if self.budget.within_peak:
+            return not self._in_headroom(c)
         limit = self.budget.max_bytes.get(c.group)
         return limit is not None and self.flight.nbytes(c.group) + self.s.held[c.start] > limit \
             and not self._in_headroom(c)
@@ -363,6 +370,11 @@ class _Core:
         if self._count_full(c):
             self.held_back[c.start] = "count bound"
             return False
+        if self.budget.within_peak:
+            fits = self._in_headroom(c)
+            if not fits:
+                self.held_back[c.start] = "byte budget"
+            return fits
         room = self.budget.gather_room(c.group)
         if room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room \
                 or self._in_headroom(c):
@@ -398,7 +410,10 @@ class _Core:
             if c.start in self.issued:
                 continue
             self._make_room(c, gathers=False)
+            alone = self.budget.within_peak and self._bytes_over(c)
             self._issue(c)
+            if alone:   # as in the serial order: in flight, it would raise the peak
+                self._wait(c, "no headroom")
         for lane in self.lane_order:
             if lane[1] != self.region:
                 continue

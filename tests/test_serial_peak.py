@@ -1,0 +1,174 @@
+"""max_in_flight_bytes="serial-peak": the bytes in flight never raise the peak above the serial order's.
+
+Random graphs (tests/test_properties.py's programs, and tests/test_chain_properties.py's
+chained ones) are scheduled in that mode under every count limit, then checked:
+values exact under the stand-ins, ``verify``, the independent checks of those
+files, and, counted here without overlapc's code, peak live bytes (``live_peak``)
+<= the peak of the serial order (``serial_order``: each all-gather right before
+its wait, every other collective waited right after its start), with no
+allowance for the bytes in flight (on chained graphs: <= the peak, counted
+here, of overlapc's serial order ``invariants.serial_order(asap=True)``, which
+issues a chained all-gather where its result is due); a second trace gives the same order (every
+rank issues the same collectives in the same order). Unit tests: ``verify``
+refuses an order above the serial peak and names the node; a reduce-scatter
+that would raise the peak in flight is waited right after its start; the
+option's validation.
+"""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import overlapc
+import test_chain_properties as chain_props
+from graphs import F, ag, trace, wait
+from test_chains import Stand
+from overlapc.passes import invariants, reorder_all_gathers
+from overlapc.passes.structure import Structure
+from test_properties import (
+    _BARRIERS, LocalCollectives, build, independent_checks, inputs_for, live_peak, order, programs, serial_order,
+)
+
+EXAMPLES = int(os.environ.get("OVERLAPC_EXAMPLES", "120"))
+
+
+def _rows(nodes):
+    """(collectives with a wait, the movable ones whose start and waits share a region):
+    regions cut by the tests' barriers, recomputed here."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    region, count = {}, 0
+    for n in nodes:
+        region[n] = count
+        count += n.target in _BARRIERS
+    found = [c for c in overlapc.collectives(nodes[0].graph.owning_module) if c.waits]
+    rows = [c for c in found if c.movable and all(region[w] == region[c.start] for w in c.waits)]
+    return found, sorted(rows, key=lambda c: pos[c.start])
+
+
+def assert_within_serial_peak(gm):
+    nodes = list(gm.graph.nodes)
+    found, rows = _rows(nodes)
+    peak, serial = live_peak(nodes, found), live_peak(serial_order(nodes, rows), found)
+    assert peak <= serial, (peak, serial)
+
+
+def cfg_of(limit, **extra):
+    return overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes="serial-peak", on_error="raise",
+                                  **{"bucket": None, **extra})
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("OVERLAPC_SEARCH") != "1",
+          database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(p=programs(), limit=st.sampled_from([1, 2, 3, None]))
+def test_random_graphs_stay_within_the_serial_peak(fake_pg, two_groups, p, limit):
+    cfg = cfg_of(limit)
+    shapes = [(16, 16)] + [(2, 16)] * p["n"]
+    groups = (fake_pg.group_name, two_groups[0].group_name)
+    gm = trace(build(p, groups), *shapes)
+    expected = LocalCollectives(gm).run(*inputs_for(p))
+    before = list(gm.graph.nodes)
+
+    overlapc.schedule(gm, cfg)
+
+    gm.graph.lint()
+    for a, b in zip(expected, LocalCollectives(gm).run(*inputs_for(p))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    overlapc.verify(gm, cfg)
+    independent_checks(gm, cfg, before)
+    assert_within_serial_peak(gm)
+    again = trace(build(p, groups), *shapes)
+    overlapc.schedule(again, cfg)
+    assert order(again) == order(gm)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("OVERLAPC_SEARCH") != "1",
+          database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(p=chain_props.programs(), limit=st.sampled_from([1, 2, 3, None]), bucket=st.sampled_from([None, "auto"]))
+def test_chained_graphs_stay_within_the_serial_peak(fake_pg, two_groups, p, limit, bucket):
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    cfg = cfg_of(limit, bucket=bucket)
+    gm = trace(chain_props.build(p, groups), *chain_props.shapes_for(p))
+    inputs = chain_props.inputs_for(p)
+    expected = Stand(gm).run(*inputs)
+
+    overlapc.schedule(gm, cfg)
+
+    for a, b in zip(expected, Stand(gm).run(*inputs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    overlapc.verify(gm, cfg)
+    # The reference is overlapc's serial order (chained all-gathers issued where their
+    # result is due, which can differ from the order this file builds); its peak and
+    # the schedule's are counted here.
+    nodes = list(gm.graph.nodes)
+    found = _rows(nodes)[0]
+    reference = invariants.serial_order(Structure(gm), asap=True)
+    assert live_peak(nodes, found) <= live_peak(reference, found)
+    again = trace(chain_props.build(p, groups), *chain_props.shapes_for(p))
+    overlapc.schedule(again, cfg)
+    assert order(again) == order(gm)
+
+
+def big_temporary_then_layers(x, w0, w1, w2):
+    """The peak is a large temporary at the top; three layers of gathered weights after it."""
+    x = x + x.repeat(64, 1).sum(0)                # 64 x 16 x 16 floats, freed before the layers
+    for w in (w0, w1, w2):
+        x = torch.tanh(x @ wait(ag(w)).t())
+    return x
+
+
+def test_verify_refuses_an_order_above_the_serial_peak_and_names_the_node(fake_pg):
+    gm = trace(big_temporary_then_layers, (16, 16), (2, 16), (2, 16), (2, 16))
+    reorder_all_gathers(gm)   # every all-gather at the top, across the temporary
+    with pytest.raises(overlapc.ScheduleError, match=r'node \w+ .*exceed the serial order\'s peak \d+ '
+                                                     r'\(max_in_flight_bytes="serial-peak"\)'):
+        overlapc.verify(gm, cfg_of(None))
+    overlapc.verify(gm, overlapc.OverlapConfig(max_in_flight=None, max_in_flight_bytes=None))   # no such bound
+
+
+def test_serial_peak_keeps_the_gathers_behind_the_peak(fake_pg):
+    gm = trace(big_temporary_then_layers, (16, 16), (2, 16), (2, 16), (2, 16))
+    peak_serial = live_peak(serial_order(list(gm.graph.nodes), _rows(list(gm.graph.nodes))[1]),
+                            _rows(list(gm.graph.nodes))[0])
+    overlapc.schedule(gm, cfg_of(None))
+    nodes = list(gm.graph.nodes)
+    repeat = next(n for n in nodes if n.target == torch.ops.aten.repeat.default)
+    first_gather = next(n for n in nodes if n.target == F.all_gather_into_tensor.default)
+    assert nodes.index(first_gather) > nodes.index(repeat)   # not in flight across the temporary
+    assert live_peak(nodes, _rows(nodes)[0]) <= peak_serial
+
+
+def test_a_reduce_scatter_that_would_raise_the_peak_is_waited_at_once(fake_pg):
+    def fn(x, w):
+        g = torch.tanh(x @ w)
+        shard = F.reduce_scatter_tensor(g, "sum", 8, fake_pg.group_name)
+        y = x + x.repeat(64, 1).sum(0)
+        return y, wait(shard)
+    inputs = [torch.linspace(-1, 1, 256).view(16, 16), torch.linspace(1, -2, 256).view(16, 16)]
+    gm = trace(fn, (16, 16), (16, 16))
+    expected = LocalCollectives(gm).run(*inputs)
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight_bytes="auto", bucket=None, on_error="raise"))
+    auto = [n.name for n in gm.graph.nodes]
+    gm = trace(fn, (16, 16), (16, 16))
+    overlapc.schedule(gm, cfg_of(None))
+    nodes = list(gm.graph.nodes)
+    start = next(n for n in nodes if n.target == F.reduce_scatter_tensor.default)
+    waited = next(n for n in nodes if n.target == F.wait_tensor.default)
+    assert nodes.index(waited) == nodes.index(start) + 1
+    assert waited.meta["overlapc_reason"] == "no headroom"
+    assert auto.index(waited.name) > auto.index(start.name) + 1   # "auto" leaves it in flight across the peak
+    assert_within_serial_peak(gm)
+    for a, b in zip(expected, LocalCollectives(gm).run(*inputs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", ["serial_peak", "peak", "", 0, -5, 1.5, True])
+def test_bad_byte_budgets_are_refused_with_the_valid_values(bad):
+    with pytest.raises(ValueError, match=r'max_in_flight_bytes must be an int >= 1 \(bytes\), "auto", '
+                                         r'"serial-peak" or None, got'):
+        overlapc.OverlapConfig(max_in_flight_bytes=bad)
+
+
+def test_a_misspelt_mode_is_answered_with_the_closest_one():
+    with pytest.raises(ValueError, match="did you mean 'serial-peak'"):
+        overlapc.OverlapConfig(max_in_flight_bytes="serial_peak")
