@@ -249,6 +249,10 @@ def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot, estimator=None
     ``_reorder`` measured. ``snapshot()`` runs before a rewrite first changes the graph;
     ``estimator``: what ``chunks="auto"`` estimates with."""
     duplicates, buckets, chunks = [], [], []
+    regathered = False
+    if cfg.regather == "auto":   # first: bucketing would merge the re-gathers it may drop
+        from overlapc.passes.regather import keep_or_regather
+        regathered = any(c.kept for c in keep_or_regather(gm, before_rewrite=snapshot).choices)
     if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
         from overlapc.passes.bucket import merge_duplicates
         duplicates = merge_duplicates(gm, before_rewrite=snapshot)
@@ -263,12 +267,13 @@ def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot, estimator=None
         buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s)
         if buckets:
             s = None   # the graph changed: the core needs a new one
-    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None else None
+    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or regathered \
+        else None
     placed = _reorder(gm, lambda s: budget_for(s, cfg), s=s)
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks))
 
 
-_REWRITE_NOTES = ("overlapc_duplicates", "overlapc_buckets", "overlapc_chunks")
+_REWRITE_NOTES = ("overlapc_duplicates", "overlapc_buckets", "overlapc_chunks", "overlapc_regather")
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], notes: dict) -> None:

@@ -9,6 +9,7 @@ lies between the last block's forward and backward (a large loss), keeping
 either weight would raise it: both re-gathers stay. Peaks are recounted here
 from the graph, not taken from the pass.
 """
+import pytest
 import torch
 
 from overlapc.collectives import collectives
@@ -98,3 +99,77 @@ def test_both_gathers_stay_where_keeping_would_raise_the_peak(fake_pg):
     # a budget with room for block 1's weight (16 KiB) over the peak keeps it
     kept = keep_or_regather(gm, budget=_live_peak(gm) + 16 * 1024)
     assert [(c.block, c.kept) for c in kept.choices][0] == ("layers.1", True)
+
+
+# -- through overlapc.schedule (OverlapConfig.regather="auto") --------------------------------
+
+def _schedule(gm, **options):
+    import overlapc
+    cfg = overlapc.OverlapConfig(**{"regather": "auto", "bucket": None, "max_in_flight_bytes": "serial-peak",
+                                    "on_error": "raise", **options})
+    overlapc.schedule(gm, cfg)
+    overlapc.verify(gm, cfg)
+    return gm
+
+
+def test_schedule_drops_the_last_blocks_regather_within_the_budget(fake_pg, caplog):
+    gm = traced(early_peak=True, loss_peak=False)
+    expected = LocalCollectives(gm).run(*_inputs())
+    budget = _live_peak(gm)   # the graph's own peak
+
+    with caplog.at_level("INFO", logger="overlapc"):
+        _schedule(gm)
+
+    assert sorted(_gathers(gm)) == ["w0_1", "w0_1", "w1_1"]    # block 1 gathered once, block 0 twice
+    assert [(c.block, c.kept) for c in gm.meta["overlapc_regather"]] == [("layers.1", True), ("layers.0", False)]
+    assert _live_peak(gm) <= budget
+    kept_line = next(r.getMessage() for r in caplog.records if "kept for the backward" in r.getMessage())
+    assert "1 of 2 blocks: layers.1 (16384 B, 1 re-gathers dropped)" in kept_line   # w1 gathered: 8 x 8 x 64 floats
+    for a, b in zip(expected, LocalCollectives(gm).run(*_inputs())):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_schedule_keeps_both_gathers_where_keeping_would_raise_the_peak(fake_pg):
+    gm = traced(early_peak=False, loss_peak=True)
+    expected = LocalCollectives(gm).run(*_inputs())
+    budget = _live_peak(gm)
+
+    _schedule(gm)
+
+    assert sorted(_gathers(gm)) == ["w0_1", "w0_1", "w1_1", "w1_1"]
+    assert not any(c.kept for c in gm.meta["overlapc_regather"])
+    assert _live_peak(gm) <= budget
+    for a, b in zip(expected, LocalCollectives(gm).run(*_inputs())):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_regather_always_is_the_default_and_changes_nothing(fake_pg):
+    import overlapc
+    assert overlapc.OverlapConfig().regather == "always"
+    gm = traced(early_peak=True, loss_peak=False)
+    overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise"))
+    assert sorted(_gathers(gm)) == ["w0_1", "w0_1", "w1_1", "w1_1"] and "overlapc_regather" not in gm.meta
+
+
+def test_a_failed_schedule_rolls_the_dropped_regather_back(fake_pg, monkeypatch):
+    import overlapc
+    from overlapc.passes import pipeline
+
+    def broken(*args, **kwargs):
+        raise overlapc.ScheduleError("core broke")
+    monkeypatch.setattr(pipeline, "_reorder", broken)
+    gm = traced(early_peak=True, loss_peak=False)
+    before = [n.name for n in gm.graph.nodes]
+    expected = LocalCollectives(gm).run(*_inputs())
+    with pytest.warns(UserWarning, match="core broke"):
+        overlapc.schedule(gm, overlapc.OverlapConfig(regather="auto", bucket=None))
+    assert [n.name for n in gm.graph.nodes] == before and "overlapc_regather" not in gm.meta
+    for a, b in zip(expected, LocalCollectives(gm).run(*_inputs())):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", ["never", "keep", None, True])
+def test_bad_regather_values_are_refused(bad):
+    import overlapc
+    with pytest.raises(ValueError, match=r"OverlapConfig.regather must be one of \('always', 'auto'\)"):
+        overlapc.OverlapConfig(regather=bad)
