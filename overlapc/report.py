@@ -66,7 +66,7 @@ through its input chain; -1 when it reads nothing):
    ``comm_ms`` plus any time queued behind earlier collectives of its group).
 
 Recorded reasons. The scheduler records why it placed each start and wait in
-``node.meta["overlapc_reason"]`` (starts: "inputs ready", "count bound", "byte
+``node.meta[passes.meta.REASON]`` (starts: "inputs ready", "count bound", "byte
 budget", "consumer order", "forced by consumer", "not moved"; waits: "before
 consumer", "before output", "before barrier", "early for room"). A row's
 ``issue_reason`` and ``wait_reason`` (its first wait) carry them, "" for a node
@@ -120,6 +120,7 @@ import torch.fx as fx
 
 from overlapc import costmodel
 from overlapc.collectives import Collective, alias_closure, module_path, real_consumers
+from overlapc.passes import meta
 from overlapc.passes.inflight import replay
 from overlapc.passes.structure import Structure
 from overlapc.simulate import HIDDEN_FRACTION, HIDDEN_MS, Timeline, checked_order, simulate
@@ -127,7 +128,7 @@ from overlapc.simulate import HIDDEN_FRACTION, HIDDEN_MS, Timeline, checked_orde
 SCHEMA = "overlapc.report/1"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 REASONS = ("graph input/output", "data dependency", "in-flight limit", "no compute left")
-REASON_KEY = "overlapc_reason"   # node.meta key where the scheduler records why it placed a start or wait
+REASON_KEY = meta.REASON   # node.meta key where the scheduler records why it placed a start or wait
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,8 +246,8 @@ def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, c
             exposed_ms_before=exposed_before[c.start.name],
             exposed_ms=exposed_after[c.start.name],
             verdict=verdict, reason=reason,
-            issue_reason=str(c.start.meta.get(REASON_KEY, "")),
-            wait_reason=str(c.waits[0].meta.get(REASON_KEY, "")) if c.waits else "",
+            issue_reason=meta.reason(c.start),
+            wait_reason=meta.reason(c.waits[0]) if c.waits else "",
             start_ms=timed_after.start_ms, end_ms=timed_after.end_ms,
         ))
     summary = _summary(rows, timeline_before, timeline_after, profile)
@@ -409,9 +410,9 @@ def in_flight_text(summary: dict) -> str:
 def rewrites(gm: fx.GraphModule) -> list[dict]:
     """What merging, bucketing and chunking did to ``gm`` (their records in ``gm.meta``),
     as plain dicts with a "rewrite" key ("identical", "bucket" or "chunk") first."""
-    found = [{"rewrite": "identical", "members": list(names)} for names in gm.meta.get("overlapc_duplicates", ())]
-    for key, label in (("overlapc_buckets", "bucket"), ("overlapc_chunks", "chunk")):
-        for record in gm.meta.get(key, ()):
+    found = [{"rewrite": "identical", "members": list(names)} for names in meta.notes(gm, meta.DUPLICATES)]
+    for key, label in ((meta.BUCKETS, "bucket"), (meta.CHUNKS, "chunk")):
+        for record in meta.notes(gm, key):
             found.append({"rewrite": label, **dataclasses.asdict(record)})
     return found
 

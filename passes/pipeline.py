@@ -20,7 +20,7 @@ import warnings
 import torch.fx as fx
 
 from overlapc.config import OverlapConfig
-from overlapc.passes import invariants
+from overlapc.passes import invariants, meta
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
 from overlapc.passes.memory import Headroom
@@ -76,7 +76,7 @@ class ScheduleResult:
     duplicates, buckets, chunks: this run's rewrite notes (``merge_duplicates``'
         merged names, ``BucketNote``s, ``ChunkNote``s; also appended to ``gm.meta``).
     reasons: (node name, why the core placed it) per placed start and wait (also
-        each node's ``meta``). error: the ScheduleError that rolled the graph back
+        each node's ``meta.REASON``). error: the ScheduleError that rolled the graph back
         (on_error="fallback"), else None.
     ``structure``: the ``Structure`` of the scheduled graph, built once on first use
     (the report reads it)."""
@@ -140,7 +140,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     (chain points where a chain's own buffers fit it) and checked against that
     order too; if its schedule fails the check (or the core), it is scheduled
     again with late chain points, else placed serially (``_chains_again``). Each
-    placed start and wait gets its reason in ``meta["overlapc_reason"]`` once
+    placed start and wait gets its reason (``meta.REASON``) once
     the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
@@ -159,7 +159,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
         order, reasons, peaks = _chains_again(s, budget, kinds, error)
     apply_order(gm, order)
     for node, reason in reasons.items():
-        node.meta["overlapc_reason"] = reason
+        meta.set_reason(node, reason)
     placed = tuple((n.name, reasons[n]) for n in order if n in reasons)
     return _Placed(len(s.movable), order != s.nodes, peaks, placed)
 
@@ -273,19 +273,13 @@ def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot, estimator=None
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks))
 
 
-_REWRITE_NOTES = ("overlapc_duplicates", "overlapc_buckets", "overlapc_chunks", "overlapc_regather")
-
-
 def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], notes: dict) -> None:
     """Put ``gm`` back as it was: its node order, or (when a pass added or removed
     nodes) a copy of every node of ``saved`` under the same names, in the same
     Graph object (Inductor holds it); ``gm.meta`` gets back the rewrite notes
     ``notes`` held."""
     graph = gm.graph
-    for key in _REWRITE_NOTES:
-        gm.meta.pop(key, None)
-        if key in notes:
-            gm.meta[key] = notes[key]
+    meta.restore_notes(gm, notes)
     if saved is None or len(graph.nodes) == len(order) and not any(n._erased for n in order):
         apply_order(gm, order)
         return
@@ -328,7 +322,7 @@ def run(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estim
     def snapshot() -> None:
         if not saved:
             saved.append(copy.deepcopy(gm.graph))
-    notes = {key: list(gm.meta[key]) for key in _REWRITE_NOTES if key in gm.meta}
+    notes = meta.save_notes(gm)
     collecting = gc.isenabled()
     gc.disable()   # the pass allocates many small objects; collections would cost more than it does
     try:

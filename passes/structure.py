@@ -6,7 +6,7 @@ collectives the scheduler may move:
 * start bundles: the start, the cheap input chain that feeds only it (casts,
   views of a parameter, compute on another collective's result alone such as
   an averaging div, and nodes a pass marked with
-  ``meta["overlapc_input_chain"]``, such as a bucket's copy-in) and the
+  ``meta.INPUT_CHAIN``, such as a bucket's copy-in) and the
   getitems of list results;
 * wait bundles: the wait and the aliasing views that read only through it;
 * regions: barriers (``overlapc.collectives.barrier_reason``) cut the graph
@@ -40,6 +40,7 @@ from overlapc.collectives import (
     Collective, alias_closure, barrier_reason, is_cheap, node_value, real_consumers, role, scan,
     tensor_nbytes,
 )
+from overlapc.passes.meta import in_input_chain
 
 
 class Structure:
@@ -150,7 +151,7 @@ class Structure:
                 continue
             seen.add(node)
             if (node.op in ("placeholder", "get_attr", "output")
-                    or not (is_cheap(node) or node.meta.get("overlapc_input_chain")
+                    or not (is_cheap(node) or in_input_chain(node)
                             or computes_on_waits(node, self.wait_of_member.__contains__))
                     or node in self.wait_of_member or node in self.coll_of_start
                     or self.region_of(node) != region

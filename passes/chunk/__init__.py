@@ -102,6 +102,7 @@ import dataclasses
 import torch.fx as fx
 
 from overlapc.collectives import collective_op, group_of
+from overlapc.passes import meta
 
 __all__ = ["ChunkNote", "chunk_collectives"]
 
@@ -147,7 +148,7 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, estimator=None) -> 
     ``estimate.CANDIDATES`` that ``estimator`` (what ``estimate``'s functions take: an
     ``overlapc.costmodel.Profile``, handed in by the caller) estimates
     fastest; ValueError without one. Returns one note per pattern found, applied or not, and
-    appends them to ``gm.meta["overlapc_chunks"]``. chunks == 1 changes nothing and
+    appends them to ``gm.meta[meta.CHUNKS]``. chunks == 1 changes nothing and
     returns []."""
     auto = chunks == "auto"
     if not auto and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
@@ -156,7 +157,7 @@ def chunk_collectives(gm: fx.GraphModule, chunks: int | str, estimator=None) -> 
         raise ValueError('chunk_collectives: chunks="auto" needs an estimator to choose piece counts with: '
                          "pass overlapc.costmodel.resolve(profile), or call overlapc.schedule")
     notes = _Chunker(gm, chunks, estimator).run() if auto or chunks > 1 else []
-    gm.meta.setdefault("overlapc_chunks", []).extend(notes)
+    meta.add_notes(gm, meta.CHUNKS, notes)
     return notes
 
 

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from overlapc.collectives import collective_op
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.plan import Joined, Plan, Planner
+from overlapc.passes.meta import set_piece_of
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import apply_order
 
@@ -203,7 +204,7 @@ class _Pipeline:
             args[1:3] = [[s[0] // self.k] * self.world for s in original.args[1:3]]
         started = self.emitter._new(original.target, args, dict(original.kwargs), like=original,
                                     name=f"{original.name}_chunk{i}")
-        started.meta["overlapc_piece_of"] = original.name
+        set_piece_of(started, original.name)
         self.new_starts.append(started)
         return started
 

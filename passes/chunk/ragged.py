@@ -53,6 +53,7 @@ from overlapc.collectives import (
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.legality import Skip
 from overlapc.passes.chunk.plan import between, first_sink
+from overlapc.passes.meta import set_piece_of
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
@@ -335,7 +336,7 @@ def _build(emitter, plan: RaggedPlan) -> tuple[list[fx.Node], dict[fx.Node, fx.N
         node = new(original.target, (x, [sizes.size(s, i) for s in out_splits],
                                      [sizes.size(s, i) for s in in_splits], *original.args[3:]),
                    dict(original.kwargs), like=original, name=f"{original.name}_chunk{i}")
-        node.meta["overlapc_piece_of"] = original.name
+        set_piece_of(node, original.name)
         return node
 
     emitter._at = (0, 0)   # every dispatch piece's sizes up front, with its input
