@@ -8,16 +8,22 @@ backward in one graph) under the fake process group, then:
 * "as traced": the graph as the tracer left it;
 * "graph_trainer": its ``compile_time_passes`` (Inductor left out), ending in
   ``joint_transformer_block_bucketing_reordering_pass``;
-* "overlapc": the same list with that pass replaced by ``overlapc_pass``
-  (``overlapc.integrations.torchtitan.replace_bucketing``), overlapc defaults;
-* any ``--options`` given, each as one more overlapc row;
-* "keep_or_regather, then overlapc": ``overlapc.passes.regather`` (keep a
-  block's forward gathers for its backward where the graph's own peak allows)
-  before overlapc's defaults; the row lists what it chose per block.
+* "overlapc adapter defaults": the same list with that pass replaced by
+  ``overlapc_pass`` (``overlapc.integrations.torchtitan.replace_bucketing``)
+  with the adapter's defaults (``DEFAULTS``: ``max_in_flight_bytes=
+  "serial-peak"``, ``regather="auto"``); the row lists what keep-or-regather
+  chose per block;
+* "overlapc library defaults": the same with ``OverlapConfig``'s own defaults
+  (``max_in_flight_bytes="auto"``, ``regather="always"``);
+* any ``--options`` given, each as one more overlapc row (over the adapter's
+  defaults).
 
 Every graph is estimated by one simulator (``overlapc.simulate``) with one
 profile (``--profile``, default h100:nvlink): step, exposed communication,
-peak live bytes. Nothing runs on a device.
+peak live bytes (also exact, ``peak_bytes``); overlapc rows also give the peak
+of the graph's serial order (``serial_peak_bytes``: each collective waited
+right after its start, the reference of "serial-peak"). Nothing runs on a
+device.
 
 CPU-only stand-ins, all process-wide, all said here: ParallelDims builds its
 mesh on "cpu" (torchtitan picks "cuda" when it finds no accelerator);
@@ -47,7 +53,9 @@ import torch.distributed as dist
 import overlapc
 from overlapc import costmodel
 from overlapc.integrations import torchtitan as overlapc_torchtitan
-from overlapc.passes.regather import keep_or_regather
+from overlapc.passes import invariants
+from overlapc.passes.memory import Liveness
+from overlapc.passes.structure import Structure
 from overlapc.simulate import simulate
 
 WORLD = 8
@@ -144,7 +152,8 @@ def run_passes(passes, traced):
 def row(name: str, gm, profile) -> dict:
     timeline = simulate(gm, profile)
     return {"graph": name, "step_ms": round(timeline.step_ms, 4), "exposed_ms": round(timeline.exposed_ms, 4),
-            "peak_mib": round(timeline.peak_bytes / 2**20, 2), "collectives": timeline.total,
+            "peak_mib": round(timeline.peak_bytes / 2**20, 2), "peak_bytes": timeline.peak_bytes,
+            "collectives": timeline.total,
             "nodes": len(gm.graph.nodes)}
 
 
@@ -155,25 +164,23 @@ def compare(batch: int, seq: int, profile_name: str, extra_options: list[dict], 
         theirs = graph_trainer_passes(traced, config, dims)
         rows = [row("as traced", copy.deepcopy(traced.gm), profile),
                 row("graph_trainer passes", run_passes(theirs, traced), profile)]
-        for options in [{}, *extra_options]:
+        variants = [("overlapc adapter defaults", {}),
+                    ("overlapc library defaults", {"max_in_flight_bytes": "auto", "regather": "always"})]
+        variants += [(f"overlapc {json.dumps(options)}", options) for options in extra_options]
+        for name, options in variants:
             gm = run_passes(overlapc_torchtitan.replace_bucketing(theirs, options), traced)
-            overlapc.verify(gm, overlapc.OverlapConfig(**options))
-            rows.append(row(f"overlapc {json.dumps(options) if options else 'defaults'}", gm, profile))
-        ours = overlapc_torchtitan.replace_bucketing(theirs)
-        at = [overlapc_torchtitan.pass_name(p) for p in ours].index("overlapc_pass")
-        gm = run_passes([*ours[:at], _keep_or_regather, *ours[at:]], traced)
-        overlapc.verify(gm, overlapc.OverlapConfig())
-        rows.append(row("keep_or_regather, then overlapc defaults", gm, profile))
-        rows[-1]["regather"] = gm.meta["regather"]
+            overlapc.verify(gm, overlapc.OverlapConfig(**{**overlapc_torchtitan.DEFAULTS, **options}))
+            rows.append({**row(name, gm, profile), "serial_peak_bytes": serial_peak(gm)})
+            rows[-1]["regather"] = [{"block": c.block, "kept": c.kept, "regathers": len(c.regathers),
+                                     "bytes": c.nbytes} for c in gm.meta.get("overlapc_regather", ())]
     return rows
 
 
-def _keep_or_regather(gm, example_inputs):
-    """overlapc.passes.regather at the graph's own peak, as a graph_trainer pass."""
-    result = keep_or_regather(gm)
-    gm.meta["regather"] = [{"block": c.block, "kept": c.kept, "regathers": len(c.regathers)}
-                           for c in result.choices]
-    return gm
+def serial_peak(gm) -> int:
+    """Peak live bytes of ``gm``'s serial order (``invariants.serial_order(asap=True)``:
+    the same compute order, each collective waited right after its start)."""
+    s = Structure(gm)
+    return Liveness(s.nodes).peak_bytes(invariants.serial_order(s, asap=True))
 
 
 def main() -> None:
@@ -193,9 +200,14 @@ def main() -> None:
         rows = compare(args.batch, args.seq, args.profile, args.options, args.mesh)
     finally:
         dist.destroy_process_group()
-    print(f"{'graph':44s} {'step ms':>8} {'exposed ms':>10} {'peak MiB':>9} {'colls':>6}")
+    print(f"{'graph':44s} {'step ms':>8} {'exposed ms':>10} {'peak bytes':>11} {'serial peak':>11} {'colls':>6}")
     for r in rows:
-        print(f"{r['graph']:44s} {r['step_ms']:8.3f} {r['exposed_ms']:10.3f} {r['peak_mib']:9.1f} {r['collectives']:6d}")
+        serial = r.get("serial_peak_bytes", "")
+        print(f"{r['graph']:44s} {r['step_ms']:8.3f} {r['exposed_ms']:10.4f} {r['peak_bytes']:11d} {serial:>11} "
+              f"{r['collectives']:6d}")
+        kept = [f"{c['block']} ({c['bytes']} B)" for c in r.get("regather", ()) if c["kept"]]
+        if r.get("regather"):
+            print(f"    regather: kept {len(kept)} of {len(r['regather'])} blocks{': ' + ', '.join(kept) if kept else ''}")
     if args.json:
         import importlib.metadata
 

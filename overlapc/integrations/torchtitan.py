@@ -23,7 +23,11 @@ What changes in graph_trainer's list, and what to leave off:
 * ``joint_transformer_block_bucketing_reordering_pass``: replaced by
   ``overlapc_pass`` (overlapc buckets with ``bucket="auto"`` by default; the
   module of each node comes from ``meta["custom"]["module_fqn"]``, which
-  graph_trainer records).
+  graph_trainer records). Its defaults differ from overlapc's in two options
+  (``DEFAULTS``): ``max_in_flight_bytes="serial-peak"`` (the step's peak
+  memory stays within its serial order's) and ``regather="auto"`` (the
+  backward re-gather of a block whose gathered weights fit under the peak
+  until its backward is dropped); ``options`` override them.
   Run overlapc instead of that pass, not after it: it emits its buckets as
   ``all_gather_into_tensor_out`` / ``reduce_scatter_tensor_out`` into
   preallocated buffers, which overlapc reports but keeps in place (they write
@@ -57,20 +61,28 @@ import torch.fx as fx
 import overlapc
 from overlapc.torch_compat import inductor_keeps_order
 
-__all__ = ["overlapc_pass", "pass_name", "replace_bucketing", "register", "REPLACED", "REMOVED", "KEEP_ORDER"]
+__all__ = ["overlapc_pass", "pass_name", "replace_bucketing", "register", "REPLACED", "REMOVED", "KEEP_ORDER",
+           "DEFAULTS"]
 
 REPLACED = "joint_transformer_block_bucketing_reordering_pass"
 REMOVED = ("schedule_fsdp_comms_to_dense_regions_pass",)
 KEEP_ORDER = ("full_inductor_compilation_pass", "regional_inductor_pass")
+# overlapc's options in graph_trainer's pass list, unless given: a joint train-step
+# graph holds the whole step's memory, so the bytes in flight stay under the serial
+# order's peak (graph_trainer's own bucketing does not raise it either), and each
+# block's backward re-gather goes where keeping the forward's weights fits that peak.
+DEFAULTS = {"on_error": "raise", "max_in_flight_bytes": "serial-peak", "regather": "auto"}
 
 
 def overlapc_pass(gm: fx.GraphModule, example_inputs=None, *,
                   options: Mapping[str, object] | None = None) -> fx.GraphModule:
     """A graph_trainer pass: ``overlapc.schedule`` on the joint graph with
-    ``OverlapConfig(**options)`` (errors raise: a pass list has no fallback
-    compile). ``example_inputs`` is accepted for graph_trainer's signature and
-    not read. Returns ``gm``, scheduled in place."""
-    config = overlapc.OverlapConfig(**{"on_error": "raise", **dict(options or {})})
+    ``OverlapConfig(**{**DEFAULTS, **options})`` (``DEFAULTS``: errors raise, as a
+    pass list has no fallback compile; the peak stays within the serial order's;
+    a block's forward gathers are kept for its backward where the peak allows).
+    ``example_inputs`` is accepted for graph_trainer's signature and not read.
+    Returns ``gm``, scheduled in place."""
+    config = overlapc.OverlapConfig(**{**DEFAULTS, **dict(options or {})})
     return overlapc.schedule(gm, config)
 
 
