@@ -176,8 +176,10 @@ def study(gm_after: fx.GraphModule, before_order: list[str], profile: costmodel.
     """``(rows, summary)`` of one graph: each order (before, after) simulated once. The
     latest result is kept, so ``rows`` and ``summary`` called one after the other on the
     same graph, orders, profile and costs share it. Arguments as in ``rows``;
-    ``structure``: the ``Structure`` of ``gm_after`` as it stands, when the caller has
-    it (``ScheduleResult.structure``), else built here."""
+    ``structure``: ``gm_after``'s ``Structure`` when the caller has it, built on this order
+    or on the order the scheduler was given (``ScheduleResult.structure``: its bundles,
+    consumers and regions hold in both; positions are taken from ``gm_after``), else
+    built here."""
     profile = costmodel.resolve(profile)
     key = (id(gm_after), tuple(before_order), tuple(n.name for n in gm_after.graph.nodes), profile,
            compute_ms, comm_ms)
@@ -204,35 +206,37 @@ def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, c
     timeline_before = simulate(gm_after, profile, before, compute_ms=compute_ms, comm_ms=comm_ms)
     timeline_after = simulate(gm_after, profile, after, compute_ms=compute_ms, comm_ms=comm_ms)
     info = structure if structure is not None else Structure(gm_after)
+    pos = {n: i for i, n in enumerate(after)}   # ``info`` may be of the order before: positions are these
+    found = sorted(info.all, key=lambda c: pos[c.start])
     cost = {name: end - start for name, (start, end) in timeline_after.compute.items()}
     is_compute = [cost.get(n.name, 0.0) > 0 and n not in info.bundled for n in after]
     _, ms_after = _prefix(after, is_compute, cost)
     count_after, _ = _prefix(after, is_compute, cost)
-    starts = {c.start for c in info.all}
+    starts = {c.start for c in found}
     fixed = [n not in info.bundled and n not in starts for n in after]   # what moved nodes move around
-    fixed_before, _ = _prefix(before, [fixed[info.pos[n]] for n in before], cost)
+    fixed_before, _ = _prefix(before, [fixed[pos[n]] for n in before], cost)
     fixed_after, _ = _prefix(after, fixed, cost)
     pos_before = {n: i for i, n in enumerate(before)}
     gather_waits: dict[str, list[int]] = {}
-    for c in info.all:
+    for c in found:
         if c.kind == "all_gather":
-            gather_waits.setdefault(c.group, []).extend(info.pos[w] for w in c.waits)
+            gather_waits.setdefault(c.group, []).extend(pos[w] for w in c.waits)
     for waits in gather_waits.values():
         waits.sort()
 
     exposed_before, exposed_after = _attributed(timeline_before), _attributed(timeline_after)
     rows = []
-    for c in info.all:
+    for c in found:
         waits_before = sorted(pos_before[w] for w in c.waits)
-        waits_after = sorted(info.pos[w] for w in c.waits)
-        issue_b, issue_a = pos_before[c.start], info.pos[c.start]
+        waits_after = sorted(pos[w] for w in c.waits)
+        issue_b, issue_a = pos_before[c.start], pos[c.start]
         moved = fixed_before[issue_b] != fixed_after[issue_a] or any(
-            fixed_before[pos_before[w]] != fixed_after[info.pos[w]] for w in c.waits)
+            fixed_before[pos_before[w]] != fixed_after[pos[w]] for w in c.waits)
         until = waits_after[0] if waits_after else len(after)
         timed_after = timeline_after.collectives[c.start.name]
         verdict, reason = "hidden", ""
         if not _hidden(exposed_after[c.start.name], timed_after.duration_ms):
-            verdict, reason = "exposed", _reason(c, info, count_after, gather_waits)
+            verdict, reason = "exposed", _reason(c, info, after, pos, count_after, gather_waits)
         rows.append(Row(
             name=c.start.name, kind=c.kind, group=costmodel.group_label(c.group), nbytes=c.nbytes,
             dtype=None if c.dtype is None else str(c.dtype).replace("torch.", ""),
@@ -247,14 +251,14 @@ def _study(gm_after: fx.GraphModule, before_order, profile: costmodel.Profile, c
             exposed_ms=exposed_after[c.start.name],
             verdict=verdict, reason=reason,
             issue_reason=meta.reason(c.start),
-            wait_reason=meta.reason(c.waits[0]) if c.waits else "",
+            wait_reason=meta.reason(after[waits_after[0]]) if c.waits else "",
             start_ms=timed_after.start_ms, end_ms=timed_after.end_ms,
         ))
     summary = _summary(rows, timeline_before, timeline_after, profile)
     summary["peak_bytes_before"] = timeline_before.peak_bytes
     summary["peak_bytes_after"] = timeline_after.peak_bytes
     summary["rewrites"] = rewrites(gm_after)
-    summary["in_flight"] = _in_flight(info.all, before, after)
+    summary["in_flight"] = _in_flight(found, before, after)
     return rows, summary
 
 
@@ -310,18 +314,21 @@ def _prefix(order: list[fx.Node], is_compute: list[bool], cost: dict[str, float]
     return counts, ms
 
 
-def _reason(c: Collective, info: Structure, count: list[int], gather_waits: dict[str, list[int]]) -> str:
+def _reason(c: Collective, info: Structure, order: list[fx.Node], pos: dict[fx.Node, int], count: list[int],
+            gather_waits: dict[str, list[int]]) -> str:
     """Why an exposed collective stays exposed: the first rule of the module docstring that holds.
 
-    ``count[i]``: compute nodes before position i; ``gather_waits``: group -> sorted
-    positions of its all-gathers' waits."""
-    pos = info.pos
-    if c.start in info.coll_of_start:
-        targets = [pos[info.target[w]] for w in c.waits]
+    ``order``: the nodes after scheduling, ``pos`` their positions (``info`` may be the
+    graph's Structure in the order before: its bundles, consumers and regions are the
+    same in both); ``count[i]``: compute nodes before position i; ``gather_waits``:
+    group -> sorted positions of its all-gathers' waits."""
+    if c.start in info.coll_of_start:   # a wait's target: its first real consumer, else its region's end
+        targets = [min([pos[u] for u in info.consumers[w]] + [pos[info.nodes[info.region_end(w)]]])
+                   for w in c.waits]
     else:  # kept in place: its first real consumer, as overlapc.collectives() finds it
         targets = [pos[u] for w in c.waits for u in real_consumers(w, alias_closure(w))]
     consumer = min(targets, default=pos[info.output])
-    if info.nodes[consumer] is info.output or count[consumer] == 0:
+    if order[consumer] is info.output or count[consumer] == 0:
         return "graph input/output"
     bundle = info.start_bundle.get(c.start, [c.start])
     inputs = info.bundle_inputs.get(c.start, c.start.all_input_nodes)
@@ -329,7 +336,7 @@ def _reason(c: Collective, info: Structure, count: list[int], gather_waits: dict
     if count[consumer] - count[ready + 1] == 0:
         return "data dependency"
     if c.kind == "all_gather":
-        first = pos[bundle[0]]
+        first = min(pos[m] for m in bundle)
         waits = gather_waits.get(c.group, [])
         index = bisect.bisect_left(waits, first)
         gate = waits[index - 1] if index else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import gc
 import logging
 import warnings
@@ -55,13 +54,15 @@ def check_graph(gm) -> None:
 class _Placed:
     """What one run of the core did: how many movable collectives it placed,
     whether it reordered the graph, what the invariant check measured on the
-    result (None when nothing was movable or only waits moved), and why each
-    start and wait stands where it is ((node name, reason), in graph order)."""
+    result (None when nothing was movable or only waits moved), why each start
+    and wait stands where it is ((node name, reason), in graph order), and the
+    graph's Structure it scheduled with (of the order before)."""
 
     collectives: int
     modified: bool
     peaks: Peaks | None = None
     reasons: tuple[tuple[str, str], ...] = ()
+    structure: Structure | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,8 +79,10 @@ class ScheduleResult:
     reasons: (node name, why the core placed it) per placed start and wait (also
         each node's ``meta.REASON``). error: the ScheduleError that rolled the graph back
         (on_error="fallback"), else None.
-    ``structure``: the ``Structure`` of the scheduled graph, built once on first use
-    (the report reads it)."""
+    structure: the graph's ``Structure`` the core scheduled with (built once, in the
+        order before it; its bundles, consumers and regions hold for the scheduled order
+        too, so the report reads it with the new positions); None when the core did not
+        run (disabled, rolled back)."""
 
     gm: fx.GraphModule
     collectives: int = 0
@@ -91,10 +94,7 @@ class ScheduleResult:
     chunks: tuple = ()
     reasons: tuple[tuple[str, str], ...] = ()
     error: ScheduleError | None = None
-
-    @functools.cached_property
-    def structure(self) -> Structure:
-        return Structure(self.gm)
+    structure: Structure | None = None
 
 
 def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
@@ -144,7 +144,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
-        return _Placed(0, False)
+        return _Placed(0, False, structure=s)
     budget: Budget = budget_of(s)
     reasons: dict[fx.Node, str] = {}
     room = Headroom(s, invariants.serial_order(s)) if mode != "sink" and _has_chains(s) else None
@@ -161,7 +161,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     for node, reason in reasons.items():
         meta.set_reason(node, reason)
     placed = tuple((n.name, reasons[n]) for n in order if n in reasons)
-    return _Placed(len(s.movable), order != s.nodes, peaks, placed)
+    return _Placed(len(s.movable), order != s.nodes, peaks, placed, s)
 
 
 def _has_chains(s: Structure) -> bool:
@@ -345,7 +345,7 @@ def run(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estim
     if placed.collectives and recompile:   # nothing movable: nothing changed (a rewrite leaves movable ones)
         gm.recompile()
     return ScheduleResult(gm, placed.collectives, placed.modified, placed.peaks, done.before or before,
-                          done.duplicates, done.buckets, done.chunks, placed.reasons)
+                          done.duplicates, done.buckets, done.chunks, placed.reasons, structure=placed.structure)
 
 
 def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estimator=None,

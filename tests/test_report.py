@@ -489,3 +489,40 @@ def test_a_cpu_gloo_run_estimates_with_the_cpu_profile_and_says_so():
     assert len(summaries) == 2 and all("by estimate with cpu:ethernet (" in line for line in summaries), lines
     assert costmodel.default_for("cpu", "gloo") == costmodel.CPU_DEFAULT == "cpu:ethernet"
     assert costmodel.default_for("cuda", "nccl") == costmodel.default_for("cuda", "gloo") == costmodel.DEFAULT
+
+
+def test_the_report_from_the_schedules_structure_equals_one_built_on_the_scheduled_graph(fake_pg, two_groups,
+                                                                                            monkeypatch, caplog):
+    """overlapc.schedule builds one Structure per graph (the one the core schedules with,
+    in the order before) and the report reads it with the scheduled positions: the same
+    rows and summary as a report that builds its own Structure on the scheduled graph."""
+    import logging
+
+    from overlapc import api
+    from overlapc.passes import structure
+    built = []
+    real_init = structure.Structure.__init__
+
+    def counting(self, gm):
+        built.append(gm)
+        real_init(self, gm)
+    monkeypatch.setattr(structure.Structure, "__init__", counting)
+    layers = [(8, 8), (1, 8), (1, 8), (1, 8)]
+    cases = [(three_layers, layers, {"max_in_flight": 1}), (three_layers, layers, {"max_in_flight": None}),
+             (three_layers, layers, {"max_in_flight_bytes": 8 * 8 * 4 + 8 * 4}),
+             (three_layers, layers, {"bucket": "auto", "max_in_flight_bytes": "auto"}),
+             (consumer_order, [(8, 8), (1, 8)], {}), (two_reduces_out, [(8, 8), (8, 8)], {"max_in_flight": 1}),
+             (reduce_into_barrier, [(8, 8), (1, 8)], {}), (chained(two_groups[0].group_name), [(8, 8)], {})]
+    for fn, shapes, options in cases:
+        gm = make_fx(fn)(*(torch.randn(s) for s in shapes))
+        cfg = overlapc.OverlapConfig(**{"max_in_flight_bytes": None, "bucket": None, **options}, on_error="raise",
+                                     profile="cpu:ethernet")   # slow enough that rows are exposed
+        built.clear()
+        with caplog.at_level(logging.INFO, logger="overlapc"):
+            done = api.schedule_graph(gm, cfg, report=True)
+        assert done.result.collectives and len(built) == 1 + bool(done.result.buckets), (fn.__name__, options)
+        assert done.result.structure is not None and done.result.structure.gm is gm
+        assert any("moved" in r.getMessage() for r in caplog.records)   # the INFO line, from the same report
+        caplog.clear()
+        fresh = report._study(gm, list(done.result.before), costmodel.resolve(cfg.profile), None, None)
+        assert built[-1] is gm and (done.rows, done.summary) == fresh, (fn.__name__, options)
