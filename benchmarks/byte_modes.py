@@ -1,0 +1,84 @@
+"""max_in_flight_bytes="auto" against "serial-peak": estimated exposed communication and peak.
+
+Graphs: pass_time.py's synthetic SimpleFSDP-shaped graphs (1k and 10k nodes)
+and the forward and backward graphs the CLI's examples capture at world 8
+under the fake process group (``overlapc.backend.capture`` with overlapc off,
+so each graph is scheduled here from the order AOTAutograd left). Each graph
+is scheduled once per mode (everything else at overlapc's defaults) and
+estimated by ``overlapc.simulate`` with one profile (default h100:nvlink).
+Nothing runs on a device; the numbers are estimates, not timings.
+
+    python benchmarks/byte_modes.py [--examples examples/llama.py:build ...] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+
+import torch.distributed as dist
+
+import overlapc
+from overlapc import backend, costmodel
+from overlapc.simulate import simulate
+
+import pass_time  # noqa: E402 - benchmarks/ is this script's directory
+
+MODES = ("auto", "serial-peak")
+EXAMPLES = ["examples/llama.py:build", "examples/mlp.py:build", "examples/hsdp.py:build"]
+
+
+def measure(name: str, gm, profile) -> dict:
+    """One row: per mode, estimated exposed ms and peak bytes of ``gm`` scheduled that way."""
+    out = {"graph": name}
+    for mode in MODES:
+        scheduled = copy.deepcopy(gm)
+        overlapc.schedule(scheduled, overlapc.OverlapConfig(max_in_flight_bytes=mode, on_error="raise"))
+        timeline = simulate(scheduled, profile)
+        out[mode] = {"exposed_ms": round(timeline.exposed_ms, 4), "peak_bytes": timeline.peak_bytes}
+    return out
+
+
+def example_graphs(target: str):
+    """(name, unscheduled graph) of each graph ``target`` (path:function) captures at world 8."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    path, function = target.split(":")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        spec = importlib.util.spec_from_file_location("example", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model, inputs = getattr(module, function)()
+        return [(f"{path.rsplit('/', 1)[-1]} {r.name}", r.gm) for r in backend.capture(model, inputs, {"enabled": False})]
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", nargs="*", default=EXAMPLES)
+    parser.add_argument("--profile", default="h100:nvlink")
+    parser.add_argument("--json", help="write rows and provenance here")
+    args = parser.parse_args()
+    profile = costmodel.resolve(args.profile)
+    graphs = [(f"pass_time synthetic {n}", pass_time.synthetic(n)) for n in (1000, 10000)]
+    for target in args.examples:
+        graphs += example_graphs(target)
+    rows = []
+    print(f"{'graph':26s} {'auto exposed ms':>15} {'auto peak B':>12} {'serial-peak exposed ms':>22} "
+          f"{'serial-peak peak B':>18}")
+    for name, gm in graphs:
+        r = measure(name, gm, profile)
+        rows.append(r)
+        print(f"{name:26s} {r['auto']['exposed_ms']:15.4f} {r['auto']['peak_bytes']:12d} "
+              f"{r['serial-peak']['exposed_ms']:22.4f} {r['serial-peak']['peak_bytes']:18d}", flush=True)
+    if args.json:
+        from provenance import provenance
+        with open(args.json, "w") as f:
+            json.dump({"provenance": provenance({"profile": args.profile, "world": 8}), "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
