@@ -87,6 +87,7 @@ import torch
 import torch.fx as fx
 
 from overlapc.collectives import Collective, module_path, node_value, real_consumers, source_of
+from overlapc.passes import meta
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
 
@@ -145,7 +146,7 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
     names += _merge_identical_runs(gm, before_rewrite)
     if names:
         gm.graph.lint()
-    gm.meta.setdefault("overlapc_duplicates", []).extend(names)
+    meta.add_notes(gm, meta.DUPLICATES, names)
     return names
 
 
@@ -280,7 +281,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
             notes.append(note)
         rewrite.finish()
         gm.graph.lint()
-    gm.meta.setdefault("overlapc_buckets", []).extend(notes)
+    meta.add_notes(gm, meta.BUCKETS, notes)
     return notes
 
 
@@ -319,7 +320,7 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
     """Members of ``kind`` by lane (region, group, group size, dtype, reduce op), each in merge order.
     Pieces of a chunked collective (``gm.meta["overlapc_chunks"]``) are no members: one
     bucket would undo their pipeline."""
-    pieces = {name for note in s.gm.meta.get("overlapc_chunks", ()) for name in note.pieces}
+    pieces = {name for note in meta.notes(s.gm, meta.CHUNKS) for name in note.pieces}
     members = [m for c in s.movable if c.op == _OPS[kind] and c.start.name not in pieces
                for m in [_member(s, c)] if m is not None]
     if kind == "all_gather":
@@ -558,7 +559,7 @@ class _Rewrite:
         node = new_node(self.graph, self.fake, target, args, kwargs, like=like,
                         name=name or target.overloadpacket.__name__)
         if input_chain:
-            node.meta["overlapc_input_chain"] = True
+            meta.mark_input_chain(node)
         self._place(node, anchor)
         return node
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from overlapc.collectives import Collective
+from overlapc.passes import meta
 from overlapc.passes.structure import held_bytes
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Budget:
 
 def piece_of(c: Collective) -> str:
     """The collective ``c`` is a piece of (the chunked original's name), else its own start's name."""
-    return c.start.meta.get("overlapc_piece_of", c.start.name)
+    return meta.piece_of(c.start)
 
 
 def auto_budget(collectives: list[Collective], held: dict[fx.Node, int]) -> dict[str, int]:
