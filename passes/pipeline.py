@@ -74,8 +74,9 @@ class ScheduleResult:
     peaks: what the invariant check measured on the scheduled order (None when
         nothing was checked). before: node names in the order just before the core
         ran (after bucketing and chunking rewrote the graph, that graph's order).
-    duplicates, buckets, chunks: this run's rewrite notes (``merge_duplicates``'
-        merged names, ``BucketNote``s, ``ChunkNote``s; also appended to ``gm.meta``).
+    duplicates, buckets, chunks, regather: this run's rewrite notes (``merge_duplicates``'
+        merged names, ``BucketNote``s, ``ChunkNote``s, ``RegatherChoice``s; also appended
+        to ``gm.meta``, ``passes/meta.py``).
     reasons: (node name, why the core placed it) per placed start and wait (also
         each node's ``meta.REASON``). error: the ScheduleError that rolled the graph back
         (on_error="fallback"), else None.
@@ -92,6 +93,7 @@ class ScheduleResult:
     duplicates: tuple[tuple[str, ...], ...] = ()
     buckets: tuple = ()
     chunks: tuple = ()
+    regather: tuple = ()
     reasons: tuple[tuple[str, str], ...] = ()
     error: ScheduleError | None = None
     structure: Structure | None = None
@@ -242,17 +244,18 @@ class _Rewritten:
     duplicates: tuple = ()
     buckets: tuple = ()
     chunks: tuple = ()
+    regather: tuple = ()
 
 
 def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot, estimator=None) -> _Rewritten:
     """Everything ``run`` does to the graph; returns what the rewrites noted and what
     ``_reorder`` measured. ``snapshot()`` runs before a rewrite first changes the graph;
     ``estimator``: what ``chunks="auto"`` estimates with."""
-    duplicates, buckets, chunks = [], [], []
-    regathered = False
+    duplicates, buckets, chunks, regather = [], [], [], ()
     if cfg.regather == "auto":   # first: bucketing would merge the re-gathers it may drop
         from overlapc.passes.regather import keep_or_regather
-        regathered = any(c.kept for c in keep_or_regather(gm, before_rewrite=snapshot).choices)
+        regather = keep_or_regather(gm, before_rewrite=snapshot).choices
+    regathered = any(c.kept for c in regather)
     if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
         from overlapc.passes.bucket import merge_duplicates
         duplicates = merge_duplicates(gm, before_rewrite=snapshot)
@@ -270,7 +273,7 @@ def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot, estimator=None
     before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or regathered \
         else None
     placed = _reorder(gm, lambda s: budget_for(s, cfg), s=s)
-    return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks))
+    return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather)
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], notes: dict) -> None:
@@ -345,7 +348,8 @@ def run(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estim
     if placed.collectives and recompile:   # nothing movable: nothing changed (a rewrite leaves movable ones)
         gm.recompile()
     return ScheduleResult(gm, placed.collectives, placed.modified, placed.peaks, done.before or before,
-                          done.duplicates, done.buckets, done.chunks, placed.reasons, structure=placed.structure)
+                          done.duplicates, done.buckets, done.chunks, done.regather, placed.reasons,
+                          structure=placed.structure)
 
 
 def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estimator=None,

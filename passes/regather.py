@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from overlapc.collectives import collectives, is_cheap, module_path, role
+from overlapc.passes import meta
 from overlapc.passes.bucket import block_of
 from overlapc.passes.memory import peak_bytes
 
@@ -108,7 +109,7 @@ def keep_or_regather(gm: fx.GraphModule, budget: int | None = None,
         gm.graph.lint()
         gm.recompile()
     result = RegatherResult(tuple(choices), budget, peak_before, peak_bytes(list(gm.graph.nodes)))
-    gm.meta.setdefault("overlapc_regather", []).extend(choices)
+    meta.add_notes(gm, meta.REGATHER, choices)
     log.info("overlapc: %s", summary_text(result))
     return result
 
