@@ -312,14 +312,14 @@ def run(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estim
     """
     check_graph(gm)
     cfg = as_config(config)
-    if cfg.chunks == "auto" and estimator is None:
-        raise ValueError('overlapc.passes: chunks="auto" chooses piece counts with an estimator: pass '
-                         "estimator= (overlapc.costmodel.resolve(profile)), or call overlapc.schedule, which "
-                         "builds it from the config's profile")
     original = list(gm.graph.nodes)
     before = tuple(n.name for n in original)
     if not cfg.enabled:
         return ScheduleResult(gm, before=before)
+    if cfg.chunks == "auto" and estimator is None:
+        raise ValueError('overlapc.passes: chunks="auto" chooses piece counts with an estimator: pass '
+                         "estimator= (overlapc.costmodel.resolve(profile)), or call overlapc.schedule, which "
+                         "builds it from the config's profile")
     saved: list[fx.Graph] = []   # a copy to roll back to, taken only when a rewrite changes the graph
 
     def snapshot() -> None:

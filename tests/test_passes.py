@@ -321,3 +321,34 @@ def test_debug_logs_one_line_per_collective(fake_pg, caplog):
     assert "verdict" in lines[0]
     # "overlapc: <collective> ..." ("[rank R] <collective> ..." once the backend's log filter is in), in issue order
     assert [re.sub(r"^(overlapc: )?(\[rank \d+\] )?", "", line).split()[0] for line in lines[1:]] == names
+
+
+def test_the_passes_return_one_result_and_log_no_report(fake_pg, caplog):
+    """overlapc.passes.run: what was placed, the order before, the reasons recorded on
+    the nodes, the Structure it scheduled with; no report line (the product logs it)."""
+    from overlapc.passes import ScheduleResult, run
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    names = [n.name for n in gm.graph.nodes]
+    with caplog.at_level(logging.DEBUG, logger="overlapc"):
+        result = run(gm, STRICT)
+    assert isinstance(result, ScheduleResult) and result.gm is gm and result.error is None
+    assert (result.collectives, result.modified, result.before) == (4, True, tuple(names))
+    assert result.peaks is not None and result.structure is not None and result.structure.nodes != list(gm.graph.nodes)
+    assert dict(result.reasons) == {n.name: n.meta["overlapc_reason"] for n in gm.graph.nodes
+                                    if "overlapc_reason" in n.meta} and len(result.reasons) == 8
+    assert not [r for r in caplog.records if "moved" in r.getMessage()]
+    again = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    assert overlapc.passes.schedule(again, STRICT) is again and body(again) == body(gm)
+
+
+def test_chunks_auto_needs_an_estimator_below_overlapc_schedule(fake_pg):
+    from overlapc import costmodel
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    original = body(gm)
+    auto = overlapc.OverlapConfig(chunks="auto", on_error="raise")
+    with pytest.raises(ValueError, match=r'chunks="auto".*estimator=.*overlapc\.schedule'):
+        overlapc.passes.schedule(gm, auto)
+    assert body(gm) == original
+    overlapc.passes.schedule(gm, auto, estimator=costmodel.resolve(None))
+    again = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    assert body(overlapc.schedule(again, auto)) == body(gm) != original
