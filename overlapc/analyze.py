@@ -62,12 +62,13 @@ import os
 import re
 import statistics
 
+from overlapc.collectives import KINDS
+
 SCHEMA = "overlapc.analyze/1"
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
 _REGIONS = {"CompiledFunction": "fw", "CompiledFunctionBackward": "bw"}
-_KINDS = (("all_gather", "all_gather"), ("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
-          ("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("all_to_all", "all_to_all"),
-          ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("barrier", "barrier"))
+_KINDS = (*((spelling, kind) for kind, known in KINDS.items() for spelling in known.spellings),
+          ("barrier", "barrier"))   # (lower-case part of a trace name, kind), from collectives.KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,7 +539,7 @@ def _steps(steps: list[tuple], runs: list[tuple], found: list[_Collective], meas
 def _estimator(profile, info: dict):
     """row -> estimated duration (ms): the dump's comm_ms, or ``profile``'s for its kind, bytes
     and group (by name or mesh dim name; its size from the trace's process group list), as
-    ``costmodel.collective_ms`` (``busy_us`` included)."""
+    ``costmodel.collective_ms`` (``LinkProfile.duration_ms``)."""
     if profile is None:
         return lambda row: row.get("comm_ms")
     from overlapc import costmodel
@@ -556,9 +557,7 @@ def _estimator(profile, info: dict):
         if row.get("nbytes") is None:
             return None
         link = resolved.link_for(str(row["group"]))
-        gbps, latency_us = link.for_kind(row["kind"])
-        ring = costmodel.ring_factor(row["kind"], sizes.get(str(row["group"])))
-        return (latency_us + link.busy_us) * 1e-3 + row["nbytes"] * ring / (gbps * 1e9) * 1e3
+        return link.duration_ms(row["kind"], row["nbytes"], sizes.get(str(row["group"])))
     return estimate
 
 

@@ -29,24 +29,28 @@ rank 0 writes the file):
 * a training step outside its compiled graphs (``measure_step``, every rank):
   ``device.step_us`` per step and ``device.param_us`` per parameter (the
   optimizer), which ``costmodel.outside_ms`` adds to the graphs' estimates.
-* ``profiled`` (``run_in_group``; what ``overlapc demo`` uses, whose
-  measured steps run under torch.profiler): the above under the profiler, the
+* ``profiled`` (``run_in_group``; for steps that run under torch.profiler,
+  as ``overlapc analyze`` measures them): the above under the profiler, the
   reference blocks' graph runs read from the profiler's spans (else: their
   steps less the step outside the graphs), ``step_us`` from the small block's
-  step outside its graphs, and ``link.busy_us``, how much longer a collective
-  takes while its ranks compute (``measure_busy``; 0 without ``profiled``).
-* issue: the compute time one collective costs the thread that issues it
-  while it computes (``measure_issue``): every rank runs a block of matmuls
-  with a collective issued before each slot of it (waited after the block)
-  and the same block without them; the difference per collective, per kind at
-  two sizes, is fitted as ``link.issue_us`` + full bytes / ``link.issue_gbps``;
-  the start calls inside the block are timed too, fitted as ``link.start_us``
-  + full bytes / ``link.start_gbps``. On a CPU backend the cost is the start
-  call plus the CPU time the collective's own threads take from compute; the
-  simulator charges the start call at the issue and the rest only where
-  compute does not wait for the collective anyway. On a GPU it is the launch
-  alone. The pairs of every kind and size are interleaved, as is
-  ``measure_busy``'s.
+  step outside its graphs.
+* collectives in the middle of compute (``measure_issue``), the numbers the
+  simulation and ``chunks="auto"`` use (``costmodel.LinkProfile``): every rank
+  runs blocks of matmul slots, with no collective, with one started before
+  each slot and waited after it (overlapped), with one started and waited at
+  once before each slot (serial), and with two started and waited at once
+  (pair), per kind at two sizes, the samples of every kind and size
+  interleaved. Overlapped less compute-only, per collective, is fitted as
+  ``link.issue_us`` + full bytes / ``link.issue_gbps`` (the issuing thread's
+  whole cost, its wait included; the start calls inside, fitted as
+  ``link.start_us`` + full bytes / ``link.start_gbps``); serial less
+  compute-only at the small size, less its transfer, is each kind's latency
+  (on 2 gloo ranks about 3x the back-to-back sweep's: the ranks meet at every
+  collective after computing apart, and the threads wake); 2 - pair / serial
+  is ``link.overlap``, how much of a collective's latency runs beside the
+  collective before it. The simulator charges the start call at the issue and
+  the rest of the issuing cost only where compute does not wait for the
+  collective anyway. On a GPU the issuing cost is the launch alone.
 
 With one process (``world_size == 1``) only compute is measured; the link is
 the built-in one named by ``link``, recorded as such.
@@ -71,8 +75,9 @@ import torch
 import torch._inductor.custom_graph_pass
 
 from overlapc import costmodel
+from overlapc.collectives import KINDS as COLLECTIVE_KINDS
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+KINDS = tuple(kind for kind, known in COLLECTIVE_KINDS.items() if known.ring_phases)   # what is measured
 SWEEP = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)   # full buffer bytes
 QUICK_SWEEP = (4 << 10, 256 << 10, 1 << 20)
 REPEATS, QUICK_REPEATS = 10, 25   # samples per (kind, size), interleaved
@@ -228,7 +233,7 @@ REFERENCES = {   # measure_reference's blocks per device type: fixed costs domin
 
 
 def _reference_block(device: torch.device, compute: dict, step: dict, sizes: dict, steps: int,
-                     profiled: bool) -> dict:
+                     profiled: bool, grouped: bool = False) -> dict:
     """One ``torch.nn.TransformerEncoderLayer`` of ``sizes`` compiled with Inductor, trained with SGD
     on an MSE loss: {"step_ms", "graphs_ms", "roofline_ms", "work_nodes", "parameters"}, medians
     over ``steps`` steps. ``graphs_ms``: its graph runs, when ``profiled`` (the steps run under
@@ -236,7 +241,8 @@ def _reference_block(device: torch.device, compute: dict, step: dict, sizes: dic
     ``overlapc analyze`` counts them, else the step less ``step``'s ``step_us`` + its parameters
     x ``param_us``; ``roofline_ms``: ``costmodel.compute_ms`` of
     the post-grad graphs' nodes at ``compute``'s rates without a fixed cost; ``work_nodes``: those
-    nodes that do work."""
+    nodes that do work. ``grouped``: every rank of the default group runs it, and they start
+    timing together."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     torch.manual_seed(0)
@@ -249,6 +255,8 @@ def _reference_block(device: torch.device, compute: dict, step: dict, sizes: dic
     compiled = torch.compile(model, dynamic=False,
                              options={"post_grad_custom_post_pass": recorder, "fx_graph_cache": False})
     train_step = _warm_train_step(compiled, torch.optim.SGD(model.parameters(), lr=1e-3), x, y)
+    if grouped:
+        torch.distributed.barrier()   # no rank times its steps while another still compiles
     if len(recorder.graphs) != 2:
         raise RuntimeError(f"the reference block compiled {len(recorder.graphs)} graphs, expected 2 "
                            f"(forward, backward)")
@@ -296,16 +304,16 @@ def fit_compute(blocks: list[dict]) -> tuple[float, float]:
 
 
 def measure_reference(device: torch.device, compute: dict, step: dict, quick: bool = False,
-                      profiled: bool = False) -> dict:
+                      profiled: bool = False, grouped: bool = False) -> dict:
     """{"factor", "kernel_us", "step_us", "reference": {...}}: what compiled training steps like
     real ones cost, from ``REFERENCES``' blocks for ``device`` (``_reference_block``). Their graph runs
     (profiled: the profiler's spans; else each step less ``step``'s ``step_us`` + its parameters
     x ``param_us``) fit ``fit_compute``: ``factor`` (``compute``'s matmul and copy rates divided
     by it are the rates compiled code reaches) and ``kernel_us``, the fixed cost per node.
     ``step_us``: profiled, the first block's step outside its graphs less its parameters x
-    ``param_us``; else ``step``'s."""
+    ``param_us``; else ``step``'s. ``grouped``: every rank of the default group calls this."""
     steps = (27, 9) if quick else (45, 15)   # the small block is cheap: more steps, a steadier fixed cost
-    blocks = [_reference_block(device, compute, step, sizes, count, profiled)
+    blocks = [_reference_block(device, compute, step, sizes, count, profiled, grouped)
               for sizes, count in zip(REFERENCES.get(device.type, REFERENCES["cpu"]), steps)]
     factor, kernel_us = fit_compute(blocks)
     first = blocks[0]
@@ -342,25 +350,65 @@ def _collective(kind: str, nbytes: int, world_size: int, group_name: str, device
 
 
 ISSUE_SIZES = (4 << 10, 1 << 20)   # full buffer bytes
-ISSUE_SLOTS = 8                      # collectives per timed block, one before each slot of matmuls
-ISSUE_REPEATS = 11                   # pairs per point of measure_issue and measure_busy (quick)
+ISSUE_SLOTS = 8                      # slots of matmuls per timed block, a collective (or two) at each
+ISSUE_REPEATS = 11                   # samples per point of measure_issue (quick)
+SLOT_MS = 2.0                        # a slot's compute at least (and 1.5x the collective's sweep time)
+BLOCKS = ("compute", "overlapped", "serial", "pair")
+
+
+def _slot_block(start, per_slot: int, a, b, sync, calls: list[float]):
+    """A callable timing one block of ``ISSUE_SLOTS`` slots of ``per_slot`` matmuls (ms) in one of
+    ``BLOCKS``' ways: compute alone; "overlapped": a collective started before each slot and
+    waited after it; "serial": started and waited at once before each slot; "pair": two started
+    and both waited before each slot. Mean start call times (us) of overlapped blocks go to ``calls``."""
+    import torch.distributed as dist
+    wait = torch.ops._c10d_functional.wait_tensor
+
+    def block(how: str) -> float:
+        in_start = 0.0
+        dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(ISSUE_SLOTS):
+            work = None
+            if how == "overlapped":
+                called = time.perf_counter()
+                work = start()
+                in_start += time.perf_counter() - called
+            elif how == "serial":
+                wait(start())
+            elif how == "pair":
+                first, second = start(), start()
+                wait(first)
+                wait(second)
+            for _ in range(per_slot):
+                torch.mm(a, b)
+            if work is not None:
+                sync()
+                wait(work)
+        sync()
+        if how == "overlapped":
+            calls.append(in_start / ISSUE_SLOTS * 1e6)
+        return (time.perf_counter() - begin) * 1e3
+    return block
 
 
 def measure_issue(device: torch.device, collectives: dict, quick: bool = False) -> dict:
-    """{kind: [(full bytes, us, start us), ...]}: the compute time one collective issued during
-    compute costs its caller, at each of ``ISSUE_SIZES``, and the part of it spent in the start
-    call itself. Per kind and size: a block of ``ISSUE_SLOTS`` slots of 256^2 matmuls, each
-    slot at least 1.5x the collective's measured time (``collectives``, from
-    ``measure_collectives``) so compute covers it, timed with a collective issued before every
-    slot (all waited after the block, outside the clock) and without, in pairs, the pairs of
-    every (kind, size) interleaved (``interleaved``); us = the median over pairs of (with -
-    without) / slots, start us = the median of the start calls' mean time in the block with
-    them, each the slowest rank's. Every rank calls this."""
+    """{kind: [(full bytes, us, start us, serial us, pair us), ...]}: what collectives cost a
+    thread that computes, at each of ``ISSUE_SIZES``, per collective. Per kind and size, blocks
+    of ``ISSUE_SLOTS`` slots of 256^2 matmuls (each slot at least ``SLOT_MS`` and 1.5x the
+    collective's sweep time, ``collectives``) are timed in the four ways of ``BLOCKS``, one
+    after the other, the samples of every (kind, size) interleaved (``interleaved``); less the
+    compute-only block, per slot: us (overlapped: the issuing thread's whole cost of a
+    collective that compute covers, its wait included), serial us (waited at once: what a
+    collective costs where nothing overlaps it, in the middle of compute as in a training step;
+    on 2 gloo ranks 3x the back-to-back sweep's time), pair us (two at once, waited at once);
+    start us: the start calls' mean time in the overlapped blocks. Medians over samples, each
+    the slowest rank's. Every rank calls this."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
     group_name = dist.group.WORLD.group_name
-    if dist.get_backend() == "gloo":   # ISSUE_SLOTS functional all-gathers in flight (README, Known issues)
+    if dist.get_backend() == "gloo":   # functional all-gathers in flight (README, Known issues)
         from overlapc.torch_compat import route_gloo_all_gathers
         route_gloo_all_gathers()
     sync = _sync(device)
@@ -371,101 +419,28 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     dist.all_reduce(mm_ms, op=dist.ReduceOp.MAX)
     repeats = ISSUE_REPEATS if quick else REPEATS
     points = [(kind, nbytes) for kind in KINDS for nbytes in ISSUE_SIZES]
-    pairs, starts = [], []
+    samples, starts = [], []
     for kind, nbytes in points:
         start = _start(kind, nbytes, world_size, group_name, device)
         torch.ops._c10d_functional.wait_tensor(start())
-        per_slot = max(1, int(1.5 * _interpolate(collectives[kind], nbytes) / float(mm_ms.item())) + 1)
-        calls: list[float] = []   # this point's start calls, us per call, per block with them
-
-        def block(issue: bool, start=start, per_slot=per_slot, calls=calls) -> float:
-            works, in_start = [], 0.0
-            dist.barrier()
-            begin = time.perf_counter()
-            for _ in range(ISSUE_SLOTS):
-                if issue:
-                    called = time.perf_counter()
-                    works.append(start())
-                    in_start += time.perf_counter() - called
-                for _ in range(per_slot):
-                    torch.mm(a, b)
-            sync()
-            elapsed = time.perf_counter() - begin
-            for work in works:
-                torch.ops._c10d_functional.wait_tensor(work)
-            if issue:
-                calls.append(in_start / ISSUE_SLOTS * 1e6)
-            return elapsed * 1e3
-
-        block(True)
+        slot_ms = max(SLOT_MS, 1.5 * _interpolate(collectives[kind], nbytes))
+        calls: list[float] = []   # this point's start calls, us per call, per overlapped block
+        block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1), a, b, sync, calls)
+        block("overlapped")
         calls.clear()
-        # paired, so drifts in the machine's load hit both alike
-        pairs.append(lambda block=block: (block(True) - block(False)) / ISSUE_SLOTS * 1e3)
+        # every way of a sample timed back to back, so drifts in the machine's load hit all alike
+        samples.append(lambda block=block: [block(how) for how in BLOCKS])
         starts.append(calls)
-    extra = _slowest_median(interleaved(pairs, repeats))
+    taken = interleaved(samples, repeats)
+    extra = [_slowest_median([[(times[i] - times[0]) / ISSUE_SLOTS * 1e3 for times in point] for point in taken])
+             for i in range(1, len(BLOCKS))]
     start_us = _slowest_median(starts)
-    result: dict[str, list[tuple[int, float, float]]] = {}
-    for (kind, nbytes), us, called in zip(points, extra, start_us):
+    result: dict[str, list[tuple[int, float, float, float, float]]] = {}
+    for at, ((kind, nbytes), called) in enumerate(zip(points, start_us)):
         numel = max(world_size, nbytes // 4 // world_size * world_size)
-        result.setdefault(kind, []).append((numel * 4, max(0.0, us), called))
+        us, serial, pair = (max(0.0, ways[at]) for ways in extra)
+        result.setdefault(kind, []).append((numel * 4, us, called, serial, pair))
     return result
-
-
-BUSY_COUNT = 8        # collectives issued at once per measure_busy block
-BUSY_BYTES = 4 << 10  # their full buffer bytes: small, so the time is the per-collective part
-BUSY_KINDS = ("all_gather", "all_reduce", "all_to_all")   # gloo's reduce-scatter Work cannot be polled
-
-
-def _work(kind: str, nbytes: int, world_size: int, device: torch.device):
-    """A callable issuing one ``kind`` collective (of ``BUSY_KINDS``) of ``nbytes`` full bytes
-    through c10d with ``async_op=True``; it returns the Work, which can be polled."""
-    import torch.distributed as dist
-
-    numel = max(world_size, nbytes // 4 // world_size * world_size)
-    full = torch.ones(numel, device=device)
-    if kind == "all_gather":
-        shard = torch.ones(numel // world_size, device=device)
-        return lambda: dist.all_gather_single(full, shard, async_op=True)
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, async_op=True)
-    if kind == "all_to_all":
-        out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full, async_op=True)
-    raise ValueError(f"no polled {kind!r}; valid: {', '.join(BUSY_KINDS)}")
-
-
-def measure_busy(device: torch.device, quick: bool = False) -> dict:
-    """{kind: us}: how much longer a collective takes while its ranks compute than while they
-    wait (on a CPU backend its threads share the cores with compute). Per kind of
-    ``BUSY_KINDS``: ``BUSY_COUNT`` collectives of ``BUSY_BYTES`` issued at once, then waited
-    at once (idle) or polled between 128^2 matmuls until all are done (busy), in pairs, the
-    kinds' pairs interleaved (``interleaved``); us = the median over pairs of (busy - idle) /
-    ``BUSY_COUNT``, >= 0, the slowest rank's. Every rank calls this."""
-    import torch.distributed as dist
-
-    world_size = dist.get_world_size()
-    a = torch.randn(128, 128, device=device)
-    b = torch.randn(128, 128, device=device)
-    repeats = ISSUE_REPEATS if quick else REPEATS
-    pairs = []
-    for kind in BUSY_KINDS:
-        issue = _work(kind, BUSY_BYTES, world_size, device)
-        issue().wait()
-
-        def block(busy: bool, issue=issue) -> float:
-            dist.barrier()
-            begin = time.perf_counter()
-            works = [issue() for _ in range(BUSY_COUNT)]
-            while busy and not all(work.is_completed() for work in works):
-                torch.mm(a, b)
-            for work in works:
-                work.wait()
-            return (time.perf_counter() - begin) * 1e3
-
-        block(True)
-        pairs.append(lambda block=block: (block(True) - block(False)) / BUSY_COUNT * 1e3)
-    extra = _slowest_median(interleaved(pairs, repeats))
-    return {kind: max(0.0, us) for kind, us in zip(BUSY_KINDS, extra)}
 
 
 def _interpolate(samples: list[tuple[int, float]], nbytes: int) -> float:
@@ -563,12 +538,10 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
 
 def document(compute: dict, collectives: dict | None, world_size: int, backend: str,
              device: torch.device, fallback_link: str = "ethernet", quick: bool = False,
-             issue: dict | None = None, busy: dict | None = None) -> dict:
-    """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements;
-    ``issue`` ({kind: [(bytes, us, start us), ...]}, ``measure_issue``) gives the link's ``issue_us``
-    and ``issue_gbps`` (``fit_issue`` over every kind's samples) and, the same way from the
-    start calls, ``start_us`` and ``start_gbps``; ``busy`` ({kind: us},
-    ``measure_busy``) its ``busy_us``, their mean (absent: 0)."""
+             issue: dict | None = None) -> dict:
+    """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements: the
+    device from ``compute``, the link from ``collectives`` (the sweep) and ``issue``
+    (``measure_issue``; ``link_document``)."""
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
@@ -587,31 +560,51 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
         doc["collectives"] = {}
         measured["link"] = f"not measured (one process): built-in {fallback_link}"
     else:
-        doc["collectives"] = {}
-        pooled = []
-        for kind, samples in sorted(collectives.items()):
-            gbps, latency_us = fit(samples, kind, world_size)
-            ring = costmodel.ring_factor(kind, world_size)
-            doc["collectives"][kind] = {
-                "gbps": gbps, "latency_us": latency_us,
-                "samples": [{"bytes": b, "ms": ms, "fit_ms": latency_us * 1e-3 + b * ring / (gbps * 1e9) * 1e3}
-                            for b, ms in samples]}
-            pooled += [(b * ring, ms) for b, ms in samples]   # already in ring units: fit with ring 1
-        gbps, latency_us = fit(pooled, "broadcast", world_size)
-        issue_us, issue_gbps = fit_issue([(b, us) for kind in sorted(issue or {}) for b, us, _ in issue[kind]])
-        doc["link"] = {"name": backend, "gbps": gbps, "latency_us": latency_us,
-                       "issue_us": issue_us, "issue_gbps": issue_gbps,
-                       "busy_us": statistics.mean(busy.values()) if busy else 0.0}
-        if issue:
-            start_us, start_gbps = fit_issue([(b, us) for kind in sorted(issue) for b, _, us in issue[kind]])
-            doc["link"].update(start_us=start_us, start_gbps=start_gbps)
-        if busy:
-            measured["busy"] = dict(sorted(busy.items()))
-        if issue:
-            measured["issue"] = {kind: [{"bytes": b, "us": us, "start_us": start_us} for b, us, start_us in samples]
-                                 for kind, samples in sorted(issue.items())}
+        doc["link"], doc["collectives"], link_measured = link_document(collectives, issue, world_size, backend)
+        measured.update(link_measured)
     doc["measured"] = measured
     return doc
+
+
+def link_document(collectives: dict, issue: dict | None, world_size: int, name: str) -> tuple[dict, dict, dict]:
+    """(profile "link", profile "collectives", what was measured) from the sweep
+    ({kind: [(full bytes, ms), ...]}) and ``measure_issue``'s samples ({kind: [(bytes, us,
+    start us, serial us, pair us), ...]}; None: the sweep alone).
+
+    Per kind the bandwidth is the sweep's fit (``fit``), the latency the serial in-step cost
+    of ``measure_issue``'s smallest size less its transfer at that bandwidth (what a collective
+    waited at once costs in the middle of compute: on 2 gloo ranks 3x the back-to-back sweep's
+    fitted latency, which ``measured`` keeps); without ``issue`` the sweep's fit. The default
+    link: one fit over every kind's sweep samples, its latency the kinds' mean. ``issue_us`` /
+    ``issue_gbps`` fit (``fit_issue``) the overlapped costs, ``start_us`` / ``start_gbps`` the start
+    calls; ``overlap``: per kind at the smallest size ``2 - pair / serial`` in [0, 1] (the second
+    of two collectives issued together costs nothing more where its latency runs beside the
+    first's, a whole serial collective where it waits for it), their median; 1 without ``issue``."""
+    kinds, pooled, sweep_latency = {}, [], {}
+    for kind, samples in sorted(collectives.items()):
+        gbps, latency_us = fit(samples, kind, world_size)
+        sweep_latency[kind] = latency_us
+        ring = costmodel.ring_factor(kind, world_size)
+        if issue and kind in issue:
+            small, _, _, serial_us, _ = min(issue[kind])
+            latency_us = max(0.0, serial_us - small * ring / (gbps * 1e9) * 1e6)
+        kinds[kind] = {"gbps": gbps, "latency_us": latency_us,
+                       "samples": [{"bytes": b, "ms": ms, "fit_ms": latency_us * 1e-3 + b * ring / (gbps * 1e9) * 1e3}
+                                   for b, ms in samples]}
+        pooled += [(b * ring, ms) for b, ms in samples]   # already in ring units: fit with ring 1
+    gbps, latency_us = fit(pooled, "broadcast", world_size)
+    link = {"name": name, "gbps": gbps, "latency_us": latency_us}
+    measured = {"sweep_latency_us": sweep_latency}
+    if issue:
+        link["latency_us"] = statistics.mean(k["latency_us"] for k in kinds.values())
+        link["issue_us"], link["issue_gbps"] = fit_issue([(s[0], s[1]) for kind in sorted(issue) for s in issue[kind]])
+        link["start_us"], link["start_gbps"] = fit_issue([(s[0], s[2]) for kind in sorted(issue) for s in issue[kind]])
+        link["overlap"] = statistics.median(
+            min(1.0, max(0.0, 2.0 - pair / serial)) if serial > 0 else 1.0
+            for _, _, _, serial, pair in (min(samples) for _, samples in sorted(issue.items())))
+        measured["issue"] = {kind: [dict(zip(("bytes", "us", "start_us", "serial_us", "pair_us"), s)) for s in samples]
+                             for kind, samples in sorted(issue.items())}
+    return link, kinds, measured
 
 
 def _profiler(profiled: bool):
@@ -647,7 +640,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
     ``profiled``: for estimating steps that run under torch.profiler (what ``overlapc
     analyze`` measures): the collectives, the issue cost and the SGD step are measured under
     the profiler, ``measure_reference`` reads its blocks' graph runs from the profiler and
-    gives ``step_us``, and ``link.busy_us`` comes from ``measure_busy`` (else 0)."""
+    gives ``step_us``."""
     import torch.distributed as dist
 
     grouped = not alone and dist.is_available() and dist.is_initialized()
@@ -660,8 +653,6 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
             if world_size > 1 else None
     with _profiler(profiled):
         issue = measure_issue(device, collectives, quick) if world_size > 1 else None
-    with _profiler(profiled):
-        busy = measure_busy(device, quick) if profiled and world_size > 1 else None
     compute = measure_compute(device, quick) if rank == 0 else None
     with _profiler(profiled):
         step = measure_step(device, quick, grouped and world_size > 1)
@@ -670,7 +661,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
     compute = {**compute, **step}
     if grouped and world_size > 1:
         dist.barrier()   # every rank computes at once, as in a training step
-    reference = measure_reference(device, compute, step, quick, profiled)
+    reference = measure_reference(device, compute, step, quick, profiled, grouped and world_size > 1)
     numbers = torch.tensor([reference["factor"], reference["kernel_us"], reference["step_us"]], dtype=torch.float64)
     if grouped and world_size > 1:
         dist.all_reduce(numbers, op=dist.ReduceOp.MAX)   # the slowest rank's
@@ -682,13 +673,14 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
             f"{compute['matmul']['n']}^2 and copy rates / {factor:.3g}, the reference blocks' roofline factor), "
             f"{compute['kernel_us']:.3g} us per node of compiled code; a training step outside its graphs "
             f"{compute['step_us']:.3g} us + {compute['param_us']:.3g} us per parameter")
-    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue, busy)
+    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue)
     if rank == 0 and issue:
         link = doc["link"]
         say(f"issuing a collective during compute costs it {link['issue_us']:.3g} us"
             + (f" + bytes / {link['issue_gbps']:.3g} GB/s" if link["issue_gbps"] else "")
             + " (" + ", ".join(f"{kind} {b >> 10} KiB {us:.0f} us" for kind in sorted(issue)
-                               for b, us, _ in issue[kind]) + ")")
+                               for b, us, *_ in issue[kind]) + ")"
+            + f"; waited at once {link['latency_us']:.3g} us latency (mean), overlap {link['overlap']:.2g}")
     if rank == 0 and out:
         write(doc, out)
     return doc

@@ -48,6 +48,36 @@ _FIXED_KINDS = {
     "broadcast_": "broadcast",
 }
 
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One kind of collective: its short label in tables, the ring algorithm's phases
+    (``costmodel.ring_factor``; None: not a ring collective) and the lower-case spellings
+    profiler traces give its ops ("c10d::_allgather_base_", "gloo:all_reduce")."""
+
+    short: str
+    ring_phases: int | None
+    spellings: tuple[str, ...]
+
+
+# The one table of collective kinds (report order). The op tables above map ops to these
+# names; ``costmodel`` reads the ring phases, ``overlapc calibrate`` measures the ring kinds,
+# ``overlapc analyze`` reads traces by the spellings, the report prints the short labels.
+KINDS = {
+    "all_gather": Kind("AG", 1, ("all_gather", "allgather")),
+    "reduce_scatter": Kind("RS", 1, ("reduce_scatter",)),
+    "all_reduce": Kind("AR", 2, ("all_reduce", "allreduce")),
+    "all_to_all": Kind("A2A", 1, ("all_to_all", "alltoall")),
+    "broadcast": Kind("BC", None, ("broadcast",)),
+}
+
+
+def op_kind(op: str | None) -> str | None:
+    """The kind of a collective op named ``op`` ("all_gather_into_tensor" -> "all_gather",
+    as ``collective_op`` names it), None for other names."""
+    return _MOVABLE_KINDS.get(op) or _FIXED_KINDS.get(op) if op else None
+
+
 _ALIAS_PACKETS = {
     "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze",
     "unsqueeze", "slice", "select", "alias", "detach", "as_strided", "narrow", "flatten",

@@ -32,13 +32,15 @@ Profile file ("overlapc.profile/1")::
               "issue_gbps": float >= 0,                # optional (0: none): ... plus full bytes / this
               "start_us": float >= 0,                  # optional (all of issue): its start call's part
               "start_gbps": float >= 0,                # optional (0: none): ... plus full bytes / this
-              "busy_us": float >= 0},                  # optional (0): longer per collective beside compute
+              "overlap": float in [0, 1]},             # optional (1): latency beside earlier transfers
      "collectives": {<kind>: {"gbps": float > 0, "latency_us": float >= 0,
                               "samples": [{"bytes": int, "ms": float, "fit_ms": float}, ...]}, ...},
      "measured": {...}}   # how it was measured (free form; see overlapc.calibrate)
 
 ``link`` serves kinds without an entry in ``collectives``; ``samples`` and
-``measured`` are informational (not read back).
+``measured`` are informational (not read back). Files written before issue 30
+may carry ``link.busy_us`` (a collective's extra time beside compute, since
+measured inside ``latency_us``): it is read and ignored.
 
 Units: TFLOP/s for compute, GB/s (10^9 *bytes* per second) for memory and
 links, microseconds for latency, milliseconds for every estimate returned.
@@ -72,7 +74,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from overlapc.collectives import Collective, collective_op, is_alias, is_wait, size_hint
+from overlapc.collectives import KINDS, Collective, collective_op, is_alias, is_wait, size_hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,20 +96,25 @@ class DeviceProfile:
 
 @dataclasses.dataclass(frozen=True)
 class LinkProfile:
-    """A collective link: achieved bus bandwidth per GPU (GB/s) and per-collective latency (us).
+    """A collective link, the one model of a collective's time that the simulator
+    (``overlapc.simulate``) and ``chunks="auto"`` (``passes/chunk/estimate.py``) both use.
 
-    ``per_kind``: ((kind, gbps, latency_us), ...) measured per collective kind
-    (sorted by kind); kinds not listed use ``gbps`` and ``latency_us``. ``issue_us`` and
-    ``issue_gbps``: the compute stream's time per collective, ``issue_us`` plus its full bytes
-    / ``issue_gbps`` (0: no per-byte part). On a CPU backend the caller's thread enqueues the
-    work and the collective's own threads take CPU time from compute; 0 for the built-in GPU
-    links, where a launch costs the GPU nothing. ``busy_us``: how much longer a collective
-    takes when its ranks compute while it runs (a CPU backend's threads share the cores),
-    added to every collective's time by ``collective_ms`` (``overlapc.simulate`` adds it in
-    proportion to the share of the collective's run the compute stream computes through); 0
-    for the built-in links. ``start_us`` and ``start_gbps``: the part of the issue cost spent in the start call itself
-    (None: all of it); the rest is the backend's CPU work while the collective runs, which
-    ``overlapc.simulate`` charges to compute only where the compute stream does not idle."""
+    A collective of ``kind`` moving ``nbytes`` full bytes over ``n`` ranks takes
+    ``latency_ms(kind)`` + ``transfer_ms(kind, nbytes, n)`` (latency + full bytes x ring factor /
+    bus bandwidth, ``gbps`` GB/s per GPU; ``per_kind``: ((kind, gbps, latency_us), ...) measured
+    per collective kind, sorted by kind; other kinds use ``gbps`` and ``latency_us``). The
+    collectives of one process group move their bytes one after another in issue order;
+    ``overlap`` (0..1) is how much of a collective's latency runs while the collectives before
+    it still hold the link (``end_ms``): 1, the latency never holds the link (the built-ins;
+    ``overlapc calibrate`` measures it), 0, collectives run strictly one after another.
+
+    What a collective costs the compute stream (the issuing thread): ``issue_ms(nbytes)`` =
+    ``issue_us`` + full bytes / ``issue_gbps`` (0: no per-byte part), of which
+    ``start_ms(nbytes)`` (``start_us`` + bytes / ``start_gbps``; None: all of it) is the start
+    call itself; the rest is the backend's CPU work around the collective's run (a CPU
+    backend's threads and the completion at its wait), which ``overlapc.simulate`` charges to
+    compute only where the compute stream does not idle during the run. 0 for the built-in GPU
+    links, where a launch costs the GPU nothing."""
 
     name: str
     gbps: float
@@ -115,9 +122,9 @@ class LinkProfile:
     per_kind: tuple[tuple[str, float, float], ...] = ()
     issue_us: float = 0.0
     issue_gbps: float = 0.0
-    busy_us: float = 0.0
     start_us: float | None = None
     start_gbps: float = 0.0
+    overlap: float = 1.0
 
     def issue_ms(self, nbytes: int | None) -> float:
         """The compute stream's time for issuing one collective of ``nbytes`` full bytes (ms)."""
@@ -139,6 +146,26 @@ class LinkProfile:
                 return gbps, latency_us
         return self.gbps, self.latency_us
 
+    def latency_ms(self, kind: str) -> float:
+        """A ``kind`` collective's latency (ms)."""
+        return self.for_kind(kind)[1] * 1e-3
+
+    def transfer_ms(self, kind: str, nbytes: int | None, n: int | None) -> float:
+        """The link's time for a ``kind`` collective's ``nbytes`` full bytes over ``n`` ranks:
+        bytes x ``ring_factor(kind, n)`` / bandwidth (ms); 0 for unknown sizes."""
+        return (nbytes or 0) * ring_factor(kind, n) / (self.for_kind(kind)[0] * 1e9) * 1e3
+
+    def duration_ms(self, kind: str, nbytes: int | None, n: int | None) -> float:
+        """latency + transfer of one ``kind`` collective on an idle link (ms)."""
+        return self.latency_ms(kind) + self.transfer_ms(kind, nbytes, n)
+
+    def end_ms(self, issue_ms: float, free_ms: float, latency_ms: float, transfer_ms: float) -> float:
+        """When a collective issued at ``issue_ms`` ends, its group's link being busy with the
+        collectives issued before it until ``free_ms``: its bytes move after its latency and
+        after the link is free, and ``1 - overlap`` of its latency cannot start before then:
+        ``max(issue + latency, free + (1 - overlap) x latency) + transfer``."""
+        return max(issue_ms + latency_ms, free_ms + (1.0 - self.overlap) * latency_ms) + transfer_ms
+
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
@@ -154,6 +181,14 @@ class Profile:
     name: str = ""
     source: str = ""
     links: tuple[tuple[str, LinkProfile], ...] = ()
+
+    def compute_ms(self, node: fx.Node) -> float:
+        """``compute_ms(node, self.device)``: one node's estimate on this device (ms)."""
+        return compute_ms(node, self.device)
+
+    def fixed_ms(self) -> float:
+        """The device's fixed cost of one op (``kernel_us``), in ms."""
+        return self.device.kernel_us * 1e-3
 
     def link_for(self, group: str) -> LinkProfile:
         """The link of process group ``group`` (its name): by group name, then by its mesh
@@ -303,6 +338,13 @@ def _number(where: str, value, floor: float, strict: bool) -> float:
     return float(value)
 
 
+def _fraction(where: str, value) -> float:
+    value = _number(where, value, 0, False)
+    if value > 1:
+        raise ValueError(f"{where} must be a number in [0, 1], got {value!r}")
+    return value
+
+
 def profile_from_json(document: dict, source: str = "", name: str = "") -> Profile:
     """A Profile from a parsed profile file (schema in the module docstring);
     ValueError naming the first field that is missing or wrong."""
@@ -326,10 +368,10 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
                            _number(f"{where}: link.latency_us", lnk["latency_us"], 0, False), tuple(per_kind),
                            _number(f"{where}: link.issue_us", lnk.get("issue_us", 0.0), 0, False),
                            _number(f"{where}: link.issue_gbps", lnk.get("issue_gbps", 0.0), 0, False),
-                           _number(f"{where}: link.busy_us", lnk.get("busy_us", 0.0), 0, False),
                            None if lnk.get("start_us") is None
                            else _number(f"{where}: link.start_us", lnk["start_us"], 0, False),
-                           _number(f"{where}: link.start_gbps", lnk.get("start_gbps", 0.0), 0, False))
+                           _number(f"{where}: link.start_gbps", lnk.get("start_gbps", 0.0), 0, False),
+                           _fraction(f"{where}: link.overlap", lnk.get("overlap", 1.0)))
     except (KeyError, TypeError) as error:
         raise ValueError(f"{where}: missing or malformed field {error} (schema {PROFILE_SCHEMA})") from None
     return Profile(device, link, name, source)
@@ -548,8 +590,15 @@ def group_label(group: str) -> str:
         return desc[len("mesh_"):]
     return group
 
-# Ring algorithm: each rank sends (n-1)/n of the full buffer once per phase.
-_RING_PHASES = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
+def ring_factor(kind: str, n: int | None) -> float:
+    """What a ``kind`` collective's full bytes are multiplied by for ``n`` ranks (the ring
+    algorithm: each rank sends (n-1)/n of the full buffer once per phase, ``collectives.KINDS``'
+    ring phases): (n-1)/n for all_gather, reduce_scatter and all_to_all, 2(n-1)/n for
+    all_reduce, the large-n limit (1, 2) when ``n`` is unknown, 1 for broadcast and unknown kinds."""
+    phases = KINDS[kind].ring_phases if kind in KINDS else None
+    if phases is None:
+        return 1.0
+    return phases * ((n - 1) / n if n else 1.0)
 
 
 def _group_size(c: Collective, world_size: int | None) -> int | None:
@@ -574,30 +623,16 @@ def collective_bytes(c: Collective) -> int | None:
     return c.nbytes
 
 
-def collective_ms(collective: Collective, link: LinkProfile, world_size: int | None = None) -> float:
-    """latency + full bytes x ring factor / bandwidth + the link's ``busy_us``, in ms.
-
-    Bandwidth and latency are the link's for the collective's kind
-    (``LinkProfile.for_kind``). Ring factor for n ranks: (n-1)/n for all_gather, reduce_scatter and
-    all_to_all, 2(n-1)/n for all_reduce, 1 for broadcast (and unknown kinds).
-    n is the collective's group size, else ``world_size``, else the size of
-    its process group if one is registered; when none is known the factor's
-    large-n limit (1, or 2 for all_reduce) is used. Unknown sizes cost latency only.
-    """
+def link_ms(collective: Collective, link: LinkProfile, world_size: int | None = None) -> tuple[float, float]:
+    """(latency, transfer) of ``collective`` on ``link`` (ms): ``link.latency_ms`` and
+    ``link.transfer_ms`` for its kind and full bytes (``collective_bytes``) over n ranks, n its
+    group size, else ``world_size``, else the size of its process group if one is registered;
+    unknown: the ring factor's large-n limit. Unknown sizes cost latency only."""
     n = _group_size(collective, world_size)
-    phases = _RING_PHASES.get(collective.kind)
-    if phases is None:    # broadcast and unknown kinds: the whole buffer crosses the link once
-        ring = 1.0
-    else:
-        ring = phases * ((n - 1) / n if n else 1.0)
-    nbytes = collective_bytes(collective) or 0
-    gbps, latency_us = link.for_kind(collective.kind)
-    return (latency_us + link.busy_us) * 1e-3 + nbytes * ring / (gbps * 1e9) * 1e3
+    return link.latency_ms(collective.kind), link.transfer_ms(collective.kind, collective_bytes(collective), n)
 
 
-def ring_factor(kind: str, n: int | None) -> float:
-    """The factor ``collective_ms`` multiplies a ``kind`` collective's full bytes by, for ``n`` ranks."""
-    phases = _RING_PHASES.get(kind)
-    if phases is None:
-        return 1.0
-    return phases * ((n - 1) / n if n else 1.0)
+def collective_ms(collective: Collective, link: LinkProfile, world_size: int | None = None) -> float:
+    """latency + full bytes x ring factor / bandwidth of ``collective`` on an idle link
+    (``link_ms`` summed; ``LinkProfile.duration_ms``), in ms."""
+    return sum(link_ms(collective, link, world_size))

@@ -6,27 +6,23 @@ Nodes are walked in program order:
 * a compute node runs on the compute stream from the stream's current time for
   its estimated cost (the stream executes in order, so its inputs are ready:
   any collective result it reads was waited before it);
-* a collective start is issued at the compute stream's current time and runs
-  on its group's stream from then, once the previous collective of that group
-  has finished (issue order within a group); issuing keeps the compute stream
-  busy for the link's ``start_ms`` of its bytes (the start call; 0 on the
-  built-in links, measured by a calibrated CPU profile: gloo enqueues on the
-  caller's thread);
+* a collective start is issued at the compute stream's current time; it ends
+  at ``link.end_ms(issue, its group's link free, latency, transfer)``
+  (``costmodel.LinkProfile``: the one link model, which ``chunks="auto"``'s
+  estimate uses too): its group's collectives move their bytes one after
+  another in issue order, and its latency runs beside the transfers before it
+  as far as the link's ``overlap`` says. Issuing keeps the compute stream busy
+  for the link's ``start_ms`` of its bytes (the start call; 0 on the built-in
+  links, measured by a calibrated CPU profile: gloo enqueues on the caller's
+  thread);
 * a wait blocks the compute stream until its collective ends; the time the
   stream stalls is that collective's *exposed* time. At its first wait the
-  rest of the link's ``issue_ms`` (the CPU time gloo's threads take while the
-  collective runs) is charged to the compute stream, less the time the
-  stream stalled during the collective's run (its cores were free then): in
-  full for a hidden collective, not at all for one that kept compute waiting
-  that long. A collective never waited pays it in full at the end.
-
-A calibrated CPU link's ``busy_us`` (how much longer a collective takes while
-its ranks compute all through it) is added to each collective in proportion
-to the share of its run the compute stream computes through: a first pass
-without it finds, per collective, how much of its run the stream stalled; the
-second adds ``busy_us`` x the rest (all of it for a hidden collective, none
-for one that ran while compute waited for it throughout). Only when the
-costs come from the profile (``comm_ms`` not given).
+  rest of the link's ``issue_ms`` (the CPU time the backend's threads and the
+  completion take around the collective's run) is charged to the compute
+  stream, less the time the stream stalled during the collective's run (its
+  cores were free then): in full for a hidden collective, not at all for one
+  that kept compute waiting that long. A collective never waited pays it in
+  full at the end.
 
 A collective is *hidden* when its waits stall compute for less than 1% of its
 duration or less than 1 us. In-flight bytes are counted by the scheduler's own
@@ -38,7 +34,8 @@ collective's input). Peak memory is the memory tracker's
 Costs come from ``overlapc.costmodel`` for the given Profile (each group's link
 is ``Profile.link_for(group)``), or from the
 ``compute_ms(node)`` / ``comm_ms(collective)`` callables when given (tests and
-what-if studies set exact costs this way). Deterministic; O(nodes + edges)
+what-if studies set exact costs this way; a given ``comm_ms`` is the
+collective's whole time on the link, none of it latency). Deterministic; O(nodes + edges)
 once costs are known.
 """
 from __future__ import annotations
@@ -143,12 +140,12 @@ def _stalled(stalls: list[tuple[float, float]], begin: float, end: float) -> flo
     return total
 
 
-def _walk(order, of_start, of_wait, costs, profile, comm_ms):
-    """One pass of the two-stream model (module docstring) over ``order``; ``costs``: node ->
-    compute ms. Returns (step ms, compute spans, start -> [issue, start, end, exposed, 0],
-    the compute stream's stalls in time order, the in-flight tracker)."""
+def _walk(order, of_start, of_wait, costs, profile, comm):
+    """The two-stream model (module docstring) over ``order``; ``costs``: node -> compute ms;
+    ``comm``: collective -> (latency ms, transfer ms). Returns (step ms, compute spans,
+    start -> [issue, start, end, exposed, background], the in-flight tracker)."""
     now = 0.0                                  # compute stream time
-    group_free: dict[str, float] = {}          # group -> when its stream is free
+    group_free: dict[str, float] = {}          # group -> when its link is free
     compute: dict[str, tuple[float, float]] = {}
     issued: dict[fx.Node, list[float]] = {}    # start -> [issue, start, end, exposed, background]
     stalls: list[tuple[float, float]] = []     # the compute stream's waits, in time order
@@ -160,10 +157,11 @@ def _walk(order, of_start, of_wait, costs, profile, comm_ms):
             issue = now
             link, nbytes = profile.link_for(c.group), costmodel.collective_bytes(c)
             now += link.start_ms(nbytes)
-            begin = max(issue, group_free.get(c.group, 0.0))
-            end = begin + comm_ms(c)
+            latency, transfer = comm(c)
+            end = link.end_ms(issue, group_free.get(c.group, 0.0), latency, transfer)
             group_free[c.group] = end
-            issued[node] = [issue, begin, end, 0.0, link.issue_ms(nbytes) - link.start_ms(nbytes)]
+            issued[node] = [issue, max(issue, end - latency - transfer), end, 0.0,
+                            link.issue_ms(nbytes) - link.start_ms(nbytes)]
             if c.waits:
                 flight.open(c)
             continue
@@ -184,7 +182,15 @@ def _walk(order, of_start, of_wait, costs, profile, comm_ms):
         compute[node.name] = (now, now + cost)
         now += cost
     now += sum(record[4] for record in issued.values())
-    return now, compute, issued, stalls, flight
+    return now, compute, issued, flight
+
+
+def _link_costs(profile: costmodel.Profile, comm_ms):
+    """collective -> (latency ms, transfer ms): the profile's link for its group and kind,
+    or (0, ``comm_ms(c)``) when exact costs are given."""
+    if comm_ms is not None:
+        return lambda c: (0.0, comm_ms(c))
+    return lambda c: costmodel.link_ms(c, profile.link_for(c.group))
 
 
 def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order=None, *,
@@ -203,16 +209,7 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
     of_start = {c.start: c for c in found}
     of_wait = {w: c for c in found for w in c.waits}
     costs = {node: compute_ms(node) for node in order if node not in of_start and node not in of_wait}
-    if comm_ms is not None:
-        now, compute, issued, stalls, flight = _walk(order, of_start, of_wait, costs, profile, comm_ms)
-    else:   # busy_us in proportion to the share of its run the compute stream computes through
-        busy = {c.start: profile.link_for(c.group).busy_us * 1e-3 for c in found}
-        base = {c.start: costmodel.collective_ms(c, profile.link_for(c.group)) - busy[c.start] for c in found}
-        *_, issued, stalls, _ = _walk(order, of_start, of_wait, costs, profile, lambda c: base[c.start])
-        share = {start: 1.0 - _stalled(stalls, begin, end) / (end - begin) if end > begin else 0.0
-                 for start, (_, begin, end, *_) in issued.items()}
-        now, compute, issued, stalls, flight = _walk(
-            order, of_start, of_wait, costs, profile, lambda c: base[c.start] + busy[c.start] * share[c.start])
+    now, compute, issued, flight = _walk(order, of_start, of_wait, costs, profile, _link_costs(profile, comm_ms))
 
     times = {}
     for start, (issue, begin, end, exposed, _) in issued.items():

@@ -241,7 +241,8 @@ def test_profile_reestimates_matched_collectives(tmp_path):
     assert got["all_gather"] == pytest.approx(ib.latency_us * 1e-3 + (1 << 20) * 7 / 8 / (ib.gbps * 1e9) * 1e3)
     assert got["all_reduce"] == pytest.approx(nvlink.latency_us * 1e-3 + (1 << 20) * 2 * 1 / 2
                                               / (nvlink.gbps * 1e9) * 1e3)
-    # a link's busy_us is part of every collective's time, as in costmodel.collective_ms
-    busy = costmodel.Profile(costmodel.DEVICES["cpu"], dataclasses.replace(ib, busy_us=300.0))
-    slower = {m.kind: m.estimated_ms for m in analyze.analyze(trace, str(tmp_path / "dump"), busy).collectives}
+    # a link's per-kind latency is part of every collective's time, as in costmodel.collective_ms
+    slow = costmodel.Profile(costmodel.DEVICES["cpu"], dataclasses.replace(ib, per_kind=(
+        ("all_gather", ib.gbps, ib.latency_us + 300.0),)))
+    slower = {m.kind: m.estimated_ms for m in analyze.analyze(trace, str(tmp_path / "dump"), slow).collectives}
     assert slower["all_gather"] == pytest.approx(got["all_gather"] + 0.3)

@@ -91,13 +91,33 @@ def test_reference_blocks_give_the_rates_and_fixed_cost_of_compiled_code(profile
         assert result["step_us"] == 300.0
 
 
-def test_document_takes_busy_as_the_mean_over_kinds():
+def test_document_takes_latency_from_serial_costs_and_overlap_from_pairs():
+    """Per kind the latency is the serial in-step cost at the smallest size less that size's
+    transfer at the sweep's bandwidth; the link's overlap the median over kinds of
+    2 - pair / serial, kept in [0, 1]."""
     compute = {"tflops": 0.1, "mem_gbps": 10.0}
-    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)]}
-    busy = {"all_gather": 400.0, "all_reduce": 800.0, "all_to_all": 600.0}
-    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), busy=busy)
-    assert doc["link"]["busy_us"] == pytest.approx(600.0) and doc["measured"]["busy"] == busy
-    assert calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"))["link"]["busy_us"] == 0.0
+    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)], "all_reduce": [(4096, 0.6), (1 << 20, 3.0)],
+                   "all_to_all": [(4096, 0.4), (1 << 20, 1.0)]}
+    # (bytes, overlapped us, start us, serial us, pair us)
+    issue = {"all_gather": [(4096, 500.0, 150.0, 1200.0, 1800.0), (1 << 20, 1500.0, 400.0, 3000.0, 5000.0)],
+             "all_reduce": [(4096, 700.0, 250.0, 1000.0, 2500.0), (1 << 20, 1700.0, 500.0, 4000.0, 7000.0)],
+             "all_to_all": [(4096, 600.0, 200.0, 800.0, 700.0), (1 << 20, 1600.0, 450.0, 2000.0, 3000.0)]}
+    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue)
+    for kind, samples in collectives.items():
+        gbps, sweep_latency = calibrate.fit(samples, kind, 2)
+        transfer_us = 4096 * costmodel.ring_factor(kind, 2) / (gbps * 1e9) * 1e6
+        assert doc["collectives"][kind]["gbps"] == pytest.approx(gbps)
+        assert doc["collectives"][kind]["latency_us"] == pytest.approx(issue[kind][0][3] - transfer_us)
+        assert doc["measured"]["sweep_latency_us"][kind] == pytest.approx(sweep_latency)
+    # 2 - 1800/1200 = 0.5, 2 - 2500/1000 -> 0, 2 - 700/800 -> 1: the median
+    assert doc["link"]["overlap"] == pytest.approx(0.5)
+    assert doc["link"]["latency_us"] == pytest.approx(
+        sum(doc["collectives"][k]["latency_us"] for k in collectives) / 3)
+    # without the in-step samples: the sweep's latencies, no overlap measured (1)
+    plain = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"))
+    assert plain["collectives"]["all_gather"]["latency_us"] == pytest.approx(
+        calibrate.fit(collectives["all_gather"], "all_gather", 2)[1])
+    assert costmodel.profile_from_json(plain).link.overlap == 1.0
 
 
 def test_compute_only_profile_records_the_builtin_link(tmp_path):
@@ -138,7 +158,11 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     # the device's rates: the matmul's and the copy's over the reference blocks' roofline factor
     assert doc["device"]["tflops"] == pytest.approx(2 * 512 ** 3 / doc["measured"]["compute"]["matmul"]["ms"]
                                                     / 1e9 / reference["roofline_factor"])
-    assert doc["link"]["busy_us"] == 0.0 and "busy" not in doc["measured"]   # profiled only
+    # in the middle of compute: each kind's latency is its serial cost less its transfer, and
+    # the link's overlap a fraction (tests below check the arithmetic)
+    assert 0.0 <= doc["link"]["overlap"] <= 1.0 and "busy_us" not in doc["link"]
+    assert all(s["serial_us"] > 0 and s["pair_us"] > 0 for k in issue for s in issue[k])
+    assert sorted(doc["measured"]["sweep_latency_us"]) == sorted(calibrate.KINDS)
     for kind, entry in doc["collectives"].items():
         assert [s["bytes"] for s in entry["samples"]] == list(calibrate.QUICK_SWEEP)
         assert all(s["ms"] > 0 for s in entry["samples"])
@@ -179,13 +203,14 @@ def test_interleaved_takes_samples_round_robin():
 def test_document_fits_the_start_call_part_of_the_issue_cost():
     compute = {"tflops": 0.1, "mem_gbps": 10.0}
     collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)]}
-    issue = {"all_gather": [(4096, 500.0, 150.0), (1 << 20, 1500.0, 400.0)],
-             "all_reduce": [(4096, 700.0, 250.0), (1 << 20, 1700.0, 500.0)]}
+    issue = {"all_gather": [(4096, 500.0, 150.0, 900.0, 1200.0), (1 << 20, 1500.0, 400.0, 2000.0, 3000.0)],
+             "all_reduce": [(4096, 700.0, 250.0, 900.0, 1200.0), (1 << 20, 1700.0, 500.0, 2000.0, 3000.0)]}
     doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue)
     pairs = lambda part: [(s[0], s[part]) for k in sorted(issue) for s in issue[k]]  # noqa: E731
     assert (doc["link"]["issue_us"], doc["link"]["issue_gbps"]) == pytest.approx(calibrate.fit_issue(pairs(1)))
     assert (doc["link"]["start_us"], doc["link"]["start_gbps"]) == pytest.approx(calibrate.fit_issue(pairs(2)))
-    assert doc["measured"]["issue"]["all_reduce"][0] == {"bytes": 4096, "us": 700.0, "start_us": 250.0}
+    assert doc["measured"]["issue"]["all_reduce"][0] == {"bytes": 4096, "us": 700.0, "start_us": 250.0,
+                                                         "serial_us": 900.0, "pair_us": 1200.0}
     assert "start_us" not in calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"))["link"]
 
 

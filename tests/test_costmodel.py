@@ -67,20 +67,53 @@ def test_background_issue_cost_is_charged_where_compute_runs(fake_pg, comm, step
     assert unsplit.step_ms == pytest.approx(max(2.5, 1.0 + comm))
 
 
-@pytest.mark.parametrize("latency_us, step", [
-    (2000.0, 3.5),   # first pass: runs 1-3 ms, compute stalls 2-3: half its run -> + 0.5 ms
-    (500.0, 2.5),    # hidden in the first pass: all of busy_us -> runs 1-2.5 ms
-])
-def test_busy_us_in_proportion_to_the_compute_it_runs_beside(fake_pg, latency_us, step):
-    gm = make_fx(gather_between_compute)(torch.randn(8, 8), torch.randn(1, 8))
-    compute = {"mm": 1.0, "mm_1": 1.0}
+@pytest.mark.parametrize("overlap", [1.0, 0.5, 0.0])
+def test_the_link_model_lets_latency_run_beside_earlier_transfers(overlap):
+    """end = max(issue + latency, free + (1 - overlap) x latency) + transfer, by hand."""
+    link = costmodel.LinkProfile("l", gbps=1.0, latency_us=2000.0, overlap=overlap)
+    # the link is free: latency then transfer, whatever the overlap
+    assert link.end_ms(1.0, 0.0, 2.0, 3.0) == pytest.approx(6.0)
+    # issued at 0 while earlier collectives hold the link until 4 ms
+    expected = max(0.0 + 2.0, 4.0 + (1 - overlap) * 2.0) + 3.0
+    assert link.end_ms(0.0, 4.0, 2.0, 3.0) == pytest.approx(expected)
+
+
+def two_gathers(a, w, v):
+    g = F.all_gather_into_tensor(w, 8, "0")
+    h = F.all_gather_into_tensor(v, 8, "0")
+    return torch.mm(a, a).sum() + F.wait_tensor(g).sum() + F.wait_tensor(h).sum()
+
+
+@pytest.mark.parametrize("overlap", [1.0, 0.0])
+def test_simulate_runs_a_groups_collectives_by_the_link_model(fake_pg, overlap):
+    """Two all-gathers issued together, latency 2 ms, 1 ms of bytes each: the second's
+    latency runs beside the first when the link overlaps them (ends at 2 + 1 + 1), after it
+    when it does not (3 + 2 + 1)."""
+    gm = make_fx(two_gathers)(torch.randn(8, 8), torch.randn(1, 8), torch.randn(1, 8))
     device = costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0)
-    link = costmodel.LinkProfile("l", gbps=1e9, latency_us=latency_us, busy_us=1000.0)
-    timeline = simulate(gm, costmodel.Profile(device, link), compute_ms=lambda n: compute.get(n.name, 0.0))
-    assert timeline.step_ms == pytest.approx(step)
-    gather = timeline.collectives["all_gather_into_tensor"]
-    assert gather.end_ms == pytest.approx(step)
-    # exact costs given: busy_us is theirs to include
-    given = simulate(gm, costmodel.Profile(device, link), compute_ms=lambda n: compute.get(n.name, 0.0),
-                     comm_ms=lambda c: costmodel.collective_ms(c, link))
-    assert given.collectives["all_gather_into_tensor"].duration_ms == pytest.approx(latency_us * 1e-3 + 1.0)
+    full = 8 * 8 * 4   # each gather's full bytes
+    gbps = full * 7 / 8 / 1e9 * 1e3   # 1 ms of transfer each over 8 ranks
+    link = costmodel.LinkProfile("l", gbps=gbps, latency_us=2000.0, overlap=overlap)
+    timeline = simulate(gm, costmodel.Profile(device, link), compute_ms=lambda n: 0.0)
+    first, second = (timeline.collectives[name] for name in ("all_gather_into_tensor", "all_gather_into_tensor_1"))
+    assert first.end_ms == pytest.approx(3.0)
+    assert second.end_ms == pytest.approx(4.0 if overlap == 1.0 else 6.0)
+    assert timeline.step_ms == pytest.approx(second.end_ms)
+
+
+def test_chunk_estimate_and_simulate_are_one_model(fake_pg):
+    """The chunk pass's estimate of a pattern left whole (1 piece) is the simulated time of
+    that graph: the same link model, the same compute and issue costs."""
+    import dataclasses
+
+    from overlapc.passes.chunk.estimate import pipeline_ms
+    from overlapc.passes.chunk.plan import Planner
+
+    def fn(x, w):
+        g = F.wait_tensor(F.all_gather_into_tensor(x, 8, "0"))
+        return F.wait_tensor(F.reduce_scatter_tensor(torch.mm(g, w), "sum", 8, "0"))
+    gm = make_fx(fn)(torch.randn(64, 256), torch.randn(256, 256))
+    prof = costmodel.profile("cpu", "ethernet", latency_us=300.0, link_gbps=0.5)
+    prof = dataclasses.replace(prof, link=dataclasses.replace(prof.link, issue_us=50.0, overlap=0.5))
+    plan = Planner(gm).plan(next(n for n in gm.graph.nodes if n.target == F.all_gather_into_tensor.default), 2)
+    assert pipeline_ms(plan, 1, prof) == pytest.approx(simulate(gm, prof).step_ms)

@@ -1,56 +1,54 @@
 """How long a pipeline takes with k pieces, by the estimator, and which k to take.
 
-    ms = pipeline_ms(plan, k, profile)      # plan: a Plan of any piece count
-    best, estimates = choose(plans, profile)
+    ms = pipeline_ms(plan, k, prof)      # plan: a Plan of any piece count
+    best, estimates = choose(plans, prof)
+
+``prof`` is the estimator the chunk pass is handed (``overlapc.costmodel.Profile``);
+this module calls only its methods and those of the link it returns, so the
+passes never import the cost model: ``prof.compute_ms(node)``, ``prof.fixed_ms()``,
+``prof.link_for(group)`` and that link's ``latency_ms``, ``transfer_ms``, ``issue_ms``
+and ``end_ms``, the one link model ``overlapc.simulate`` uses too.
 
 The model replays the emitted order on two streams: the compute stream runs the
 region's nodes piece by piece (``compute_ms`` of each node on the full rows,
-its roofline part divided by k, its fixed per-op cost ``kernel_us`` paid once a
-piece) and issues the collectives (``LinkProfile.issue_ms`` of a piece's bytes:
-the calibrated compute time one collective costs its caller, ``issue_us`` a
-piece plus bytes / ``issue_gbps``); the link moves them one at a time in issue
-order (bytes/k x ring factor / bandwidth), each no sooner than its latency
-after its issue: a piece's latency runs while the pieces before it still move
-(gloo works on two collectives of a group at once), so more pieces cost the
-link their bytes only. Order,
-as emitted: source 0; then for each piece i: source i+1, wait and compute i,
-sink i, wait for sink i-1; wait for the last sink. A pipeline fed by an
-earlier one (``Plan.link``) has its first source issued while the feeder
-still computes: it is on the link when the pipeline starts, its issue paid
-by the feeder (the link's time is still the pipeline's: a chain of pipelines
-moves every piece's bytes). With 1 piece nothing feeds it.
+its roofline part divided by k, its fixed per-op cost paid once a piece) and
+issues the collectives (``issue_ms`` of a piece's bytes: the calibrated compute
+time one collective costs its caller); the link moves them in issue order, each
+ending at ``link.end_ms(issue, link free, latency, transfer of bytes/k)``: on a
+link whose latency overlaps earlier transfers, more pieces cost the link their
+bytes only. Order, as emitted: source 0; then for each piece i: source i+1,
+wait and compute i, sink i, wait for sink i-1; wait for the last sink. A
+pipeline fed by an earlier one (``Plan.link``) has its first source issued
+while the feeder still computes: it is on the link when the pipeline starts,
+its issue paid by the feeder (the link's time is still the pipeline's: a chain
+of pipelines moves every piece's bytes). With 1 piece nothing feeds it.
 """
 from __future__ import annotations
 
-from overlapc import costmodel
-from overlapc.collectives import collective_op
+from overlapc.collectives import collective_op, op_kind
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.plan import Plan
 
 CANDIDATES = (1, 2, 4, 8)
-_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-          "all_to_all_single": "all_to_all"}
 
 
-def _comm_ms(start, k: int, link: costmodel.LinkProfile, world: int) -> tuple[float, float, float]:
-    """One of ``k`` pieces of collective ``start``: (its latency; the link's time for
-    its share of the full bytes; the compute stream's time to issue it)."""
-    kind = _KINDS[collective_op(start)]
+def _comm_ms(start, k: int, link, world: int) -> tuple[float, float, float]:
+    """One of ``k`` pieces of collective ``start`` on ``link`` (a ``prof.link_for`` result):
+    (its latency; the link's time for its share of the full bytes; the compute stream's
+    time to issue it)."""
+    kind = op_kind(collective_op(start))
     full = L.val(start if kind == "all_gather" else start.args[0])
-    gbps, latency_us = link.for_kind(kind)
     nbytes = full.numel() * full.element_size() / k
-    return (latency_us * 1e-3, nbytes * costmodel.ring_factor(kind, world) / (gbps * 1e9) * 1e3,
-            link.issue_ms(nbytes))
+    return link.latency_ms(kind), link.transfer_ms(kind, nbytes, world), link.issue_ms(nbytes)
 
 
-def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
+def pipeline_ms(plan: Plan, k: int, prof) -> float:
     """Estimated time from the pipeline's first start to its last wait with ``k`` pieces."""
-    device, link = profile.device, profile.link_for(plan.group)
-    fixed = device.kernel_us * 1e-3
+    link, fixed = prof.link_for(plan.group), prof.fixed_ms()
     nodes = [*plan.region, *(plan.link.bridge if plan.link is not None else ())]
     piece = 0.0
     for node in nodes:
-        ms = costmodel.compute_ms(node, device)
+        ms = prof.compute_ms(node)
         if ms > 0:
             piece += (ms - fixed) / k + fixed
     source = _comm_ms(plan.source, k, link, plan.world) if plan.source is not None else None
@@ -61,7 +59,7 @@ def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
     def issue_on_link(comm: tuple[float, float, float]) -> float:
         nonlocal t, busy
         latency, transfer, issue = comm
-        busy = max(t + latency, busy) + transfer
+        busy = link.end_ms(t, busy, latency, transfer)
         t += issue
         return busy
 
@@ -81,11 +79,6 @@ def pipeline_ms(plan: Plan, k: int, profile: costmodel.Profile) -> float:
     return t
 
 
-def compute_ms(nodes, profile: costmodel.Profile) -> float:
-    """Estimated time of ``nodes`` on their full rows (one piece): a bridge's compute."""
-    return sum(costmodel.compute_ms(n, profile.device) for n in nodes)
-
-
 def fastest(estimates) -> int:
     """The count of least estimate among (k, ms) pairs; ties (within 1e-9) to the
     most pieces. A tie is a pipeline whose compute hides its communication at
@@ -97,11 +90,11 @@ def fastest(estimates) -> int:
     return max(k for k, ms in estimates if ms <= least * (1 + 1e-9))
 
 
-def choose(plans: dict[int, Plan], profile: costmodel.Profile) -> tuple[int, tuple[tuple[int, float], ...]]:
+def choose(plans: dict[int, Plan], prof) -> tuple[int, tuple[tuple[int, float], ...]]:
     """The piece count ``fastest`` among ``plans`` (k -> the Plan for k pieces) and
     1 (the pattern left as it is, estimated on the smallest plan); and every
     candidate's estimate in ms, by k."""
     base = plans[min(plans)]
-    estimates = [(1, pipeline_ms(base, 1, profile))]
-    estimates += [(k, pipeline_ms(plan, k, profile)) for k, plan in sorted(plans.items())]
+    estimates = [(1, pipeline_ms(base, 1, prof))]
+    estimates += [(k, pipeline_ms(plan, k, prof)) for k, plan in sorted(plans.items())]
     return fastest(estimates), tuple(estimates)
