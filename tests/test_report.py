@@ -358,6 +358,12 @@ def chained(group):
     return fn
 
 
+def reduce_under_a_peak(x, w):
+    """A reduce-scatter whose input, held in flight, would raise the peak the temporary sets."""
+    shard = F.reduce_scatter_tensor(torch.tanh(x @ w), "sum", 8, "0")
+    return x + x.repeat(64, 1).sum(0), F.wait_tensor(shard)
+
+
 def test_each_recorded_reason_arises_and_the_rows_show_it(fake_pg, two_groups):
     from overlapc.passes import sink_waits
     from overlapc.passes.scheduler import REASONS
@@ -376,6 +382,7 @@ def test_each_recorded_reason_arises_and_the_rows_show_it(fake_pg, two_groups):
         (reduce_into_barrier, [(8, 8), (1, 8)], {}, {"before barrier"}),
         (chained(two_groups[0].group_name), [(8, 8)], {}, {"chain point", "before chained start"}),
         (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], "sink", {"not moved"}),
+        (reduce_under_a_peak, [(16, 16), (16, 16)], {"max_in_flight_bytes": "serial-peak"}, {"no headroom"}),
     ]
     seen = set()
     for fn, shapes, how, expected in cases:
