@@ -39,7 +39,7 @@ class Budget:
         flight (all groups) fits the headroom at every spine node from here to
         its wait's target (``fits_headroom``); None: ``max_bytes`` alone.
     within_peak: the "serial-peak" byte budget: the headroom alone bounds the
-        bytes in flight (``max_bytes`` is empty): a collective goes ahead only
+        bytes in flight (``max_bytes`` holds no number): a collective goes ahead only
         where everything in flight fits it; one other than an all-gather that
         does not fit is waited right after its start, an all-gather that does
         not fit is issued right before its wait; the invariant check compares

@@ -107,7 +107,8 @@ def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
     groups = sorted({c.group for c in collectives})
     headroom, within_peak = None, cfg.max_in_flight_bytes == "serial-peak"
     if cfg.max_in_flight_bytes in ("auto", "serial-peak"):
-        max_bytes: dict[str, int | None] = {} if within_peak else dict(auto_budget(collectives, held))
+        max_bytes: dict[str, int | None] = {group: None for group in groups} if within_peak \
+            else dict(auto_budget(collectives, held))
         headroom = Headroom(s, invariants.serial_order(s, asap=True), segments=within_peak) if collectives else None
     else:
         max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
