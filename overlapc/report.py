@@ -415,9 +415,11 @@ def in_flight_text(summary: dict) -> str:
 
 
 def rewrites(gm: fx.GraphModule) -> list[dict]:
-    """What merging, bucketing and chunking did to ``gm`` (their records in ``gm.meta``),
-    as plain dicts with a "rewrite" key ("identical", "bucket" or "chunk") first."""
-    found = [{"rewrite": "identical", "members": list(names)} for names in meta.notes(gm, meta.DUPLICATES)]
+    """What keep-or-regather, merging, bucketing and chunking did to ``gm`` (their records
+    in ``gm.meta``), as plain dicts with a "rewrite" key ("regather", "identical", "bucket"
+    or "chunk") first."""
+    found = [{"rewrite": "regather", **dataclasses.asdict(r)} for r in meta.notes(gm, meta.REGATHER)]
+    found += [{"rewrite": "identical", "members": list(names)} for names in meta.notes(gm, meta.DUPLICATES)]
     for key, label in ((meta.BUCKETS, "bucket"), (meta.CHUNKS, "chunk")):
         for record in meta.notes(gm, key):
             found.append({"rewrite": label, **dataclasses.asdict(record)})
@@ -435,11 +437,18 @@ def rewrites_text(summary: dict, compact: bool = False) -> str:
     same = sum(len(r["members"]) - 1 for r in records if r["rewrite"] == "identical")
     split = sum(len(r["pieces"]) - len(r["starts"]) for r in records if r["rewrite"] == "chunk" and r["applied"])
     buckets = sum(r["rewrite"] == "bucket" for r in records)
-    lines = [f"collectives {summary['collectives'] + same + merged - split} -> {summary['collectives']}: "
+    dropped = sum(len(r["regathers"]) for r in records if r["rewrite"] == "regather" and r["kept"])
+    lines = [f"collectives {summary['collectives'] + same + merged - split + dropped} -> {summary['collectives']}: "
+             + (f"{dropped} backward re-gathers dropped, " if dropped else "")
              + (f"{same} identical merged away, " if same else "")
              + f"{merged + buckets} merged into {buckets} buckets, {split} pieces added by chunking"]
     for r in records:
-        if r["rewrite"] == "identical":
+        if r["rewrite"] == "regather":
+            what = f"forward gathers kept for the backward ({_size(r['nbytes'])}), " \
+                   f"{len(r['regathers'])} re-gathers dropped" if r["kept"] else \
+                "re-gathered (keeping its gathers would raise the peak)"
+            lines.append(f"regather {r['block'] or '?'}: {what}")
+        elif r["rewrite"] == "identical":
             lines.append(f"identical {' = '.join(r['members'])}: one collective, {r['members'][0]}")
         elif r["rewrite"] == "chunk":
             state = f"split into {r['chunks']}: {', '.join(r['pieces'])}" if r["applied"] \

@@ -173,3 +173,14 @@ def test_bad_regather_values_are_refused(bad):
     import overlapc
     with pytest.raises(ValueError, match=r"OverlapConfig.regather must be one of \('always', 'auto'\)"):
         overlapc.OverlapConfig(regather=bad)
+
+
+def test_the_report_says_which_blocks_were_kept(fake_pg):
+    from overlapc import report
+    gm = _schedule(traced(early_peak=True, loss_peak=False))
+    records = report.rewrites(gm)
+    text = report.rewrites_text({"rewrites": records, "collectives": 3})
+    lines = text.splitlines()
+    assert lines[0].startswith("collectives 4 -> 3: 1 backward re-gathers dropped"), lines
+    assert "regather layers.1: forward gathers kept for the backward (16.0KiB), 1 re-gathers dropped" in lines
+    assert "regather layers.0: re-gathered (keeping its gathers would raise the peak)" in lines
