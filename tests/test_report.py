@@ -498,6 +498,14 @@ def test_a_cpu_gloo_run_estimates_with_the_cpu_profile_and_says_so():
     assert costmodel.default_for("cuda", "nccl") == costmodel.default_for("cuda", "gloo") == costmodel.DEFAULT
 
 
+def gathered_in_reverse(x, w0, w1, w2):
+    """Every all-gather issued up front, the last layer's first (lightning-thunder #277)."""
+    started = [F.all_gather_into_tensor(w, 8, "0") for w in (w2, w1, w0)][::-1]
+    for full in [F.wait_tensor(s) for s in started]:
+        x = torch.relu(torch.mm(x, full.t()))
+    return x
+
+
 def test_the_report_from_the_schedules_structure_equals_one_built_on_the_scheduled_graph(fake_pg, two_groups,
                                                                                             monkeypatch, caplog):
     """overlapc.schedule builds one Structure per graph (the one the core schedules with,
@@ -519,7 +527,8 @@ def test_the_report_from_the_schedules_structure_equals_one_built_on_the_schedul
              (three_layers, layers, {"max_in_flight_bytes": 8 * 8 * 4 + 8 * 4}),
              (three_layers, layers, {"bucket": "auto", "max_in_flight_bytes": "auto"}),
              (consumer_order, [(8, 8), (1, 8)], {}), (two_reduces_out, [(8, 8), (8, 8)], {"max_in_flight": 1}),
-             (reduce_into_barrier, [(8, 8), (1, 8)], {}), (chained(two_groups[0].group_name), [(8, 8)], {})]
+             (reduce_into_barrier, [(8, 8), (1, 8)], {}), (chained(two_groups[0].group_name), [(8, 8)], {}),
+             (gathered_in_reverse, [(4, 16), (2, 16), (2, 16), (2, 16)], {"max_in_flight": 1})]
     for fn, shapes, options in cases:
         gm = make_fx(fn)(*(torch.randn(s) for s in shapes))
         cfg = overlapc.OverlapConfig(**{"max_in_flight_bytes": None, "bucket": None, **options}, on_error="raise",
