@@ -116,18 +116,36 @@ def test_all_gathers_of_uneven_shapes_become_one_with_identical_values(fake_pg):
 VIEWS = (torch.ops.aten.view.default, torch.ops.aten.t.default, torch.ops.aten.slice.Tensor)
 
 
-def test_each_copy_out_stands_just_before_its_first_consumer(fake_pg):
+def _first_real_reader(nodes, produced):
+    """The first node after ``produced`` that is not a view and reads it (through views)."""
+    views = {produced}
+    for node in nodes[nodes.index(produced) + 1:]:
+        if node.target not in VIEWS:
+            return node if views & set(node.all_input_nodes) else None
+        views.update([node] if node.all_input_nodes[0] in views else [])
+    return None
+
+
+def test_members_are_copied_out_together_before_the_first_consumer(fake_pg):
+    """One cat copies every member that is not a graph output out of the gathered rows,
+    member-major, just before the bucket's first consumer (Inductor makes one kernel of
+    it); each such member's result is a view of it. g4, a graph output, gets a copy of its
+    own just before its own first consumer, so no other member's bytes live on with it."""
     _, gm, _ = bucketed(uneven_gathers, (4, 16), (2, 16), (2,), (1, 16, 2), (3, 16))
     nodes = list(gm.graph.nodes)
+    wait_node = next(n for n in nodes if n.target == F.wait_tensor.default)
     copies = [n for n in nodes if n.target == torch.ops.aten.clone.default]
     assert len(copies) == 5
-    for copy_out in copies:
-        views = {copy_out}
-        for node in nodes[nodes.index(copy_out) + 1:]:
-            if node.target not in VIEWS:     # the first real op after the copy reads it
-                assert views & set(node.all_input_nodes), (copy_out.name, node.name)
-                break
-            views.update([node] if node.all_input_nodes[0] in views else [])
+    together = [n for n in nodes if n.target == torch.ops.aten.cat.default and nodes.index(n) > nodes.index(wait_node)]
+    assert len(together) == 1
+    joined = together[0]
+    assert len(joined.args[0]) == 4
+    assert _first_real_reader(nodes, joined) is not None   # nothing but views between it and its first reader
+    own, = [c for c in copies if not any(u is joined for v in c.users for u in v.users)]
+    assert _first_real_reader(nodes, own) is not None
+    out = next(n for n in nodes if n.op == "output")
+    assert any(own in v.all_input_nodes for v in out.args[0])   # g4 = view(own copy)
+    assert joined.meta["val"].numel() == WORLD * (32 + 2 + 32 + 32)
 
 
 def casts_and_transposes(x, a, b, c, d):
