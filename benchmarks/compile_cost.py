@@ -16,7 +16,12 @@ between the two is what bypassing that cache costs); each also as
 ``<name>+sac_hash``, with overlapc.fsdp's selective-checkpoint context given the
 ``cache_hash`` AOTAutograd needs to cache its graphs at all. Variants are interleaved
 within each round, rotated between rounds; medians over rounds, and ratios
-against Inductor's median from the same run.
+against Inductor's median from the same run, and the median over rounds of
+each round's ratio (which cancels the load's drift between rounds). A first
+step is measured as wall time (the slower rank) and as CPU seconds (user +
+system of the busier rank and of the C++ compiler processes Inductor ran for
+it): on a shared, loaded machine the wall time mostly measures the load, the
+CPU seconds much less so.
 
 Time split (rank 0, seconds), from torch._dynamo.utils.compile_times() and
 overlapc's own functions timed in the ranks:
@@ -119,7 +124,9 @@ def _job(rank, world_size, model_name, variant, cache_dir):
     if backend == "overlapc":
         import overlapc.backend
         from overlapc import rankcheck
-        _timed(overlapc.backend, "schedule", ours, "pass")
+        # the function the backend calls for the pass (renamed schedule -> schedule_graph)
+        _timed(overlapc.backend, "schedule_graph" if hasattr(overlapc.backend, "schedule_graph") else "schedule",
+               ours, "pass")
         _timed(rankcheck, "check", ours, "rankcheck")
     bypass = _Reasons()
     logging.getLogger("torch._functorch._aot_autograd.autograd_cache").addHandler(bypass)
@@ -127,19 +134,29 @@ def _job(rank, world_size, model_name, variant, cache_dir):
     model, (tokens,) = llama.build(**MODELS[model_name])
     compiled = torch.compile(model, backend=backend, options=options)
     dist.barrier()
-    times, snapshots = [], []
+    times, snapshots, cpu = [], [], []
     for _ in range(2):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), _cpu_seconds()
         loss = compiled(tokens).float().pow(2).mean()
         snapshots.append((_compile_seconds(), dict(ours)))   # the forward's compile ends here
         loss.backward()
         times.append(time.perf_counter() - start)
+        cpu.append(_cpu_seconds() - cpu_start)
     dist.barrier()
     counters = {group: dict(torch._dynamo.utils.counters[group]) for group in ("inductor", "aot_autograd")}
     from torch._inductor import metrics
-    return dict(first_s=times[0], second_s=times[1], forward=snapshots[0], kernels=metrics.generated_kernel_count,
+    return dict(first_s=times[0], second_s=times[1], first_cpu_s=cpu[0], forward=snapshots[0], kernels=metrics.generated_kernel_count,
                 total=(_compile_seconds(), dict(ours)), aot_bypass=sorted(set(bypass.reasons)),
                 cache={k: v for group in counters.values() for k, v in group.items() if "cache" in k})
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children (the C++
+    compiler Inductor runs): what a compile costs, less dependent on the machine's load
+    than wall time."""
+    import resource
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 class _Reasons(logging.Handler):
@@ -173,39 +190,53 @@ def _run(model_name: str, variant: str, cache_dir: str, timeout: float) -> dict:
     ranks = launch.run(_job, world_size=2, args=(model_name, variant, cache_dir), timeout=timeout, gloo=False)
     slowest = max(ranks, key=lambda r: r["first_s"])
     return dict(first_s=slowest["first_s"], second_s=max(r["second_s"] for r in ranks),
+                first_cpu_s=max(r["first_cpu_s"] for r in ranks),
                 split=_split(ranks[0]), cache=ranks[0]["cache"], aot_bypass=ranks[0]["aot_bypass"], load1=load,
                 kernels=ranks[0].get("kernels"))
 
 
-def _table(results: dict, variants: list[str]) -> str:
-    lines = [f"{'model':6} {'variant':26} {'phase':5} {'median s':>9} {'x inductor':>10}  "
-             f"{'dynamo':>7} {'aot':>7} {'passes':>7} {'check':>7} {'inductor':>8}  runs (s)"]
+def _ratios(runs: list[dict], base: list[dict], key: str) -> float:
+    """Median over rounds of run / Inductor's run of the same round (cancels the load's drift
+    between rounds better than a ratio of medians)."""
+    return statistics.median(r[key] / b[key] for r, b in zip(runs, base))
+
+
+def _rows(results: dict, variants: list[str]):
+    """(model, phase, variant, runs, stats) for every cell; stats: wall and CPU medians, their
+    ratios to Inductor's medians, the median of per-round wall and CPU ratios, split medians."""
     for model_name, per_variant in results.items():
         for phase in ("cold", "warm"):
-            base = statistics.median(r["first_s"] for r in per_variant["inductor"][phase]) \
-                if "inductor" in per_variant else None
+            base = per_variant["inductor"][phase]
             for variant in variants:
                 runs = per_variant[variant][phase]
-                median = statistics.median(r["first_s"] for r in runs)
-                split = {p: statistics.median(r["split"][p] for r in runs) for p in PHASES}
-                ratio = f"{median / base:.2f}x" if base else "-"
-                each = ", ".join(f"{r['first_s']:.0f}" for r in runs)
-                lines.append(f"{model_name:6} {variant:26} {phase:5} {median:9.1f} {ratio:>10}  "
-                             f"{split['dynamo']:7.1f} {split['aot']:7.1f} {split['passes']:7.2f} {split['check']:7.2f} "
-                             f"{split['inductor']:8.1f}  {each}")
+                wall, cpu = (statistics.median(r[k] for r in runs) for k in ("first_s", "first_cpu_s"))
+                stats = dict(median_s=round(wall, 2), ratio_to_inductor=round(wall / _median(base, "first_s"), 3),
+                             round_ratio=round(_ratios(runs, base, "first_s"), 3), cpu_s=round(cpu, 2),
+                             cpu_ratio=round(cpu / _median(base, "first_cpu_s"), 3),
+                             cpu_round_ratio=round(_ratios(runs, base, "first_cpu_s"), 3),
+                             split={p: round(statistics.median(r["split"][p] for r in runs), 2) for p in PHASES})
+                yield model_name, phase, variant, runs, stats
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _table(results: dict, variants: list[str]) -> str:
+    lines = [f"{'model':6} {'variant':26} {'phase':5} {'wall s':>7} {'x ind':>6} {'rnd x':>6} {'cpu s':>7} "
+             f"{'x ind':>6} {'rnd x':>6}  {'dynamo':>6} {'aot':>6} {'passes':>6} {'check':>6} {'inductor':>8}  "
+             f"runs wall (s)"]
+    for model_name, phase, variant, runs, st in _rows(results, variants):
+        split, each = st["split"], ", ".join(f"{r['first_s']:.0f}" for r in runs)
+        lines.append(f"{model_name:6} {variant:26} {phase:5} {st['median_s']:7.1f} {st['ratio_to_inductor']:6.2f} "
+                     f"{st['round_ratio']:6.2f} {st['cpu_s']:7.1f} {st['cpu_ratio']:6.2f} {st['cpu_round_ratio']:6.2f}  "
+                     f"{split['dynamo']:6.1f} {split['aot']:6.1f} {split['passes']:6.2f} {split['check']:6.2f} "
+                     f"{split['inductor']:8.1f}  {each}")
     return "\n".join(lines)
 
 
 def _summary(results: dict, variants: list[str]) -> dict:
-    out = {}
-    for model_name, per_variant in results.items():
-        for phase in ("cold", "warm"):
-            base = statistics.median(r["first_s"] for r in per_variant["inductor"][phase])
-            for variant in variants:
-                median = statistics.median(r["first_s"] for r in per_variant[variant][phase])
-                out[f"{model_name}/{variant}/{phase}"] = dict(median_s=round(median, 2),
-                                                              ratio_to_inductor=round(median / base, 3))
-    return out
+    return {f"{model_name}/{variant}/{phase}": stats for model_name, phase, variant, _, stats in _rows(results, variants)}
 
 
 def main(argv: list[str]) -> int:
