@@ -166,19 +166,20 @@ def _paced_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -
 
 def measure_compute(device: torch.device, quick: bool = False) -> dict:
     """{"tflops", "mem_gbps", "matmul": {...}, "copy": {...}}: achieved rates of one square fp32
-    matmul (2 n^3 FLOPs) and of copying a large buffer (2 x its bytes). Medians."""
+    matmul (2 n^3 FLOPs) and of copying a large buffer (2 x its bytes), each the fastest of paced
+    runs (``_paced_ms``)."""
     sync = _sync(device)
     n = 512 if quick else (1024 if device.type == "cpu" else 8192)
     repeats = 15 if quick else 25   # cheap; the copy rate moved 11-23 GB/s over runs with 3
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     torch.mm(a, b)
-    mm_ms = _median_ms(lambda: torch.mm(a, b), repeats, sync)
+    mm_ms = _paced_ms(lambda: torch.mm(a, b), repeats, sync)
     numel = (8 << 20 if quick else 32 << 20) // 4 * (1 if device.type == "cpu" else 16)
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copy_ms = _median_ms(lambda: dst.copy_(src), repeats, sync)
+    copy_ms = _paced_ms(lambda: dst.copy_(src), repeats, sync)
     moved = 2 * src.numel() * src.element_size()
     return {"tflops": 2 * n ** 3 / (mm_ms * 1e-3) / 1e12, "mem_gbps": moved / (copy_ms * 1e-3) / 1e9,
             "matmul": {"n": n, "dtype": "float32", "ms": mm_ms}, "copy": {"bytes": moved, "ms": copy_ms}}
@@ -245,7 +246,7 @@ class _GraphCost(torch._inductor.custom_graph_pass.CustomGraphPass):
 
 REFERENCES = {   # measure_reference's blocks per device type: fixed costs dominate the first, the roofline the second
     "cpu": ({"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32},
-            {"width": 256, "heads": 4, "ffn": 1024, "batch": 4, "seq": 256}),
+            {"width": 256, "heads": 4, "ffn": 1024, "batch": 4, "seq": 32}),   # ~10 ms a step: one burst
     "cuda": ({"width": 128, "heads": 4, "ffn": 512, "batch": 4, "seq": 32},
              {"width": 1024, "heads": 16, "ffn": 4096, "batch": 8, "seq": 1024}),
 }
@@ -331,7 +332,7 @@ def measure_reference(device: torch.device, compute: dict, step: dict, quick: bo
     by it are the rates compiled code reaches) and ``kernel_us``, the fixed cost per node.
     ``step_us``: profiled, the first block's step outside its graphs less its parameters x
     ``param_us``; else ``step``'s. ``grouped``: every rank of the default group calls this."""
-    steps = (27, 9) if quick else (45, 15)   # the small block is cheap: more steps, a steadier fixed cost
+    steps = (27, 15) if quick else (45, 25)   # the small block is cheap: more steps, a steadier fixed cost
     blocks = [_reference_block(device, compute, step, sizes, count, profiled, grouped)
               for sizes, count in zip(REFERENCES.get(device.type, REFERENCES["cpu"]), steps)]
     factor, kernel_us = fit_compute(blocks)
