@@ -374,16 +374,14 @@ ISSUE_SLOTS = 8                      # slots of matmuls per timed block, a colle
 ISSUE_REPEATS = 11                   # samples per point of measure_issue (quick)
 SLOT_MS = 2.0                        # a slot's compute at least (and 1.5x the collective's sweep time)
 BLOCKS = ("compute", "overlapped", "serial", "pair")
-BURST_MS, PAUSE_MS = 0.5, 0.2         # measure_issue's compute: bursts of 0.5 ms, 0.2 ms pauses
 
 
-def _slot_block(start, per_slot: int, burst: int, a, b, sync, calls: list[float]):
+def _slot_block(start, per_slot: int, a, b, sync, calls: list[float]):
     """A callable timing one block of ``ISSUE_SLOTS`` slots of ``per_slot`` matmuls (ms) in one of
     ``BLOCKS``' ways: compute alone; "overlapped": a collective started before each slot and
     waited after it; "serial": started and waited at once before each slot; "pair": two started
-    and both waited before each slot. Every ``burst`` matmuls the thread pauses ``PAUSE_MS``, in
-    every way alike (a training step computes in bursts between waits: ``_paced_ms``). Mean
-    start call times (us) of overlapped blocks go to ``calls``."""
+    and both waited before each slot. Mean start call times (us) of overlapped blocks go to
+    ``calls``."""
     import torch.distributed as dist
     wait = torch.ops._c10d_functional.wait_tensor
 
@@ -403,10 +401,8 @@ def _slot_block(start, per_slot: int, burst: int, a, b, sync, calls: list[float]
                 first, second = start(), start()
                 wait(first)
                 wait(second)
-            for done in range(1, per_slot + 1):
+            for _ in range(per_slot):
                 torch.mm(a, b)
-                if done % burst == 0:
-                    time.sleep(PAUSE_MS * 1e-3)
             if work is not None:
                 sync()
                 wait(work)
@@ -423,7 +419,7 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     of ``ISSUE_SLOTS`` slots of 256^2 matmuls (each slot at least ``SLOT_MS`` and 1.5x the
     collective's sweep time, ``collectives``) are timed in the four ways of ``BLOCKS``, one
     after the other, the samples of every (kind, size) interleaved (``interleaved``); less the
-    compute-only block, per slot (the compute in bursts, ``_slot_block``): us (overlapped: the issuing thread's whole cost of a
+    compute-only block, per slot: us (overlapped: the issuing thread's whole cost of a
     collective that compute covers, its wait included), serial us (waited at once: what a
     collective costs where nothing overlaps it, in the middle of compute as in a training step;
     on 2 gloo ranks 3x the back-to-back sweep's time), pair us (two at once, waited at once);
@@ -450,8 +446,7 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
         torch.ops._c10d_functional.wait_tensor(start())
         slot_ms = max(SLOT_MS, 1.5 * _interpolate(collectives[kind], nbytes))
         calls: list[float] = []   # this point's start calls, us per call, per overlapped block
-        block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1),
-                            max(1, int(BURST_MS / float(mm_ms.item()))), a, b, sync, calls)
+        block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1), a, b, sync, calls)
         block("overlapped")
         calls.clear()
         # every way of a sample timed back to back, so drifts in the machine's load hit all alike
