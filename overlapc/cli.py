@@ -8,8 +8,9 @@ meshes and shard the model (``overlapc.fsdp.shard``). The CLI then runs one
 forward and backward through ``overlapc.backend.capture`` and works on the
 scheduled graphs ("fw_0", "bw_0", ...; ``--graph fw|bw|all`` selects). The
 schedule's options are ``--max-in-flight K|none``,
-``--max-in-flight-bytes B|auto|none`` (B may end in KiB, MiB or GiB),
-``--bucket auto|module|B|none`` and ``--chunks N|auto``. The estimates
+``--max-in-flight-bytes B|auto|serial-peak|none`` (B may end in KiB, MiB or
+GiB), ``--bucket auto|module|B|none``, ``--chunks N|auto`` and
+``--regather always|auto``. The estimates
 use ``--profile NAME|FILE`` (a built-in "device:link" name or a file written
 by ``overlapc calibrate``), else ``--device``/``--link`` (default h100 and
 nvlink: a plan for that machine, not a measurement of this one), with any of
@@ -61,8 +62,9 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
 
     {"schema": "overlapc.cli.report/1",
      "target": "examples/mlp.py:build", "world_size": 8, "rank": 0,
-     "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | null,
-                "bucket": "auto" | "module" | int | null, "chunks": int | "auto", "enabled": bool},
+     "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | "serial-peak" | null,
+                "bucket": "auto" | "module" | int | null, "chunks": int | "auto",
+                "regather": "always" | "auto", "enabled": bool},
      "profile": {"device": {"name", "tflops", "mem_gbps"},
                  "link": {"name", "gbps", "latency_us", "per_kind": [[kind, gbps, latency_us], ...]},
                  "name": "h100:nvlink" | profile file path, "source": where the numbers came from},
@@ -156,6 +158,15 @@ def _byte_limit(words: tuple[str, ...]):
     return parse
 
 
+def _regather(text: str) -> str:
+    """--regather: 'always' or 'auto' (OverlapConfig.regather)."""
+    forms = "'always' or 'auto'"
+    word = _word(text, ("always", "auto"), forms)
+    if word is None:
+        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
+    return word
+
+
 def _chunks(text: str) -> int | str:
     """--chunks: an int >= 1 (1 = off) or 'auto'."""
     forms = "an int >= 1 (1 = off) or 'auto'"
@@ -217,10 +228,14 @@ def _common_options() -> argparse.ArgumentParser:
                         help="which graphs: forward, backward or all (default all)")
     common.add_argument("--max-in-flight", type=_count, default=argparse.SUPPRESS, metavar="K|none",
                         help="collectives of one group and kind in flight, at most (default 3, OverlapConfig's)")
-    common.add_argument("--max-in-flight-bytes", type=_byte_limit(("auto", "none")), default=argparse.SUPPRESS,
-                        metavar="B|auto|none",
+    common.add_argument("--max-in-flight-bytes", type=_byte_limit(("auto", "serial-peak", "none")),
+                        default=argparse.SUPPRESS, metavar="B|auto|serial-peak|none",
                         help="bytes held in flight per group, at most, e.g. 64MiB (default auto: twice the "
-                        "group's largest collective, more where memory allows)")
+                        "group's largest collective, more where memory allows; serial-peak: only what fits "
+                        "under the serial order's peak)")
+    common.add_argument("--regather", type=_regather, default=argparse.SUPPRESS, metavar="always|auto",
+                        help="joint forward+backward graphs: re-gather every parameter in the backward "
+                        "(always, the default) or keep a block's forward gathers where the peak allows (auto)")
     common.add_argument("--bucket", type=_byte_limit(("auto", "module", "none")), default=argparse.SUPPRESS,
                         metavar="auto|module|B|none",
                         help="merge collectives: up to the largest one (auto, the default), "
@@ -414,8 +429,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"world size must be >= 1, got {args.world_size}")
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"rank {args.rank} is not in [0, {args.world_size})")
-    options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket", "chunks")
-               if hasattr(args, k)}
+    options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket", "chunks",
+                                             "regather") if hasattr(args, k)}
     try:
         cfg = OverlapConfig.from_options(options)
         profile = estimates(args)
@@ -462,7 +477,7 @@ def _run(args: argparse.Namespace) -> int:
                              f"graph{why}")
         header = {"target": args.target, "world_size": args.world_size, "rank": args.rank,
                   "config": {k: getattr(cfg, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket",
-                                                          "chunks", "enabled")},
+                                                          "chunks", "regather", "enabled")},
                   "profile": dataclasses.asdict(profile)}
         if args.command == "dump":
             _dump(records, args.out, profile, say)
@@ -603,7 +618,7 @@ def _report(records, header: dict, profile, fmt: str, wide: bool = False, quiet:
         f"overlapc report {header['target']}: world size {header['world_size']}, rank {header['rank']}",
         f"schedule: max_in_flight={_or_none(config['max_in_flight'])}, "
         f"max_in_flight_bytes={_or_none(config['max_in_flight_bytes'])}, bucket={_or_none(config['bucket'])}, "
-        f"chunks={config['chunks']}"
+        f"chunks={config['chunks']}, regather={config['regather']}"
         + ("" if config["enabled"] else " (disabled: OVERLAPC_DISABLE)"),
         f"profile: {profile.source or profile.name}",
         f"estimates: {device.name} {device.tflops:.3g} TFLOP/s, {device.mem_gbps:.3g} GB/s memory; "

@@ -81,7 +81,7 @@ def test_report_json_schema(capsys):
     assert doc["schema"] == cli.REPORT_SCHEMA
     assert (doc["target"], doc["world_size"], doc["rank"]) == (ALLGATHER, 8, 0)
     assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "auto", "bucket": "auto", "chunks": 1,
-                             "enabled": True}
+                             "regather": "always", "enabled": True}
     assert doc["profile"]["device"]["name"] == "cpu" and doc["profile"]["link"]["name"] == "ethernet"
     assert [g["name"] for g in doc["graphs"]] == ["fw_0", "bw_0"]
     for graph in doc["graphs"]:
@@ -97,7 +97,7 @@ def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     code, out, err = run(capsys, "report", mlp, *WORLD, "--graph", "fw", "--max-in-flight-bytes", "64KiB",
                          "--bucket", "none", "--wide")
     assert code == 0, err
-    assert "schedule: max_in_flight=3, max_in_flight_bytes=65536" in out
+    assert "schedule: max_in_flight=3, max_in_flight_bytes=65536" in out and "regather=always" in out
     assert "fw_0: 12 collectives (h100, nvlink)" in out and "bw_0" not in out
     assert "hidden" in out and "exposed (" in out and "blocks.1.up" in out
     assert "estimated exposed" in out and "peak in flight per group: all_gather" in out and "; step " in out
@@ -347,7 +347,11 @@ def _target_file(tmp_path, text):
      "--bucket: expected 'auto', 'module', 'none' or a byte size >= 1 (e.g. 65536, 64KiB, 16MiB, 1GiB), "
      "got 'modul'; did you mean 'module'?"),
     ("bad byte budget", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "12 MB"],
-     "--max-in-flight-bytes: expected 'auto', 'none' or a byte size >= 1"),
+     "--max-in-flight-bytes: expected 'auto', 'serial-peak', 'none' or a byte size >= 1"),
+    ("misspelt byte mode", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "serial_peek"],
+     "got 'serial_peek'; did you mean 'serial-peak'?"),
+    ("bad regather", lambda t: ["report", ALLGATHER, *WORLD, "--regather", "never"],
+     "--regather: expected 'always' or 'auto', got 'never'"),
     ("bad chunks", lambda t: ["report", ALLGATHER, *WORLD, "--chunks", "0"],
      "--chunks: expected an int >= 1 (1 = off) or 'auto', got '0'"),
     ("misspelt chunks", lambda t: ["report", ALLGATHER, *WORLD, "--chunks", "atuo"],
@@ -484,3 +488,13 @@ def test_report_html_writes_the_schedule_page_beside_the_rows(tmp_path, capsys):
 def test_report_html_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
     code, out, err = run(capsys, "report", ALLGATHER, *WORLD, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and expected in err, err
+
+
+def test_report_takes_every_byte_mode_and_regather(capsys):
+    """The CLI's flags reach every value OverlapConfig accepts for them: the
+    serial-peak byte mode and keep-or-regather's auto."""
+    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--graph", "fw", "--max-in-flight-bytes",
+                         "serial-peak", "--regather", "auto", "--format", "json")
+    assert code == 0, err
+    config = json.loads(out)["config"]
+    assert (config["max_in_flight_bytes"], config["regather"]) == ("serial-peak", "auto")
