@@ -289,10 +289,8 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
         f"step time    overlapc {overlapc_ms:.1f} ms, Inductor {inductor_ms:.1f} ms: overlapc "
         f"{ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} (medians of {len(pairs)} alternating pairs; "
         f"per pair {pair_ratio:.2f}x)",
-        f"estimated    Inductor's order {before:.1f} ms ({before / inductor_ms:.2f}x its measured step), "
-        f"overlapc's {after:.1f} ms ({after / overlapc_ms:.2f}x): gain {before / after:.2f}x, measured {ratio:.2f}x",
-        f"             (the traced graphs in their own order, unbucketed, and overlapc's; graphs + {outside_ms:.1f} ms "
-        f"outside them)",
+        f"estimated    Inductor's order {before:.1f} ms ({before / inductor_ms:.2f}x measured), overlapc's "
+        f"{after:.1f} ms ({after / overlapc_ms:.2f}x): gain {before / after:.2f}x, measured {ratio:.2f}x",
         f"peak memory  original order {_size(peak[0])}, overlapc's order {_size(peak[1])} "
         f"({peak[1] / peak[0]:.3f}x; estimated live bytes of the largest graph)",
         f"exposed comm estimated {sum(b for b, _ in exposed):.1f} -> {sum(a for _, a in exposed):.1f} ms per step "
