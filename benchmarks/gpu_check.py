@@ -15,9 +15,10 @@ time is recorded with its error and the next one runs:
    collectives in flight per kind (<= max_in_flight), every start waited,
    starts with no compute before their wait.
 2. ``memory``: ``torch.cuda.max_memory_allocated`` over a training step (forward,
-   loss, backward) of that scheduled model and of the same model compiled with plain
-   Inductor, interleaved rounds (allocation does not depend on the fake group's
-   missing data movement). Both, and the ratio scheduled / plain.
+   loss, backward) of that scheduled model, of the same model scheduled with
+   ``max_in_flight_bytes="serial-peak"`` and compiled with plain Inductor,
+   interleaved rounds (allocation does not depend on the fake group's missing
+   data movement). Each, and the ratios scheduled / plain.
 3. ``trace``: an MLP whose layers all-gather their weights with functional
    collectives over a real NCCL group of world size 1 (127.0.0.1 TCPStore),
    compiled with backend="overlapc" (``dump_dir``), profiled with
@@ -291,49 +292,79 @@ def part_order(ctx: dict) -> dict:
             "max_in_flight": MAX_IN_FLIGHT, "graphs": graphs}
 
 
+def _plain_inductor(model: torch.nn.Module, reorder_for_peak_memory: bool):
+    """torch.compile with Inductor alone, its peak-memory reordering on or off
+    (off: what overlapc's compiles run with, to tell its share of a gap apart)."""
+    if reorder_for_peak_memory:
+        return torch.compile(model, backend="inductor")
+    return torch.compile(model, backend="inductor", options={"reorder_for_peak_memory": False})
+
+
+# the memory part's variants: name -> how to compile a fresh sharded model
+MEMORY_VARIANTS = {
+    "overlapc": lambda m: overlapc_compile(m, max_in_flight=MAX_IN_FLIGHT),
+    "inductor": lambda m: _plain_inductor(m, True),
+    "overlapc_serial_peak": lambda m: overlapc_compile(m, max_in_flight=MAX_IN_FLIGHT,
+                                                       max_in_flight_bytes="serial-peak"),
+    "overlapc_no_bucket": lambda m: overlapc_compile(m, max_in_flight=MAX_IN_FLIGHT, bucket=None),
+    "inductor_no_memory_reorder": lambda m: _plain_inductor(m, False),
+}
+DEFAULT_MEMORY_VARIANTS = ("overlapc", "inductor", "overlapc_serial_peak")
+
+
 def part_memory(ctx: dict) -> dict:
-    """Peak device memory of a training step: scheduled vs plain Inductor, interleaved rounds."""
+    """Peak device memory of a training step per variant (``ctx["memory_variants"]``,
+    "overlapc" and "inductor" always among them), interleaved rounds; each
+    variant's peak above the step's start and its ratio to plain Inductor's."""
     device = ctx["device"]
     if "scheduled" not in ctx:
         fake_group(8)
         model, tokens = sharded_llama(device, ctx["sizes"])
         ctx["scheduled"] = (model, overlapc_compile(model, max_in_flight=MAX_IN_FLIGHT), tokens)
     model, scheduled, tokens = ctx.pop("scheduled")   # freed with this part
-    plain_model, _ = sharded_llama(device, ctx["sizes"])
-    plain = torch.compile(plain_model, backend="inductor")
-    variants = {"overlapc": (model, scheduled), "inductor": (plain_model, plain)}
-    samples: dict[str, dict[str, list]] = {name: {"peak_bytes": [], "above_start_bytes": [], "step_ms": []}
-                                           for name in variants}
+    variants = {"overlapc": (model, scheduled)}
+    for name in ctx["memory_variants"]:
+        if name not in variants:
+            fresh, _ = sharded_llama(device, ctx["sizes"])
+            variants[name] = (fresh, MEMORY_VARIANTS[name](fresh))
+    samples = {name: {"peak_bytes": [], "above_start_bytes": [], "step_ms": []} for name in variants}
     for name, (module, compiled) in variants.items():   # compile and warm up
         train_step(compiled, tokens)
         module.zero_grad(set_to_none=True)
     _sync(device)
     for _ in range(3 if ctx["dry_run"] else 5):
         for name, (module, compiled) in variants.items():
-            module.zero_grad(set_to_none=True)
-            _sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                start = torch.cuda.memory_allocated()
-            begin = time.perf_counter()
-            train_step(compiled, tokens)
-            _sync(device)
-            samples[name]["step_ms"].append((time.perf_counter() - begin) * 1e3)
-            if device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated()
-                samples[name]["peak_bytes"].append(peak)
-                samples[name]["above_start_bytes"].append(peak - start)
+            _measure_step(device, module, compiled, tokens, samples[name])
     result = {"ok": True, "sizes": ctx["sizes"], "max_in_flight": MAX_IN_FLIGHT, "rounds": samples,
               "note": "fake process group: collectives move no data, so step times are compute only"}
     for name in variants:
         result[f"{name}_median_step_ms"] = statistics.median(samples[name]["step_ms"])
     if device.type == "cuda":
         over = {name: max(samples[name]["above_start_bytes"]) for name in variants}
+        result["peak_above_start_bytes"] = over
+        result["ratio_to_inductor"] = {name: over[name] / over["inductor"] for name in over if over["inductor"]}
         result.update(overlapc_peak_above_start_bytes=over["overlapc"], inductor_peak_above_start_bytes=over["inductor"],
-                      ratio=over["overlapc"] / over["inductor"] if over["inductor"] else None)
+                      ratio=result["ratio_to_inductor"].get("overlapc"))
     else:
         result["note"] += "; dry run: no device memory numbers"
     return result
+
+
+def _measure_step(device: torch.device, module, compiled, tokens, rounds: dict[str, list]) -> None:
+    """One training step of ``compiled``: its time and (CUDA) its peak memory, into ``rounds``."""
+    module.zero_grad(set_to_none=True)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    begin = time.perf_counter()
+    train_step(compiled, tokens)
+    _sync(device)
+    rounds["step_ms"].append((time.perf_counter() - begin) * 1e3)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        rounds["peak_bytes"].append(peak)
+        rounds["above_start_bytes"].append(peak - start)
 
 
 class GatheredMLP(torch.nn.Module):
@@ -421,7 +452,8 @@ PARTS = {"order": part_order, "memory": part_memory, "trace": part_trace, "calib
 
 def run_part(name: str, ctx: dict, report: Report, current: dict, deadline: float) -> bool:
     left = deadline - time.monotonic() - 10
-    budget = min(BUDGETS[name] * ctx["budget_scale"], left)
+    variants = len(ctx.get("memory_variants", ())) if name == "memory" else 0
+    budget = min(BUDGETS[name] * ctx["budget_scale"] * max(1.0, variants / len(DEFAULT_MEMORY_VARIANTS)), left)
     current.update(part=name, since=time.monotonic())
     _say(f"part {name} (budget {budget:.0f} s) ...")
     begin = time.monotonic()
@@ -453,8 +485,9 @@ def summary_lines(doc: dict) -> list[str]:
             detail = "; ".join(f"graph {g['graph']}: starts {g['starts']} in flight {g['max_in_flight']}"
                                for g in part["graphs"])
         elif name == "memory" and part.get("ratio") is not None:
-            detail = (f"peak above start: overlapc {part['overlapc_peak_above_start_bytes'] / 2**20:.1f} MiB, "
-                      f"inductor {part['inductor_peak_above_start_bytes'] / 2**20:.1f} MiB, ratio {part['ratio']:.3f}")
+            detail = "peak above start: " + ", ".join(
+                f"{name} {nbytes / 2**20:.1f} MiB ({part['ratio_to_inductor'][name]:.3f}x inductor)"
+                for name, nbytes in part["peak_above_start_bytes"].items())
         elif name == "trace" and "collectives" in part:
             detail = (f"{part['format']} trace, {part['collectives']} collectives "
                       f"({part['matched_to_dump']} matched), nccl kernels: {part['nccl_kernels'][:3]}")
@@ -472,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S,
                         help=f"stop (JSON written) after this many seconds (default {DEADLINE_S})")
+    parser.add_argument("--memory-variants", default=",".join(DEFAULT_MEMORY_VARIANTS),
+                        help=f"the memory part's variants, comma-separated, of {','.join(MEMORY_VARIANTS)} "
+                        "(overlapc and inductor are always measured)")
     parser.add_argument("--no-code", dest="keep_code", action="store_false",
                         help="do not write the order part's wrapper code beside the JSON (<json stem>_code/)")
     args = parser.parse_args(argv)
@@ -480,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"unknown part(s) {unknown}; valid: {', '.join(PARTS)}")
+    memory_variants = list(dict.fromkeys(["overlapc", "inductor", *filter(None, args.memory_variants.split(","))]))
+    if any(v not in MEMORY_VARIANTS for v in memory_variants):
+        parser.error(f"unknown memory variant(s) {[v for v in memory_variants if v not in MEMORY_VARIANTS]}; "
+                     f"valid: {', '.join(MEMORY_VARIANTS)}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --dry-run on a machine without a GPU")
     path = Path(args.json).resolve()
@@ -492,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = {"device": device, "dry_run": args.dry_run, "json": path, "sizes": llama_sizes(args.dry_run),
-           "keep_code": args.keep_code, "budget_scale": 3.0 if args.dry_run else 1.0}
+           "keep_code": args.keep_code, "memory_variants": memory_variants,
+           "budget_scale": 3.0 if args.dry_run else 1.0}
     with tempfile.TemporaryDirectory() as cache:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)   # nothing cached from an earlier run
         passed = [run_part(name, ctx, report, current, deadline) for name in parts]
