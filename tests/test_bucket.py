@@ -682,3 +682,38 @@ def _placeholders_behind(node):
             found.append(current)
         stack.extend(current.all_input_nodes)
     return found
+
+
+def four_projections(x, a, b, c, d):
+    y = x @ wait(ag(a)).permute(1, 0)
+    y = y @ wait(ag(b)).permute(1, 0)
+    y = y @ wait(ag(c)).permute(1, 0)
+    return (y @ wait(ag(d)).permute(1, 0),)   # Inductor compiles graphs that return a tuple
+
+
+def test_inductor_makes_one_kernel_of_a_buckets_copy_out(fake_pg):
+    """Inductor's code for a bucket of four all-gathers read by matmuls (extern calls, no
+    kernel of their own): one kernel copies the shards in, one copies the gathered members
+    out (a copy per member made four; each kernel is compiled code, so they cost compile time)."""
+    import re
+    import types
+    from unittest import mock
+
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.graph import GraphLowering
+
+    _, gm, notes = bucketed(four_projections, (4, 16), (2, 16), (2, 16), (2, 16), (2, 16), bucket=1 << 20)
+    assert len(notes) == 1 and len(notes[0].members) == 4
+    codes = []
+
+    def keep_code(self):   # code generation only: no C++ compile, nothing runs
+        codes.append(self.codegen()[0].value)
+        return types.SimpleNamespace(call=lambda *args, **kwargs: None, __file__="<kept>")
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 16)] + [torch.randn(2, 16) for _ in range(4)]
+    with mock.patch.object(GraphLowering, "compile_to_module", keep_code), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        compile_fx_inner(gm, inputs)
+    code, = codes
+    calls = re.findall(r"^\s+(cpp_fused\w*)\(", code, re.M)
+    assert len(calls) == 2, calls
