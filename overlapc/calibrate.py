@@ -134,15 +134,24 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+def _timed_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None], pause: bool) -> list[float]:
+    """``repeats`` timed runs of ``run`` (ms), the device synced around each; with
+    ``pause``, each followed by a sleep as long as it took."""
     times = []
     for _ in range(repeats):
         sync()
         begin = time.perf_counter()
         run()
         sync()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
+        elapsed = time.perf_counter() - begin
+        times.append(elapsed * 1e3)
+        if pause:
+            time.sleep(elapsed)
+    return times
+
+
+def _median_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    return statistics.median(_timed_ms(run, repeats, sync, pause=False))
 
 
 def _paced_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
@@ -152,16 +161,7 @@ def _paced_ms(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -
     longer per op run back to back (125-235 us) than in bursts with 0.5 ms pauses (35-50 us), and
     the demo's compute between waits ran as fast as on an idle machine. Preemption only adds
     time, so the fastest run is the compute's cost."""
-    times = []
-    for _ in range(repeats):
-        sync()
-        begin = time.perf_counter()
-        run()
-        sync()
-        elapsed = time.perf_counter() - begin
-        times.append(elapsed * 1e3)
-        time.sleep(elapsed)
-    return min(times)
+    return min(_timed_ms(run, repeats, sync, pause=True))
 
 
 def measure_compute(device: torch.device, quick: bool = False) -> dict:

@@ -119,6 +119,7 @@ from typing import Callable
 import torch.fx as fx
 
 from overlapc import costmodel
+from overlapc.collectives import KINDS as COLLECTIVE_KINDS
 from overlapc.collectives import Collective, alias_closure, module_path, real_consumers
 from overlapc.passes import meta
 from overlapc.passes.inflight import replay
@@ -126,7 +127,7 @@ from overlapc.passes.structure import Structure
 from overlapc.simulate import HIDDEN_FRACTION, HIDDEN_MS, Timeline, checked_order, simulate
 
 SCHEMA = "overlapc.report/1"
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+KINDS = tuple(COLLECTIVE_KINDS)   # the order tables list kinds in
 REASONS = ("graph input/output", "data dependency", "in-flight limit", "no compute left")
 REASON_KEY = meta.REASON   # node.meta key where the scheduler records why it placed a start or wait
 
@@ -561,8 +562,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 WIDTH = 120   # columns of the compact text (``format_compact``, ``format_graph`` without ``wide``)
-KIND_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A",
-              "broadcast": "BC"}
+KIND_SHORT = {kind: described.short for kind, described in COLLECTIVE_KINDS.items()}
 
 
 def format_compact(rows: list[Row], width: int = WIDTH) -> str:
