@@ -254,6 +254,8 @@ def _call_barrier_reason(target) -> tuple[str | None, bool]:
             per_node = (namespace in ("aten", "prims") and isinstance(target, torch._ops.OpOverload)
                         and opname not in _RESTRUCTURING_OPS)
             return f"mutating op {namespace}.{opname}", per_node
+        if namespace == "overlapc":
+            return None, False   # the bucket pass's pure copies (passes/bucket_ops.py)
         if namespace not in ("aten", "prims"):
             return f"custom op {namespace}.{opname}", False
         return ("side-effectful op" if is_impure(target, impure_random=False) else None), False

@@ -32,8 +32,11 @@ Contract of ``events``:
   in-place ops, the input. Buffer aliases (``buf2 = buf1``, ``buf2 = buf1[0]``,
   ``reinterpret_tensor(buf1, ...)``) are followed, so a wait, and a read of the
   result, is tied to the start it belongs to (``Event.start``), however
-  Inductor names the buffer. A coalesced collective is open until every one
-  of its outputs has been waited.
+  Inductor names the buffer. A bucket's copy-out (``overlapc.unpack_columns``)
+  is a compute event that reads nothing, and its result stands for the bucket's
+  output: a member's first use is the first read of its copy, as it was when
+  Inductor fused the copy into that reader. A coalesced collective is open until
+  every one of its outputs has been waited.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduc
          "all_reduce": "all_reduce", "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
 _NAMESPACES = ("_c10d_functional", "c10d_functional")
 _VARIANT = re.compile(r"(_coalesced)?(_out)?_?$")
+_COPY_OUT = "torch.ops.overlapc.unpack_columns"   # a bucket's copy-out (passes/bucket_ops.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +153,13 @@ class _Walker:
                 else:
                     self.root.pop(target, None)
             return
+        source = next((self.root[n] for n in _names(value.args[0]) if n in self.root), None) if value.args else None
         for target in targets:
             self.root.pop(target, None)
+        if _dotted(value.func).startswith(_COPY_OUT) and source is not None:
+            self._add("compute", "overlapc.unpack_columns", stmt, where)   # a copy, not a use
+            self.root.update((target, source) for target in targets)
+            return
         self._call(value, targets, stmt, where)
 
     def _partition(self, value: ast.expr) -> str | None:

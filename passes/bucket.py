@@ -33,39 +33,39 @@ holds consecutive members. A bucket closes before a member when
 A bucket of one member stays as it was. Bytes: the all-gather's output, the
 reduce-scatter's and all-reduce's input.
 
-Rewrite. All-gather: each member's input (with the cheap input chain the
-scheduler would move with it, casts included) is flattened (a contiguous copy
-first where it is not contiguous) and ``cat`` into one flat shard; one
+Rewrite. The copies are two operators of ``passes/bucket_ops.py``, which Inductor
+calls as they are instead of generating a kernel per member (a ``cat`` of n
+inputs was n loop nests: the compile time of Llama 8 layers' 490 kernels
+against plain Inductor's 210). All-gather: the members' inputs (with the cheap
+input chain the scheduler would move with it, casts included) are packed end
+to end into one flat shard (``overlapc.pack``, marked
+``meta["overlapc_input_chain"]`` so the scheduler moves it with the start); one
 all-gather and one wait; the result viewed as (world, total). Member i's
 gathered value is its columns [off, off+n) of every row, rank-major as before,
-so values are bit-identical. They are copied out together: one ``cat`` of each
-member's columns (slice, clone, flatten) into a member-major buffer, and each
-member's result a view of its block in the gathered shape (world*s0, *rest).
-Inductor lowers that cat to one kernel per bucket (fused with its neighbours),
-where a copy per member made a kernel per member and raised the compile time
-(Llama 8 layers: 458 kernels instead of 210). A member whose result is a graph
-output gets a copy of its own instead, so that the other members' bytes do not
-live on with it. Every copy-in node is marked ``meta["overlapc_input_chain"]``
-so the scheduler moves it with the start. The bucket and its copy-out stand
-just before the first real consumer of any member's result (its views follow
-it); an own copy just before its member's first real consumer. Memory: the flat
-result and the copy are both live during the copy (twice the bucket, a
-bucket is at most the largest collective under "auto"); the flat result dies
-right after, the copy lives until the last member's consumer, as the flat
-result did when each member was copied at its consumer.
+so values are bit-identical. They are copied out together by one
+``overlapc.unpack_columns`` into a member-major buffer, each member's result a
+view of its block in the gathered shape (world*s0, *rest). A member whose
+result is a graph output gets a copy of its own instead, so that the other
+members' bytes do not live on with it. The bucket and its copy-out stand just
+before the first real consumer of any member's result (its views follow it);
+an own copy just before its member's first real consumer. Memory: the flat
+result and the copy are both live during the copy (twice the bucket, a bucket
+is at most the largest collective under "auto"); the flat result dies right
+after, the copy lives until the last member's consumer, as the flat result did
+when each member was copied at its consumer.
 
-Reduce-scatter: each member's input y_i (world*m_i, *rest) is viewed as
-(world, m_i*prod(rest)) and the views are ``cat`` along dim 1, so that rank
-r's block of the flat buffer is the concatenation of every member's block r;
-one reduce-scatter of the flattened buffer and one wait; member i's result is
-the slice [off, off+m_i*prod(rest)) viewed as (m_i, *rest) (a view, no copy).
-The bucket stands right after the last input it reads is ready.
+Reduce-scatter: each member's input y_i (world*m_i, *rest) is read as
+(world, m_i*prod(rest)) and ``overlapc.pack`` joins them along dim 1, so that
+rank r's block of the flat buffer is the concatenation of every member's block
+r; one reduce-scatter of it and one wait; member i's result is the slice [off,
+off+m_i*prod(rest)) viewed as (m_i, *rest) (a view, no copy). The bucket
+stands right after the last input it reads is ready.
 
-All-reduce (the gradients of a replicated model: in-graph DDP): each member's
-input flattened and ``cat`` into one buffer, one all-reduce and one wait,
-member i's result the slice [off, off+n_i) viewed in its shape (a view). An
-element's reduction is the same sum over the same ranks, so values agree within
-the rounding of the backend's reduction order. Standing like a reduce-scatter bucket.
+All-reduce (the gradients of a replicated model: in-graph DDP): the members'
+inputs packed end to end, one all-reduce and one wait, member i's result the
+slice [off, off+n_i) viewed in its shape (a view). An element's reduction is
+the same sum over the same ranks, so values agree within the rounding of the
+backend's reduction order. Standing like a reduce-scatter bucket.
 
 New nodes carry ``meta["val"]`` (fake tensors computed by the ops themselves)
 and the module stack of a member, so the memory tracker, the cost model and the
@@ -94,7 +94,7 @@ import torch
 import torch.fx as fx
 
 from overlapc.collectives import Collective, module_path, node_value, real_consumers, source_of
-from overlapc.passes import meta
+from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
 
@@ -103,6 +103,7 @@ __all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bu
 log = logging.getLogger("overlapc")
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
+OPS = torch.ops.overlapc   # bucket_ops' copy-in and copy-out
 
 # Byte target where the graph records no module: large enough that per-collective
 # latency stops mattering (on gloo one 10 MiB all-gather took a third of the time
@@ -456,8 +457,8 @@ class _Rewrite:
         first, world = members[0], members[0].c.group_size
         anchor = min(m.target for m in members)
         self._move_input_chains(members, anchor)
-        flat = [self._flat(m, anchor) for m in members]
-        shard = self._new(anchor, aten.cat.default, (flat, 0), like=first.c.start, input_chain=True)
+        shard = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
+                          input_chain=True)
         start = self._new(anchor, F.all_gather_into_tensor.default,
                           (shard, world, _argument(first.c.start, 2, "group_name")),
                           like=first.c.start, name="all_gather_bucket")
@@ -484,11 +485,9 @@ class _Rewrite:
         first, world = members[0], members[0].c.group_size
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        blocks = [self._rank_blocks(m, anchor) for m in members]
-        joined = self._new(anchor, aten.cat.default, (blocks, 1), like=first.c.start, input_chain=True)
-        sizes = [m.value.numel() // world for m in members]
-        flat = self._new(anchor, aten.view.default, (joined, [world * sum(sizes)]), like=first.c.start,
+        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], world), like=first.c.start,
                          input_chain=True)
+        sizes = [m.value.numel() // world for m in members]
         start = self._new(anchor, F.reduce_scatter_tensor.default,
                           (flat, _argument(first.c.start, 1, "reduce_op"), world,
                            _argument(first.c.start, 3, "group_name")),
@@ -504,8 +503,8 @@ class _Rewrite:
         first = members[0]
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        flat = self._new(anchor, aten.cat.default, ([self._flat(m, anchor) for m in members], 0),
-                         like=first.c.start, input_chain=True)
+        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
+                         input_chain=True)
         start = self._new(anchor, F.all_reduce.default,
                           (flat, _argument(first.c.start, 1, "reduce_op"), _argument(first.c.start, 2, "group_name")),
                           like=first.c.start, name="all_reduce_bucket")
@@ -520,22 +519,14 @@ class _Rewrite:
     def _copy_out_together(self, members: list[_Member], rows: fx.Node, offsets: dict, anchor: int) -> None:
         """One copy of ``members``' columns of ``rows`` (world, total) into a member-major
         buffer (member i's (world, n_i) block contiguous), placed before ``anchor``: one
-        ``cat``, which Inductor lowers to one kernel; each member's result is a view of it."""
+        ``overlapc.unpack_columns`` call, no generated kernel; each member's result is a view of it."""
         world = members[0].c.group_size
-        blocks = []
-        for m in members:
-            offset, size = offsets[m.c.start], m.value.numel()
-            columns = self._new(anchor, aten.slice.Tensor, (rows, 1, offset, offset + size), like=m.wait)
-            copy = self._new(anchor, aten.clone.default, (columns,), {"memory_format": torch.contiguous_format},
-                             like=m.wait)
-            blocks.append(self._new(anchor, aten.view.default, (copy, [world * size]), like=m.wait))
-        joined = self._new(anchor, aten.cat.default, (blocks, 0), like=members[0].wait)
-        at = 0
-        for m in members:
-            size = world * m.value.numel()
-            piece = self._new(anchor, aten.slice.Tensor, (joined, 0, at, at + size), like=m.wait)
+        sizes = [m.value.numel() for m in members]
+        joined = self._new(anchor, OPS.unpack_columns.default,
+                           (rows, [offsets[m.c.start] for m in members], sizes), like=members[0].wait)
+        for m, at, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
+            piece = self._new(anchor, aten.slice.Tensor, (joined, 0, world * at, world * (at + size)), like=m.wait)
             self._replace(m, self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait), anchor)
-            at += size
 
     def _reaches_output(self, m: _Member) -> bool:
         """Whether ``m``'s gathered result (or a view of it) is a graph output: it gets a copy of
@@ -566,24 +557,6 @@ class _Rewrite:
             for node in self.s.start_bundle[m.c.start]:
                 if node is not m.c.start:
                     self._place(node, anchor)
-
-    def _flat(self, m: _Member, anchor: int) -> fx.Node:
-        """``m``'s all-gather input as one contiguous row of numel elements."""
-        x = self._contiguous(m, anchor)
-        return self._new(anchor, aten.view.default, (x, [m.value.numel()]), like=m.c.start, input_chain=True)
-
-    def _rank_blocks(self, m: _Member, anchor: int) -> fx.Node:
-        """``m``'s reduce-scatter input (world*m0, *rest) as (world, m0*prod(rest)): row r goes to rank r."""
-        world = m.c.group_size
-        x = self._contiguous(m, anchor)
-        return self._new(anchor, aten.view.default, (x, [world, m.value.numel() // world]), like=m.c.start,
-                         input_chain=True)
-
-    def _contiguous(self, m: _Member, anchor: int) -> fx.Node:
-        if m.value.is_contiguous():
-            return m.input
-        return self._new(anchor, aten.clone.default, (m.input,), {"memory_format": torch.contiguous_format},
-                         like=m.c.start, input_chain=True)
 
     def _replace(self, m: _Member, result: fx.Node, anchor: int) -> None:
         """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now

@@ -107,9 +107,9 @@ def test_all_gathers_of_uneven_shapes_become_one_with_identical_values(fake_pg):
     assert_same_values(original, gm)
     start = next(n for n in gm.graph.nodes if n.name == note.start)
     assert tuple(start.meta["val"].shape) == (WORLD * (32 + 2 + 32 + 48 + 32),)
-    # the copy-in (flatten, cat) travels with the start: the scheduler sees it as its input chain
+    # the copy-in (one pack) travels with the start: the scheduler sees it as its input chain
     bundle = Structure(gm).start_bundle[start]
-    assert [n.target for n in bundle[-2:]] == [torch.ops.aten.cat.default, AG]
+    assert [n.target for n in bundle[-2:]] == [torch.ops.overlapc.pack.default, AG]
     assert all(n.meta.get("overlapc_input_chain") for n in bundle[:-1])
 
 
@@ -127,21 +127,21 @@ def _first_real_reader(nodes, produced):
 
 
 def test_members_are_copied_out_together_before_the_first_consumer(fake_pg):
-    """One cat copies every member that is not a graph output out of the gathered rows,
-    member-major, just before the bucket's first consumer (Inductor makes one kernel of
-    it); each such member's result is a view of it. g4, a graph output, gets a copy of its
-    own just before its own first consumer, so no other member's bytes live on with it."""
+    """One unpack_columns copies every member that is not a graph output out of the
+    gathered rows, member-major, just before the bucket's first consumer (Inductor calls
+    it, no generated kernel); each such member's result is a view of it. g4, a graph
+    output, gets a copy of its own just before its own first consumer, so no other
+    member's bytes live on with it."""
     _, gm, _ = bucketed(uneven_gathers, (4, 16), (2, 16), (2,), (1, 16, 2), (3, 16))
     nodes = list(gm.graph.nodes)
     wait_node = next(n for n in nodes if n.target == F.wait_tensor.default)
-    copies = [n for n in nodes if n.target == torch.ops.aten.clone.default]
-    assert len(copies) == 5
-    together = [n for n in nodes if n.target == torch.ops.aten.cat.default and nodes.index(n) > nodes.index(wait_node)]
+    own, = [n for n in nodes if n.target == torch.ops.aten.clone.default]
+    together = [n for n in nodes if n.target == torch.ops.overlapc.unpack_columns.default]
     assert len(together) == 1
     joined = together[0]
-    assert len(joined.args[0]) == 4
+    assert nodes.index(joined) > nodes.index(wait_node)
+    assert len(joined.args[2]) == 4   # the four members that are no graph output
     assert _first_real_reader(nodes, joined) is not None   # nothing but views between it and its first reader
-    own, = [c for c in copies if not any(u is joined for v in c.users for u in v.users)]
     assert _first_real_reader(nodes, own) is not None
     out = next(n for n in nodes if n.op == "output")
     assert any(own in v.all_input_nodes for v in out.args[0])   # g4 = view(own copy)
@@ -691,10 +691,11 @@ def four_projections(x, a, b, c, d):
     return (y @ wait(ag(d)).permute(1, 0),)   # Inductor compiles graphs that return a tuple
 
 
-def test_inductor_makes_one_kernel_of_a_buckets_copy_out(fake_pg):
+def test_inductor_generates_no_kernel_for_a_buckets_copies(fake_pg):
     """Inductor's code for a bucket of four all-gathers read by matmuls (extern calls, no
-    kernel of their own): one kernel copies the shards in, one copies the gathered members
-    out (a copy per member made four; each kernel is compiled code, so they cost compile time)."""
+    kernel of their own): the copy-in and the copy-out are calls of overlapc's two ops, in
+    that order around the collective, and no kernel is generated for them (a ``cat`` made a
+    kernel per member; each kernel is compiled code, so they cost compile time)."""
     import re
     import types
     from unittest import mock
@@ -715,5 +716,7 @@ def test_inductor_makes_one_kernel_of_a_buckets_copy_out(fake_pg):
             torch._inductor.config.patch(fx_graph_cache=False):
         compile_fx_inner(gm, inputs)
     code, = codes
-    calls = re.findall(r"^\s+(cpp_fused\w*)\(", code, re.M)
-    assert len(calls) == 2, calls
+    assert re.findall(r"^\s+(cpp_fused\w*)\(", code, re.M) == []
+    calls = re.findall(r"torch\.ops\.(overlapc\.\w+|_c10d_functional\.\w+)\.default\(", code)
+    assert calls == ["overlapc.pack", "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor",
+                     "overlapc.unpack_columns"], calls

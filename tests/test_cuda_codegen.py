@@ -247,6 +247,33 @@ def call(args):
     assert inductor_order.compute_between(events)[6] == 0 and inductor_order.first_use(events, 6) is None
 
 
+def test_a_buckets_copy_out_is_not_its_first_use():
+    """The copy-out (overlapc.unpack_columns) reads the gathered bucket right after its wait;
+    the bucket's first use is the first read of the copy. Here that read (the fused kernel
+    at line 9) also reads buf0, so neither gather is used before the other; a read of buf0
+    alone after the copy is a break only when the copy's reader comes first."""
+    code = """
+def call(args):
+    buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(a, 8, '0')
+    buf1 = torch.ops._c10d_functional.all_gather_into_tensor.default(b, 8, '0')
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+    torch.ops._c10d_functional.wait_tensor.default(buf1)
+    buf2 = torch.ops.overlapc.unpack_columns.default(reinterpret_tensor(buf1, (8, 4), (4, 1), 0), [0], [4])
+    buf3 = buf2
+    triton_per_fused_0.run(buf0, reinterpret_tensor(buf3, (32,), (1,), 0), stream=raw_stream0)
+    extern_kernels.mm(buf3, buf0, out=buf4)
+    return (buf4,)
+"""
+    events = inductor_order.events(code)
+    assert [(e.kind, e.op, e.reads) for e in events[4:6]] == [
+        ("compute", "overlapc.unpack_columns", ()), ("compute", "triton_per_fused_0", (0, 1))]
+    assert inductor_order.first_use(events, 1).index == 5
+    assert inductor_order.consumer_order_breaks(events) == []
+    broken = code.replace("triton_per_fused_0.run(buf0, ", "triton_per_fused_0.run(")
+    (message,) = inductor_order.consumer_order_breaks(inductor_order.events(broken))
+    assert message.startswith("all_gather_into_tensor of buf1 (line 4, group 0) is first used at line 9")
+
+
 def test_code_that_is_not_a_python_wrapper_is_refused():
     with pytest.raises(ValueError, match="not Python wrapper code"):
         inductor_order.events('extern "C" void kernel(float* in_ptr0) {}')
