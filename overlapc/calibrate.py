@@ -36,7 +36,8 @@ rank 0 writes the file):
   step outside its graphs.
 * collectives in the middle of compute (``measure_issue``), the numbers the
   simulation and ``chunks="auto"`` use (``costmodel.LinkProfile``): every rank
-  runs blocks of matmul slots, with no collective, with one started before
+  runs blocks of short slots of small matmuls (a step's compute between
+  collectives), with no collective, with one started before
   each slot and waited after it (overlapped), with one started and waited at
   once before each slot (serial), and with two started and waited at once
   (pair), per kind at two sizes, the samples of every kind and size
@@ -45,7 +46,7 @@ rank 0 writes the file):
   whole cost, its wait included; the start calls inside, fitted as
   ``link.start_us`` + full bytes / ``link.start_gbps``); serial less
   compute-only at the small size, less its transfer, is each kind's latency
-  (on 2 gloo ranks about 3x the back-to-back sweep's: the ranks meet at every
+  (on 2 gloo ranks 1.2-1.7x the back-to-back sweep's: the ranks meet at every
   collective after computing apart, and the threads wake); 2 - pair / serial
   is ``link.overlap``, how much of a collective's latency runs beside the
   collective before it. The simulator charges the start call at the issue and
@@ -370,14 +371,16 @@ def _collective(kind: str, nbytes: int, world_size: int, group_name: str, device
 
 
 ISSUE_SIZES = (4 << 10, 1 << 20)   # full buffer bytes
-ISSUE_SLOTS = 8                      # slots of matmuls per timed block, a collective (or two) at each
+ISSUE_MATMUL = 64                    # a slot's compute: n^2 fp32 matmuls, tens of us each, like a step's kernels
+BLOCK_MS = 16.0                      # a timed block's compute at least: slots of SLOT_MS, at least ISSUE_SLOTS
+ISSUE_SLOTS = 8                      # slots of matmuls per timed block at least, a collective (or two) at each
 ISSUE_REPEATS = 11                   # samples per point of measure_issue (quick)
-SLOT_MS = 2.0                        # a slot's compute at least (and 1.5x the collective's sweep time)
+SLOT_MS = 0.5                        # a slot's compute at least (and 1.5x the collective's sweep time)
 BLOCKS = ("compute", "overlapped", "serial", "pair")
 
 
-def _slot_block(start, per_slot: int, a, b, sync, calls: list[float]):
-    """A callable timing one block of ``ISSUE_SLOTS`` slots of ``per_slot`` matmuls (ms) in one of
+def _slot_block(start, per_slot: int, slots: int, a, b, sync, calls: list[float]):
+    """A callable timing one block of ``slots`` slots of ``per_slot`` matmuls (ms) in one of
     ``BLOCKS``' ways: compute alone; "overlapped": a collective started before each slot and
     waited after it; "serial": started and waited at once before each slot; "pair": two started
     and both waited before each slot. Mean start call times (us) of overlapped blocks go to
@@ -389,7 +392,7 @@ def _slot_block(start, per_slot: int, a, b, sync, calls: list[float]):
         in_start = 0.0
         dist.barrier()
         begin = time.perf_counter()
-        for _ in range(ISSUE_SLOTS):
+        for _ in range(slots):
             work = None
             if how == "overlapped":
                 called = time.perf_counter()
@@ -408,23 +411,31 @@ def _slot_block(start, per_slot: int, a, b, sync, calls: list[float]):
                 wait(work)
         sync()
         if how == "overlapped":
-            calls.append(in_start / ISSUE_SLOTS * 1e6)
-        return (time.perf_counter() - begin) * 1e3
+            calls.append(in_start / slots * 1e6)
+        return (time.perf_counter() - begin) * 1e3 / slots
     return block
 
 
 def measure_issue(device: torch.device, collectives: dict, quick: bool = False) -> dict:
     """{kind: [(full bytes, us, start us, serial us, pair us), ...]}: what collectives cost a
     thread that computes, at each of ``ISSUE_SIZES``, per collective. Per kind and size, blocks
-    of ``ISSUE_SLOTS`` slots of 256^2 matmuls (each slot at least ``SLOT_MS`` and 1.5x the
-    collective's sweep time, ``collectives``) are timed in the four ways of ``BLOCKS``, one
-    after the other, the samples of every (kind, size) interleaved (``interleaved``); less the
-    compute-only block, per slot: us (overlapped: the issuing thread's whole cost of a
-    collective that compute covers, its wait included), serial us (waited at once: what a
-    collective costs where nothing overlaps it, in the middle of compute as in a training step;
-    on 2 gloo ranks 3x the back-to-back sweep's time), pair us (two at once, waited at once);
-    start us: the start calls' mean time in the overlapped blocks. Medians over samples, each
-    the slowest rank's. Every rank calls this."""
+    of slots of ``ISSUE_MATMUL``^2 matmuls (each slot at least ``SLOT_MS`` and 1.5x the
+    collective's sweep time, ``collectives``; a block at least ``BLOCK_MS`` and ``ISSUE_SLOTS``
+    slots) are timed in the four ways of ``BLOCKS``, one after the other, the samples of every
+    (kind, size) interleaved (``interleaved``); less the compute-only block, per slot: us
+    (overlapped: the issuing thread's whole cost of a collective that compute covers, its wait
+    included), serial us (waited at once: what a collective costs where nothing overlaps it, in
+    the middle of compute as in a training step), pair us (two at once, waited at once); start
+    us: the start calls' mean time in the overlapped blocks. Medians over samples, each the
+    slowest rank's. Every rank calls this.
+
+    The slots are made like a training step's compute between collectives: many small kernels,
+    a fraction of a millisecond. Before issue 30's demo check they were 2 ms of 256^2 matmuls
+    (8 per block): on 2 gloo ranks of this 2-core host that priced a collective waited at once
+    at 0.8-1.8 ms and one overlapped at 0.9-1.2 ms over eight calibrations, while profiled
+    training steps spent 0.65 ms per collective either way (Inductor's order: waits and start
+    calls over its 64 collectives; overlapc's: the same over 36, with compute slowed by
+    gloo's threads); with these slots the same calibrations give 0.5-0.75 ms."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
@@ -433,10 +444,14 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
         from overlapc.torch_compat import route_gloo_all_gathers
         route_gloo_all_gathers()
     sync = _sync(device)
-    a = torch.randn(256, 256, device=device)
-    b = torch.randn(256, 256, device=device)
+    a = torch.randn(ISSUE_MATMUL, ISSUE_MATMUL, device=device)
+    b = torch.randn(ISSUE_MATMUL, ISSUE_MATMUL, device=device)
     torch.mm(a, b)
-    mm_ms = torch.tensor([_median_ms(lambda: torch.mm(a, b), 5, sync)], dtype=torch.float64)
+
+    def matmuls() -> None:
+        for _ in range(50):
+            torch.mm(a, b)
+    mm_ms = torch.tensor([_median_ms(matmuls, 5, sync) / 50], dtype=torch.float64)
     dist.all_reduce(mm_ms, op=dist.ReduceOp.MAX)
     repeats = ISSUE_REPEATS if quick else REPEATS
     points = [(kind, nbytes) for kind in KINDS for nbytes in ISSUE_SIZES]
@@ -446,14 +461,15 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
         torch.ops._c10d_functional.wait_tensor(start())
         slot_ms = max(SLOT_MS, 1.5 * _interpolate(collectives[kind], nbytes))
         calls: list[float] = []   # this point's start calls, us per call, per overlapped block
-        block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1), a, b, sync, calls)
+        slots = max(ISSUE_SLOTS, round(BLOCK_MS / slot_ms))
+        block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1), slots, a, b, sync, calls)
         block("overlapped")
         calls.clear()
         # every way of a sample timed back to back, so drifts in the machine's load hit all alike
         samples.append(lambda block=block: [block(how) for how in BLOCKS])
         starts.append(calls)
     taken = interleaved(samples, repeats)
-    extra = [_slowest_median([[(times[i] - times[0]) / ISSUE_SLOTS * 1e3 for times in point] for point in taken])
+    extra = [_slowest_median([[(times[i] - times[0]) * 1e3 for times in point] for point in taken])
              for i in range(1, len(BLOCKS))]
     start_us = _slowest_median(starts)
     result: dict[str, list[tuple[int, float, float, float, float]]] = {}
@@ -594,7 +610,7 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
 
     Per kind the bandwidth is the sweep's fit (``fit``), the latency the serial in-step cost
     of ``measure_issue``'s smallest size less its transfer at that bandwidth (what a collective
-    waited at once costs in the middle of compute: on 2 gloo ranks 3x the back-to-back sweep's
+    waited at once costs in the middle of compute: on 2 gloo ranks 1.2-1.7x the back-to-back sweep's
     fitted latency, which ``measured`` keeps); without ``issue`` the sweep's fit. The default
     link: one fit over every kind's sweep samples, its latency the kinds' mean. ``issue_us`` /
     ``issue_gbps`` fit (``fit_issue``) the overlapped costs, ``start_us`` / ``start_gbps`` the start

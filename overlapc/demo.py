@@ -300,6 +300,9 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
     ]
 
 
+STEPS = 32     # per model, the first compiling: on 2 shared cores the same program's step moved 1.6-2.6x
+#               between steps (a stall hits the collectives of one step and not the next), and the ratio of
+#               the medians of 7 pairs moved 1.14-2.63x between runs; 31 pairs take 2-4 s
 PROFILED = 9   # steps under torch.profiler, after one warm-up step: on 2 shared cores a step takes
 #               28-80 ms (a ~4 ms stall hits some collectives and not others), and the median of 5
 #               moved by a third between runs of the same program
@@ -333,8 +336,8 @@ def _arguments() -> argparse.ArgumentParser:
             "Train a small sharded transformer on 2 local gloo ranks under overlapc and under Inductor; print "
             "whether the losses agree, both step times and overlapc's schedule.", 100),
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="training steps per model, the first compiling "
-                        "(default 8: 7 timed pairs)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per model, the first compiling "
+                        f"(default {STEPS}: {STEPS - 1} timed pairs)")
     parser.add_argument("--layers", type=int, default=2, help="TransformerEncoderLayer blocks (default 2)")
     parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
