@@ -422,7 +422,7 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     of slots of ``ISSUE_MATMUL``^2 matmuls (each slot at least ``SLOT_MS`` and 1.5x the
     collective's sweep time, ``collectives``; a block at least ``BLOCK_MS`` and ``ISSUE_SLOTS``
     slots) are timed in the four ways of ``BLOCKS``, one after the other, the samples of every
-    (kind, size) interleaved (``interleaved``); less the compute-only block, per slot: us
+    (kind, size) interleaved (``IssueSampler``'s rounds); less the compute-only block, per slot: us
     (overlapped: the issuing thread's whole cost of a collective that compute covers, its wait
     included), serial us (waited at once: what a collective costs where nothing overlaps it, in
     the middle of compute as in a training step), pair us (two at once, waited at once); start
@@ -436,48 +436,71 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     training steps spent 0.65 ms per collective either way (Inductor's order: waits and start
     calls over its 64 collectives; overlapc's: the same over 36, with compute slowed by
     gloo's threads); with these slots the same calibrations give 0.5-0.75 ms."""
-    import torch.distributed as dist
-
-    world_size = dist.get_world_size()
-    group_name = dist.group.WORLD.group_name
-    if dist.get_backend() == "gloo":   # functional all-gathers in flight (README, Known issues)
-        from overlapc.torch_compat import route_gloo_all_gathers
-        route_gloo_all_gathers()
-    sync = _sync(device)
-    a = torch.randn(ISSUE_MATMUL, ISSUE_MATMUL, device=device)
-    b = torch.randn(ISSUE_MATMUL, ISSUE_MATMUL, device=device)
-    torch.mm(a, b)
-
-    def matmuls() -> None:
-        for _ in range(50):
-            torch.mm(a, b)
-    mm_ms = torch.tensor([_median_ms(matmuls, 5, sync) / 50], dtype=torch.float64)
-    dist.all_reduce(mm_ms, op=dist.ReduceOp.MAX)
     repeats = ISSUE_REPEATS if quick else REPEATS
-    points = [(kind, nbytes) for kind in KINDS for nbytes in ISSUE_SIZES]
-    samples, starts = [], []
-    for kind, nbytes in points:
-        start = _start(kind, nbytes, world_size, group_name, device)
-        torch.ops._c10d_functional.wait_tensor(start())
-        slot_ms = max(SLOT_MS, 1.5 * _interpolate(collectives[kind], nbytes))
-        calls: list[float] = []   # this point's start calls, us per call, per overlapped block
-        slots = max(ISSUE_SLOTS, round(BLOCK_MS / slot_ms))
-        block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1), slots, a, b, sync, calls)
-        block("overlapped")
-        calls.clear()
-        # every way of a sample timed back to back, so drifts in the machine's load hit all alike
-        samples.append(lambda block=block: [block(how) for how in BLOCKS])
-        starts.append(calls)
-    taken = interleaved(samples, repeats)
-    extra = [_slowest_median([[(times[i] - times[0]) * 1e3 for times in point] for point in taken])
-             for i in range(1, len(BLOCKS))]
-    start_us = _slowest_median(starts)
-    result: dict[str, list[tuple[int, float, float, float, float]]] = {}
-    for at, ((kind, nbytes), called) in enumerate(zip(points, start_us)):
-        numel = max(world_size, nbytes // 4 // world_size * world_size)
-        us, serial, pair = (max(0.0, ways[at]) for ways in extra)
-        result.setdefault(kind, []).append((numel * 4, us, called, serial, pair))
-    return result
+    sampler = IssueSampler(device, collectives)
+    for _ in range(repeats):
+        sampler.round()
+    return sampler.result()
+
+
+class IssueSampler:
+    """``measure_issue``'s samples, one round at a time: ``round()`` times every (kind, size)
+    point's ``BLOCKS`` once, back to back, point after point; ``result()`` is ``measure_issue``'s
+    dict from the rounds taken so far. Every rank of the default group makes the same calls
+    (the blocks and the result meet the other ranks). Rounds may be spread over other work, so
+    the costs are those of the machine while that work runs (``overlapc demo`` takes them
+    between its timed steps)."""
+
+    def __init__(self, device: torch.device, collectives: dict):
+        import torch.distributed as dist
+
+        self.world_size = dist.get_world_size()
+        group_name = dist.group.WORLD.group_name
+        if dist.get_backend() == "gloo":   # functional all-gathers in flight (README, Known issues)
+            from overlapc.torch_compat import route_gloo_all_gathers
+            route_gloo_all_gathers()
+        sync = _sync(device)
+        a = torch.randn(ISSUE_MATMUL, ISSUE_MATMUL, device=device)
+        b = torch.randn(ISSUE_MATMUL, ISSUE_MATMUL, device=device)
+        torch.mm(a, b)
+
+        def matmuls() -> None:
+            for _ in range(50):
+                torch.mm(a, b)
+        mm_ms = torch.tensor([_median_ms(matmuls, 5, sync) / 50], dtype=torch.float64)
+        dist.all_reduce(mm_ms, op=dist.ReduceOp.MAX)
+        self.points = [(kind, nbytes) for kind in KINDS for nbytes in ISSUE_SIZES]
+        self.blocks, self.starts = [], []
+        for kind, nbytes in self.points:
+            start = _start(kind, nbytes, self.world_size, group_name, device)
+            torch.ops._c10d_functional.wait_tensor(start())
+            slot_ms = max(SLOT_MS, 1.5 * _interpolate(collectives[kind], nbytes))
+            calls: list[float] = []   # this point's start calls, us per call, per overlapped block
+            slots = max(ISSUE_SLOTS, round(BLOCK_MS / slot_ms))
+            block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1), slots, a, b, sync, calls)
+            block("overlapped")
+            calls.clear()
+            self.blocks.append(block)
+            self.starts.append(calls)
+        self.taken: list[list[list[float]]] = [[] for _ in self.points]
+
+    def round(self) -> None:
+        """One sample of every point: its ways timed back to back, so drifts in the machine's
+        load hit all alike."""
+        for block, taken in zip(self.blocks, self.taken):
+            taken.append([block(how) for how in BLOCKS])
+
+    def result(self) -> dict:
+        """{kind: [(full bytes, us, start us, serial us, pair us), ...]} (``measure_issue``)."""
+        extra = [_slowest_median([[(times[i] - times[0]) * 1e3 for times in point] for point in self.taken])
+                 for i in range(1, len(BLOCKS))]
+        start_us = _slowest_median(self.starts)
+        result: dict[str, list[tuple[int, float, float, float, float]]] = {}
+        for at, ((kind, nbytes), called) in enumerate(zip(self.points, start_us)):
+            numel = max(self.world_size, nbytes // 4 // self.world_size * self.world_size)
+            us, serial, pair = (max(0.0, ways[at]) for ways in extra)
+            result.setdefault(kind, []).append((numel * 4, us, called, serial, pair))
+        return result
 
 
 def _interpolate(samples: list[tuple[int, float]], nbytes: int) -> float:
@@ -642,6 +665,21 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
         measured["issue"] = {kind: [dict(zip(("bytes", "us", "start_us", "serial_us", "pair_us"), s)) for s in samples]
                              for kind, samples in sorted(issue.items())}
     return link, kinds, measured
+
+
+def sweep_samples(doc: dict) -> dict:
+    """{kind: [(full bytes, ms), ...]}: the back-to-back sweep recorded in a profile document
+    (``measure_collectives``' result)."""
+    return {kind: [(s["bytes"], s["ms"]) for s in numbers["samples"]] for kind, numbers in doc["collectives"].items()}
+
+
+def with_issue(doc: dict, issue: dict) -> dict:
+    """``doc`` (a profile document of 2 or more ranks) with its link and collectives derived
+    anew (``link_document``) from its own sweep samples and ``issue`` (``measure_issue``'s, or
+    ``IssueSampler.result()``'s, dict), which ``measured.issue`` then records."""
+    measured = doc["measured"]
+    link, kinds, link_measured = link_document(sweep_samples(doc), issue, measured["world_size"], doc["link"]["name"])
+    return {**doc, "link": link, "collectives": kinds, "measured": {**measured, **link_measured}}
 
 
 def _profiler(profiled: bool):

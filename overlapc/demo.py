@@ -2,7 +2,11 @@
 
 First the ranks calibrate a profile of this machine and link (``overlapc
 calibrate``'s quick sweep, not under the profiler: the timed steps the header
-compares with are not profiled either), so the estimates are this machine's.
+compares with are not profiled either), so the estimates are this machine's;
+overlapc compiles with it (``profile.json``). The in-step costs of collectives
+(``calibrate.IssueSampler``) are measured once more in rounds between the timed
+pairs of steps, so the machine's load while the steps run is the load the
+header's estimates see (``profile_steps.json``).
 Each rank builds the same model, shards it with overlapc.fsdp, and compiles it
 twice from the same initial weights: under backend="overlapc" (default options
 unless flags say otherwise) and under plain Inductor. After one compiling step
@@ -13,9 +17,10 @@ steps run under torch.profiler (``overlapc.analyze`` reads the trace).
 
 Rank 0 prints, in three parts: a header block (model and mesh, whether the
 losses are equal, the measured step of overlapc vs Inductor and their ratio;
-the estimate of each step and of the same ratio, the Inductor one from the
-traced graphs in their own order, unbucketed, as plain Inductor runs them;
-peak memory of both orders, exposed communication before/after), one compact
+the estimate of each step and of the same ratio, with ``profile_steps.json``,
+the Inductor one from the traced graphs in their own order, unbucketed, as
+plain Inductor runs them, overlapc's from its scheduled graphs; peak memory of
+both orders, exposed communication in both), one compact
 table per graph (``report.format_graph``; its "before" is the order the
 scheduler was handed, after bucketing), and only with ``--verbose`` the
 details: losses and times per step, the wide tables, and per profiled step
@@ -76,9 +81,10 @@ def _step(model, optimizer, x, y) -> tuple[float, float]:
     return loss.item(), time.perf_counter() - begin
 
 
-def _train_alternating(models: dict, data, steps: int, say) -> dict:
+def _train_alternating(models: dict, data, steps: int, say, between=None) -> dict:
     """Step 0 of each model (its compile), one after the other; then steps 1.. in
-    alternating pairs, the model going first alternating too. name -> (losses, seconds)."""
+    alternating pairs, the model going first alternating too, ``between(step)`` (if given)
+    called after each pair. name -> (losses, seconds)."""
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.05) for name, model in models.items()}
     results = {name: ([], []) for name in models}
     names = list(models)
@@ -95,6 +101,8 @@ def _train_alternating(models: dict, data, steps: int, say) -> dict:
             loss, seconds = _step(models[name], optimizers[name], *data[step % len(data)])
             results[name][0].append(loss)
             results[name][1].append(seconds)
+        if between is not None:
+            between(step)
     return results
 
 
@@ -151,10 +159,10 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: s
     data = [(torch.randn(args.batch, args.seq, args.width, generator=generator),
              torch.randn(args.batch, args.seq, args.width, generator=generator)) for _ in range(4)]
 
-    from overlapc.calibrate import run_in_group
+    from overlapc import calibrate
     profile = os.path.join(dump_dir, "profile.json")
     say("calibrating this machine and link (quick sweep) ...")
-    run_in_group(profile, quick=True)
+    calibrated = calibrate.run_in_group(profile, quick=True)
     dist.barrier()
     options = {"dump_dir": dump_dir, "profile": profile, **_schedule_options(args)}
     models = {}
@@ -162,36 +170,50 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: s
         torch.manual_seed(0)
         model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
         models[name] = torch.compile(model, backend=backend, options=opts)
-    results = _train_alternating(models, data, args.steps, say)
+    sampler = calibrate.IssueSampler(torch.device("cpu"), calibrate.sweep_samples(calibrated))
+    results = _train_alternating(models, data, args.steps, say,
+                                 lambda step: sampler.round() if (step - 1) % ISSUE_EVERY == 0 else None)
+    timed = os.path.join(dump_dir, "profile_steps.json")
+    if rank == 0:
+        calibrate.write(calibrate.with_issue(calibrated, sampler.result()), timed)
+    else:
+        sampler.result()   # the other ranks' part of the slowest-rank medians
+    dist.barrier()
 
     trace = os.path.join(dump_dir, f"trace_rank{rank}.json")
     say(f"profiling {PROFILED} overlapc steps (torch.profiler) ...")
     _profile(models["overlapc"], data, trace)
     dist.barrier()
-    original = _original_order_ms(mesh, args, data, profile)
+    estimates = _estimates(mesh, args, data, options, timed)
     if rank == 0:
         parameters = sum(1 for _ in models["overlapc"].parameters())
-        print(_results_text(args, world_size, dump_dir, profile, trace, results, parameters, original), end="",
+        print(_results_text(args, world_size, dump_dir, timed, trace, results, parameters, estimates), end="",
               flush=True)
     if args.keep:
         _write_page(rank, mesh, args, data, options, profile, trace, dump_dir)
 
 
-def _original_order_ms(mesh, args, data, profile: str) -> float:
-    """The estimate of the graphs as plain Inductor runs them: the traced graphs, unbucketed,
-    in their own order (every wait right after its collective), simulated with the calibrated
-    profile (ms, graphs only). Every rank captures the model once more (``backend.capture``,
-    scheduling without bucketing, so each graph's order before scheduling is the traced one)."""
+def _estimates(mesh, args, data, options: dict, profile: str) -> dict:
+    """{"inductor": {graph: Timeline}, "overlapc": {graph: Timeline}}: the graphs as plain Inductor
+    runs them (the traced graphs, unbucketed, in their own order: every wait right after its
+    collective) and as overlapc scheduled them (``options``, the compiled model's), each simulated
+    with ``profile``. Every rank captures the model twice more (``backend.capture``: the
+    collectives run on gloo, so all take part)."""
     import overlapc.fsdp
     from overlapc import backend as overlapc_backend
     from overlapc import costmodel
     from overlapc.simulate import simulate
 
-    torch.manual_seed(0)
-    model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
-    records = overlapc_backend.capture(model, (data[0][0],), {"bucket": None, "chunks": 1})
     calibrated = costmodel.load_profile(profile)
-    return sum(simulate(record.gm, calibrated, record.before_order).step_ms for record in records)
+    timelines = {}
+    for name, how in (("inductor", {"bucket": None, "chunks": 1}),
+                      ("overlapc", {k: v for k, v in options.items() if k != "dump_dir"})):
+        torch.manual_seed(0)
+        model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
+        records = overlapc_backend.capture(model, (data[0][0],), how)
+        timelines[name] = {record.name: simulate(record.gm, calibrated, record.before_order if name == "inductor"
+                                                 else None) for record in records}
+    return timelines
 
 
 def _write_page(rank: int, mesh, args, data, options: dict, profile: str, trace: str, dump_dir: str) -> None:
@@ -210,8 +232,9 @@ def _write_page(rank: int, mesh, args, data, options: dict, profile: str, trace:
 
 
 def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str, results: dict,
-                  parameters: int, original_ms: float) -> str:
-    """Rank 0's three parts: the header block, a compact table per graph, details (--verbose)."""
+                  parameters: int, estimates: dict) -> str:
+    """Rank 0's three parts: the header block (estimates with ``profile``: ``_estimates``), a compact
+    table per graph (the dumps': the profile calibrated before compiling), details (--verbose)."""
     from overlapc import costmodel, report
     from overlapc.analyze import analyze, comparison_text
 
@@ -220,8 +243,9 @@ def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str
     framework = costmodel.outside_ms(parameters, calibrated.device)
     barrier = calibrated.link.for_kind("all_reduce")[1] * 1e-3   # the step's dist.barrier(): latency
     measured = analyze(trace, dump_dir)
-    lines = _header(args, world_size, results, graphs, framework + barrier, measured, original_ms)
-    lines += ["", "schedule per graph (estimates from the profile calibrated above)"]
+    lines = _header(args, world_size, results, graphs, framework + barrier, measured, estimates)
+    lines += [f"estimates above: {os.path.basename(profile)} (the link re-measured between the timed pairs)",
+              "", "schedule per graph (estimates from profile.json, calibrated before compiling)"]
     text = "\n".join(report.wrap(line, "    ").rstrip("\n") for line in lines) + "\n"
     for name, rows, summary in graphs:
         text += "\n" + report.format_graph(name, rows, summary)
@@ -256,12 +280,13 @@ def _graphs(folder: str) -> list:
 
 
 def _header(args, world_size: int, results: dict, graphs: list, outside_ms: float, measured,
-            original_ms: float) -> list[str]:
+            estimates: dict) -> list[str]:
     """The header block: what ran, losses, measured and estimated step, memory, exposed communication.
-    The estimated gain is the original order's estimate (``original_ms``: the traced graphs as plain
-    Inductor runs them, ``_original_order_ms``) over overlapc's, each with what runs outside the
-    graphs (``outside_ms``), beside the measured Inductor / overlapc ratio; each estimate is also
-    checked against its measured step."""
+    The estimated gain is the original order's estimate (``estimates["inductor"]``: the traced graphs
+    as plain Inductor runs them, ``_estimates``) over overlapc's (``estimates["overlapc"]``), each
+    the graphs' simulated steps plus what runs outside them (``outside_ms``), beside the measured
+    Inductor / overlapc ratio (of the medians); each estimate is also checked against its measured
+    step."""
     from overlapc.report import _size
 
     (o_losses, o_times), (i_losses, i_times) = results["overlapc"], results["inductor"]
@@ -272,11 +297,13 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(o_losses, i_losses))
     losses = (f"equal in all {len(o_losses)} steps" if worst == 0 else
               f"agree to {worst:.1e} relative (largest difference over {len(o_losses)} steps)")
-    before = original_ms + outside_ms
-    after = sum(s["step_ms_after"] for _, _, s in graphs) + outside_ms
+    before = sum(t.step_ms for t in estimates["inductor"].values()) + outside_ms
+    after = sum(t.step_ms for t in estimates["overlapc"].values()) + outside_ms
     ratio = inductor_ms / overlapc_ms
-    exposed = [(s["exposed_ms_before"], s["exposed_ms_after"]) for _, _, s in graphs]
-    per_graph = ", ".join(f"{name} {b:.1f} -> {a:.1f}" for (name, _, _), (b, a) in zip(graphs, exposed))
+    original = estimates["inductor"]
+    exposed = [(name, original[name].exposed_ms if name in original else float("nan"), t.exposed_ms)
+               for name, t in estimates["overlapc"].items()]
+    per_graph = ", ".join(f"{name} {b:.1f} -> {a:.1f}" for name, b, a in exposed)
     peak = [max(s[f"peak_bytes_{order}"] for _, _, s in graphs) for order in ("before", "after")]
     timed = [s for s in measured.steps if s.estimated_step_ms is not None] or measured.steps
     measured_exposed = statistics.median(s.exposed_ms for s in timed) if timed else float("nan")
@@ -287,14 +314,14 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
         f"torch {torch.__version__}",
         f"losses       {losses} (overlapc vs Inductor, same weights and data)",
         f"step time    overlapc {overlapc_ms:.1f} ms, Inductor {inductor_ms:.1f} ms: overlapc "
-        f"{ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} (medians of {len(pairs)} alternating pairs; "
+        f"{ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} (medians of {len(pairs)} pairs; "
         f"per pair {pair_ratio:.2f}x)",
         f"estimated    Inductor's order {before:.1f} ms ({before / inductor_ms:.2f}x measured), overlapc's "
         f"{after:.1f} ms ({after / overlapc_ms:.2f}x): gain {before / after:.2f}x, measured {ratio:.2f}x",
         f"peak memory  original order {_size(peak[0])}, overlapc's order {_size(peak[1])} "
         f"({peak[1] / peak[0]:.3f}x; estimated live bytes of the largest graph)",
-        f"exposed comm estimated {sum(b for b, _ in exposed):.1f} -> {sum(a for _, a in exposed):.1f} ms per step "
-        f"({per_graph})",
+        f"exposed comm estimated {sum(t.exposed_ms for t in original.values()):.1f} (Inductor's order) "
+        f"-> {sum(a for _, _, a in exposed):.1f} ms per step ({per_graph})",
         f"             measured under overlapc {measured_exposed:.1f} ms per step (median of {len(timed)} profiled "
         f"steps)",
     ]
@@ -303,6 +330,9 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
 STEPS = 32     # per model, the first compiling: on 2 shared cores the same program's step moved 1.6-2.6x
 #               between steps (a stall hits the collectives of one step and not the next), and the ratio of
 #               the medians of 7 pairs moved 1.14-2.63x between runs; 31 pairs take 2-4 s
+ISSUE_EVERY = 3   # timed pairs per round of the in-step collective costs (calibrate.IssueSampler) taken between
+#                  them: calibrated 40 s before the steps, the estimates of the same program moved 0.66-1.43x
+#                  its measured step on a loaded machine; taken between the steps, load hits both alike
 PROFILED = 9   # steps under torch.profiler, after one warm-up step: on 2 shared cores a step takes
 #               28-80 ms (a ~4 ms stall hits some collectives and not others), and the median of 5
 #               moved by a third between runs of the same program

@@ -121,6 +121,29 @@ def test_document_takes_latency_from_serial_costs_and_overlap_from_pairs():
     assert costmodel.profile_from_json(plain).link.overlap == 1.0
 
 
+def test_with_issue_derives_the_link_anew_from_the_sweep_and_new_in_step_samples():
+    """The demo re-measures the in-step costs between its timed steps: the profile document
+    gets the link (latency, issue cost, overlap) of the new samples, the device and the
+    sweep's bandwidth unchanged, as if ``document`` had been given them."""
+    compute = {"tflops": 0.1, "mem_gbps": 10.0}
+    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)], "reduce_scatter": [(4096, 0.6), (1 << 20, 3.0)]}
+    first = {"all_gather": [(4096, 900.0, 150.0, 1500.0, 2500.0), (1 << 20, 1900.0, 400.0, 3000.0, 5000.0)],
+             "reduce_scatter": [(4096, 1200.0, 250.0, 1600.0, 2900.0), (1 << 20, 2400.0, 500.0, 4000.0, 7000.0)]}
+    later = {"all_gather": [(4096, 500.0, 120.0, 600.0, 900.0), (1 << 20, 1400.0, 300.0, 2000.0, 3100.0)],
+             "reduce_scatter": [(4096, 550.0, 130.0, 700.0, 1000.0), (1 << 20, 1500.0, 350.0, 2100.0, 3500.0)]}
+    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=first)
+    again = calibrate.with_issue(doc, later)
+    expected = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=later)
+    assert calibrate.sweep_samples(doc) == collectives
+    assert again["link"] == pytest.approx(expected["link"]) and again["link"] != doc["link"]
+    for kind in collectives:
+        assert again["collectives"][kind]["latency_us"] == pytest.approx(expected["collectives"][kind]["latency_us"])
+        assert again["collectives"][kind]["gbps"] == pytest.approx(doc["collectives"][kind]["gbps"])
+    assert again["device"] == doc["device"] and again["measured"]["issue"] == expected["measured"]["issue"]
+    assert costmodel.profile_from_json(again).link.latency_ms("all_gather") < \
+        costmodel.profile_from_json(doc).link.latency_ms("all_gather")
+
+
 def test_compute_only_profile_records_the_builtin_link(tmp_path):
     # one process: compute only, even where a default process group exists (the fake one here)
     doc = calibrate.run_local(1, str(tmp_path / "p.json"), quick=True, fallback_link="ib")
