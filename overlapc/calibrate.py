@@ -41,11 +41,12 @@ rank 0 writes the file):
   each slot and waited after it (overlapped), with one started and waited at
   once before each slot (serial), and with two started and waited at once
   (pair), per kind at two sizes, the samples of every kind and size
-  interleaved. Overlapped less compute-only, per collective, is fitted as
+  interleaved. Overlapped (its start and wait calls plus how much its
+  compute slowed against compute-only), per collective, is fitted as
   ``link.issue_us`` + full bytes / ``link.issue_gbps`` (the issuing thread's
   whole cost, its wait included; the start calls inside, fitted as
-  ``link.start_us`` + full bytes / ``link.start_gbps``); serial less
-  compute-only at the small size, less its transfer, is each kind's latency
+  ``link.start_us`` + full bytes / ``link.start_gbps``); serial (the time in
+  its calls) at the small size, less its transfer, is each kind's latency
   (on 2 gloo ranks 1.2-1.7x the back-to-back sweep's: the ranks meet at every
   collective after computing apart, and the threads wake); 2 - pair / serial
   is ``link.overlap``, how much of a collective's latency runs beside the
@@ -380,22 +381,23 @@ BLOCKS = ("compute", "overlapped", "serial", "pair")
 
 
 def _slot_block(start, per_slot: int, slots: int, a, b, sync, calls: list[float]):
-    """A callable timing one block of ``slots`` slots of ``per_slot`` matmuls (ms) in one of
+    """A callable timing one block of ``slots`` slots of ``per_slot`` matmuls in one of
     ``BLOCKS``' ways: compute alone; "overlapped": a collective started before each slot and
     waited after it; "serial": started and waited at once before each slot; "pair": two started
-    and both waited before each slot. Mean start call times (us) of overlapped blocks go to
-    ``calls``."""
+    and both waited before each slot. It returns (the block's ms, the ms spent inside the
+    collectives' start and wait calls), per slot. Mean start call times (us) of overlapped
+    blocks go to ``calls``."""
     import torch.distributed as dist
     wait = torch.ops._c10d_functional.wait_tensor
 
-    def block(how: str) -> float:
-        in_start = 0.0
+    def block(how: str) -> tuple[float, float]:
+        in_start = in_calls = 0.0
         dist.barrier()
         begin = time.perf_counter()
         for _ in range(slots):
             work = None
+            called = time.perf_counter()
             if how == "overlapped":
-                called = time.perf_counter()
                 work = start()
                 in_start += time.perf_counter() - called
             elif how == "serial":
@@ -404,15 +406,18 @@ def _slot_block(start, per_slot: int, slots: int, a, b, sync, calls: list[float]
                 first, second = start(), start()
                 wait(first)
                 wait(second)
+            in_calls += time.perf_counter() - called
             for _ in range(per_slot):
                 torch.mm(a, b)
             if work is not None:
                 sync()
+                called = time.perf_counter()
                 wait(work)
+                in_calls += time.perf_counter() - called
         sync()
         if how == "overlapped":
             calls.append(in_start / slots * 1e6)
-        return (time.perf_counter() - begin) * 1e3 / slots
+        return (time.perf_counter() - begin) * 1e3 / slots, in_calls * 1e3 / slots
     return block
 
 
@@ -422,7 +427,7 @@ def measure_issue(device: torch.device, collectives: dict, quick: bool = False) 
     of slots of ``ISSUE_MATMUL``^2 matmuls (each slot at least ``SLOT_MS`` and 1.5x the
     collective's sweep time, ``collectives``; a block at least ``BLOCK_MS`` and ``ISSUE_SLOTS``
     slots) are timed in the four ways of ``BLOCKS``, one after the other, the samples of every
-    (kind, size) interleaved (``IssueSampler``'s rounds); less the compute-only block, per slot: us
+    (kind, size) interleaved (``IssueSampler``'s rounds); per slot (``IssueSampler.result``): us
     (overlapped: the issuing thread's whole cost of a collective that compute covers, its wait
     included), serial us (waited at once: what a collective costs where nothing overlaps it, in
     the middle of compute as in a training step), pair us (two at once, waited at once); start
@@ -491,9 +496,16 @@ class IssueSampler:
             taken.append([block(how) for how in BLOCKS])
 
     def result(self) -> dict:
-        """{kind: [(full bytes, us, start us, serial us, pair us), ...]} (``measure_issue``)."""
-        extra = [_slowest_median([[(times[i] - times[0]) * 1e3 for times in point] for point in self.taken])
-                 for i in range(1, len(BLOCKS))]
+        """{kind: [(full bytes, us, start us, serial us, pair us), ...]} (``measure_issue``): per
+        slot, serial and pair the time inside their start and wait calls, overlapped that plus
+        what the block took beyond its calls and the compute-only block (gloo's threads slowing
+        compute). Not block less compute-only block: on a loaded machine a thread that waits
+        often is scheduled ahead of one that computes throughout, so the compute-only block
+        slowed more than the others' compute and the difference priced collectives low."""
+        def costs(sample) -> list[float]:
+            (compute, _), (overlapped, calls), (_, serial), (_, pair) = sample
+            return [(calls + max(0.0, overlapped - calls - compute)) * 1e3, serial * 1e3, pair * 1e3]
+        extra = [_slowest_median([[costs(sample)[i] for sample in point] for point in self.taken]) for i in range(3)]
         start_us = _slowest_median(self.starts)
         result: dict[str, list[tuple[int, float, float, float, float]]] = {}
         for at, ((kind, nbytes), called) in enumerate(zip(self.points, start_us)):
