@@ -505,7 +505,8 @@ class IssueSampler:
         def costs(sample) -> list[float]:
             (compute, _), (overlapped, calls), (_, serial), (_, pair) = sample
             return [(calls + max(0.0, overlapped - calls - compute)) * 1e3, serial * 1e3, pair * 1e3]
-        extra = [_slowest_median([[costs(sample)[i] for sample in point] for point in self.taken]) for i in range(3)]
+        per_sample = [[costs(sample) for sample in point] for point in self.taken]
+        extra = [_slowest_median([[cost[i] for cost in point] for point in per_sample]) for i in range(3)]
         start_us = _slowest_median(self.starts)
         result: dict[str, list[tuple[int, float, float, float, float]]] = {}
         for at, ((kind, nbytes), called) in enumerate(zip(self.points, start_us)):

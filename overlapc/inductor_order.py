@@ -153,13 +153,14 @@ class _Walker:
                 else:
                     self.root.pop(target, None)
             return
-        source = next((self.root[n] for n in _names(value.args[0]) if n in self.root), None) if value.args else None
         for target in targets:
             self.root.pop(target, None)
-        if _dotted(value.func).startswith(_COPY_OUT) and source is not None:
-            self._add("compute", "overlapc.unpack_columns", stmt, where)   # a copy, not a use
-            self.root.update((target, source) for target in targets)
-            return
+        if _dotted(value.func).startswith(_COPY_OUT) and value.args:
+            source = next((self.root[n] for n in _names(value.args[0]) if n in self.root), None)
+            if source is not None:
+                self._add("compute", "overlapc.unpack_columns", stmt, where)   # a copy, not a use
+                self.root.update((target, source) for target in targets)
+                return
         self._call(value, targets, stmt, where)
 
     def _partition(self, value: ast.expr) -> str | None:
