@@ -13,7 +13,7 @@ become ready) and a bucket
 holds consecutive members. A bucket closes before a member when
 
 * ``bucket="module"``: the member belongs to another block. Its block is the
-  module path (``overlapc.collectives.module_path`` of the start, else of its
+  module path (``collectives.module_path`` of the start, else of its
   first real consumer) up to and including the first numeric segment
   ("layers.3" for "layers.3.attention.wq"), else the top-level module
   ("output", "norm"). Members without module information bucket by
@@ -93,7 +93,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import Collective, module_path, node_value, real_consumers, source_of
+from overlapc.passes.collectives import Collective, module_path, node_value, real_consumers, source_of
 from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
@@ -164,7 +164,7 @@ def _drop_unread_repeats(gm: fx.GraphModule, before_rewrite: Callable[[], None] 
     where it is read). Values are unchanged, and every rank traces the same
     graph, so every rank erases the same collectives. Returns (kept, erased)
     name pairs in graph order."""
-    from overlapc.collectives import collective_op, wait_nodes
+    from overlapc.passes.collectives import collective_op, wait_nodes
     starts = [node for node in gm.graph.nodes if collective_op(node) is not None]
     if not any(_unread(start) for start in starts):   # the common case: no arguments hashed
         return []
@@ -194,7 +194,7 @@ def _drop_unread_repeats(gm: fx.GraphModule, before_rewrite: Callable[[], None] 
 def _unread(start: fx.Node) -> bool:
     """Whether nothing reads the result of the collective ``start``: it has waits, its
     only users are them (or getitems read only by them), and the waits have no users."""
-    from overlapc.collectives import wait_nodes
+    from overlapc.passes.collectives import wait_nodes
     waits = wait_nodes(start)
     only_waits = all(u in waits or (u.target is operator.getitem and all(w in waits for w in u.users))
                      for u in start.users)
@@ -204,7 +204,7 @@ def _unread(start: fx.Node) -> bool:
 def _merge_identical_runs(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
     """Merge runs of identical, adjacent-in-their-group collectives (see
     ``merge_duplicates``); returns the merged starts' names, first-kept."""
-    from overlapc.collectives import collective_op, group_of, role, wait_nodes
+    from overlapc.passes.collectives import collective_op, group_of, role, wait_nodes
     runs: list[list[fx.Node]] = []
     open_run: dict[tuple, list[fx.Node]] = {}   # identical starts so far, by their arguments
     last: dict[str, fx.Node] = {}                # the latest start of each group

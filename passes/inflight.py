@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from overlapc.collectives import Collective
+from overlapc.passes.collectives import Collective
 from overlapc.passes import meta
 from overlapc.passes.structure import held_bytes
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from overlapc.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
+from overlapc.passes.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
 from overlapc.passes.structure import Structure
 
 

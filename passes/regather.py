@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from overlapc.collectives import collectives, is_cheap, module_path, role
+from overlapc.passes.collectives import collectives, is_cheap, module_path, role
 from overlapc.passes import meta
 from overlapc.passes.bucket import block_of
 from overlapc.passes.memory import peak_bytes

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from overlapc.collectives import node_value
+from overlapc.passes.collectives import node_value
 
 __all__ = ["FakeValues", "new_node"]
 

@@ -36,7 +36,7 @@ import heapq
 
 import torch.fx as fx
 
-from overlapc.collectives import Collective
+from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, InFlight
 from overlapc.passes.memory import Headroom, SpineRoom
 from overlapc.passes.structure import Structure

@@ -9,7 +9,7 @@ collectives the scheduler may move:
   ``meta.INPUT_CHAIN``, such as a bucket's copy-in) and the
   getitems of list results;
 * wait bundles: the wait and the aliasing views that read only through it;
-* regions: barriers (``overlapc.collectives.barrier_reason``) cut the graph
+* regions: barriers (``collectives.barrier_reason``) cut the graph
   into regions; nothing moves from one region to another (an in-place write
   into a temporary is no barrier: it stays on the spine, whose order is kept);
 * each wait's target: its first real consumer, else the barrier that closes
@@ -36,7 +36,7 @@ import operator
 
 import torch.fx as fx
 
-from overlapc.collectives import (
+from overlapc.passes.collectives import (
     Collective, alias_closure, barrier_reason, is_cheap, node_value, real_consumers, role, scan,
     tensor_nbytes,
 )

@@ -101,7 +101,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from overlapc.collectives import collective_op, group_of
+from overlapc.passes.collectives import collective_op, group_of
 from overlapc.passes import meta
 
 __all__ = ["ChunkNote", "chunk_collectives"]

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from overlapc.collectives import collective_op
+from overlapc.passes.collectives import collective_op
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.plan import Joined, Plan, Planner
 from overlapc.passes.meta import set_piece_of

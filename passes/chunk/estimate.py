@@ -25,7 +25,7 @@ of pipelines moves every piece's bytes). With 1 piece nothing feeds it.
 """
 from __future__ import annotations
 
-from overlapc.collectives import collective_op, op_kind
+from overlapc.passes.collectives import collective_op, op_kind
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.plan import Plan
 

@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import barrier_reason_when_compute_moves, node_value, wait_nodes
+from overlapc.passes.collectives import barrier_reason_when_compute_moves, node_value, wait_nodes
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import barrier_reason_when_compute_moves, collective_op, group_of
+from overlapc.passes.collectives import barrier_reason_when_compute_moves, collective_op, group_of
 from overlapc.passes.chunk import legality as L
 from overlapc.passes.chunk.legality import Skip
 

@@ -47,7 +47,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from overlapc.collectives import (
+from overlapc.passes.collectives import (
     barrier_reason_when_compute_moves, collective_op, group_of, is_wait, node_value,
 )
 from overlapc.passes.chunk import legality as L
