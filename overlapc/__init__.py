@@ -7,8 +7,8 @@ import importlib
 
 from overlapc.collectives import Collective, collectives
 from overlapc.config import OverlapConfig
-from overlapc.api import schedule
-from overlapc.passes.pipeline import ScheduleError, verify
+from overlapc.api import schedule, verify
+from overlapc.passes.pipeline import ScheduleError
 
 __all__ = ["OverlapConfig", "Collective", "collectives", "schedule", "verify", "ScheduleError", "fsdp"]
 __version__ = "0.1.0"

@@ -18,13 +18,13 @@ import logging
 
 import torch.fx as fx
 
-from overlapc.config import OverlapConfig
+from overlapc.config import OverlapConfig, as_config
 from overlapc.passes import pipeline
 from overlapc.passes.pipeline import ScheduleResult
 
 log = logging.getLogger("overlapc")
 
-__all__ = ["Scheduled", "schedule", "schedule_graph", "estimator_for", "use_profile", "schedule_profile"]
+__all__ = ["Scheduled", "schedule", "schedule_graph", "verify", "estimator_for", "use_profile", "schedule_profile"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,7 +71,7 @@ def schedule_graph(gm: fx.GraphModule, config: OverlapConfig | dict | None = Non
     True, or for the INFO line when the "overlapc" logger is enabled for INFO and a
     collective was placed; once, from the result's Structure."""
     pipeline.check_graph(gm)
-    cfg = pipeline.as_config(config)
+    cfg = as_config(config)
     rewrites = cfg.enabled and (cfg.chunks != 1 or cfg.bucket is not None)
     counted = None
     if rewrites and log.isEnabledFor(logging.INFO):
@@ -116,3 +116,9 @@ def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
     """
     schedule_graph(gm, config, recompile=recompile)
     return gm
+
+
+def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None):
+    """``overlapc.verify``: the passes' ``verify`` with ``config`` read as ``schedule``
+    reads it (an options dict validated as an OverlapConfig); returns the Peaks."""
+    return pipeline.verify(gm, as_config(config))

@@ -1,10 +1,16 @@
-"""OverlapConfig: the one validated, frozen set of knobs for every entry point."""
+"""OverlapConfig: the one validated, frozen set of knobs for every entry point.
+
+The passes read only its scheduling fields, as ``ScheduleOptions``
+(``overlapc.passes.options``; ``OverlapConfig.scheduling``): every field is
+validated here, once."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
 from typing import Any, Mapping
+
+from overlapc.passes.options import ScheduleOptions
 
 _ON_ERROR = ("fallback", "raise")
 _INNER = ("inductor", "aot_eager")
@@ -142,6 +148,22 @@ class OverlapConfig:
             values["dump_dir"] = env["OVERLAPC_DUMP_DIR"]
         values.update(options)
         return cls(**values)
+
+    def scheduling(self) -> ScheduleOptions:
+        """What the passes read of this config (its fields of the same names)."""
+        return ScheduleOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ScheduleOptions)})
+
+
+def as_config(config: "OverlapConfig | Mapping[str, Any] | None") -> OverlapConfig:
+    """``config`` as an OverlapConfig (None: the defaults; an options dict: validated,
+    without the environment)."""
+    if config is None:
+        return OverlapConfig()
+    if isinstance(config, OverlapConfig):
+        return config
+    if isinstance(config, dict):
+        return OverlapConfig.from_options(config, env={})
+    raise TypeError(f"expected an OverlapConfig or an options dict, got {type(config).__name__}")
 
 
 def _positive_or_none(name: str, value, extra: str = "") -> None:

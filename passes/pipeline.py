@@ -3,10 +3,12 @@
     result = run(gm, config, estimator=None)   # a ScheduleResult; gm rescheduled in place
     gm = schedule(gm, config)                  # the same, returning gm
 
-The ground floor: nothing here logs a report or reads a cost model. What the
-chunk pass needs to choose piece counts (``chunks="auto"``) is handed in as
-``estimator``; ``overlapc.schedule`` (``overlapc/api.py``) builds it from the
-config's profile, runs this, and logs the report from the result.
+The ground floor: nothing here logs a report or reads a cost model. ``config``
+is what scheduling reads (``ScheduleOptions``, ``options.py``), or an
+``OverlapConfig``, read through its ``scheduling()``. What the chunk pass needs to
+choose piece counts (``chunks="auto"``) is handed in as ``estimator``;
+``overlapc.schedule`` (``overlapc/api.py``) builds it from the config's profile,
+runs this, and logs the report from the result.
 """
 from __future__ import annotations
 
@@ -18,11 +20,11 @@ import warnings
 
 import torch.fx as fx
 
-from overlapc.config import OverlapConfig
 from overlapc.passes import invariants, meta
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
 from overlapc.passes.memory import Headroom
+from overlapc.passes.options import ScheduleOptions, as_options
 from overlapc.passes.scheduler import UNBOUNDED, schedule_order
 from overlapc.passes.structure import Structure, apply_order
 
@@ -30,17 +32,6 @@ log = logging.getLogger("overlapc")
 
 __all__ = ["ScheduleError", "ScheduleResult", "run", "schedule", "verify", "reorder_all_gathers", "limit_in_flight",
            "sink_waits"]
-
-
-def as_config(config) -> OverlapConfig:
-    """``config`` as an OverlapConfig (None: the defaults; an options dict: validated)."""
-    if config is None:
-        return OverlapConfig()
-    if isinstance(config, OverlapConfig):
-        return config
-    if isinstance(config, dict):
-        return OverlapConfig.from_options(config, env={})
-    raise TypeError(f"expected an OverlapConfig or an options dict, got {type(config).__name__}")
 
 
 def check_graph(gm) -> None:
@@ -99,10 +90,11 @@ class ScheduleResult:
     structure: Structure | None = None
 
 
-def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
-    """The Budget ``cfg`` sets for the graph of ``s`` (its movable collectives);
-    with the "auto" byte budget, the headroom under the serial order's peak; with
-    "serial-peak", that headroom alone (``Budget.within_peak``)."""
+def budget_for(s: Structure, config) -> Budget:
+    """The Budget ``config`` (what ``as_options`` takes) sets for the graph of ``s``
+    (its movable collectives); with the "auto" byte budget, the headroom under the
+    serial order's peak; with "serial-peak", that headroom alone (``Budget.within_peak``)."""
+    cfg = as_options(config)
     collectives, held = s.movable, s.held
     groups = sorted({c.group for c in collectives})
     headroom, within_peak = None, cfg.max_in_flight_bytes == "serial-peak"
@@ -119,13 +111,14 @@ def budget_for(s: Structure, cfg: OverlapConfig) -> Budget:
     return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak)
 
 
-def verify(gm: fx.GraphModule, config: OverlapConfig | dict | None = None) -> Peaks:
+def verify(gm: fx.GraphModule, config=None) -> Peaks:
     """Check the schedule guarantees on ``gm`` as it stands (``invariants.py``:
     consumer order, waits, the in-flight budget of ``config``, the memory
     guarantee); raise ScheduleError naming the first node that breaks one.
+    ``config``: ScheduleOptions, an OverlapConfig or None (``as_options``).
     Returns the measured Peaks."""
     check_graph(gm)
-    cfg = as_config(config)
+    cfg = as_options(config)
     try:
         gm.graph.lint()
     except Exception as error:
@@ -248,7 +241,7 @@ class _Rewritten:
     regather: tuple = ()
 
 
-def _run_passes(gm: fx.GraphModule, cfg: OverlapConfig, snapshot, estimator=None) -> _Rewritten:
+def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=None) -> _Rewritten:
     """Everything ``run`` does to the graph; returns what the rewrites noted and what
     ``_reorder`` measured. ``snapshot()`` runs before a rewrite first changes the graph;
     ``estimator``: what ``chunks="auto"`` estimates with."""
@@ -295,24 +288,25 @@ def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], n
     graph.output(value, type_expr=output.type).meta.update(output.meta)
 
 
-def run(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estimator=None,
+def run(gm: fx.GraphModule, config=None, *, estimator=None,
         recompile: bool = True) -> ScheduleResult:
     """Reschedule ``gm`` in place so communication overlaps compute; say what was done.
 
-    Runs the chunk and bucket passes when ``config`` asks for them, then the
-    scheduling core under the config's budget, then the invariant check.
+    Runs the chunk and bucket passes when ``config`` (ScheduleOptions, an
+    OverlapConfig or None: ``as_options``) asks for them, then the scheduling
+    core under its budget, then the invariant check.
     Deterministic: the same graph gives the same order in every process. A
-    graph without movable collectives (or config.enabled False) comes back
+    graph without movable collectives (or ``enabled`` False) comes back
     untouched. On failure the graph is restored; on_error="raise" raises
     ScheduleError, "fallback" warns (node, op, group, position) and returns
     the result with ``error`` set. ``estimator``: what ``chunks="auto"`` chooses
     piece counts with (``overlapc.costmodel``'s, handed to ``chunk_collectives``;
-    ``overlapc.schedule`` builds it from ``config.profile``); required for
+    ``overlapc.schedule`` builds it from the config's profile); required for
     chunks="auto". ``recompile=False`` skips regenerating ``gm.forward`` (for
     callers that read only ``gm.graph``, such as Inductor).
     """
     check_graph(gm)
-    cfg = as_config(config)
+    cfg = as_options(config)
     original = list(gm.graph.nodes)
     before = tuple(n.name for n in original)
     if not cfg.enabled:
@@ -353,7 +347,7 @@ def run(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estim
                           structure=placed.structure)
 
 
-def schedule(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *, estimator=None,
+def schedule(gm: fx.GraphModule, config=None, *, estimator=None,
              recompile: bool = True) -> fx.GraphModule:
     """``run`` (arguments the same), returning ``gm``: the passes alone, without the
     report's log lines (``overlapc.schedule`` adds those and builds the estimator)."""
@@ -372,15 +366,15 @@ def reorder_all_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def limit_in_flight(gm: fx.GraphModule, max_in_flight: int | None | OverlapConfig = 2,
+def limit_in_flight(gm: fx.GraphModule, max_in_flight=2,
                     max_in_flight_bytes: int | str | None = None) -> fx.GraphModule:
     """Schedule ``gm`` under the bound: at most ``max_in_flight`` collectives of
     one group and kind, and at most ``max_in_flight_bytes`` held bytes per group
-    ("auto" derives it), in flight; takes the two limits or an OverlapConfig.
-    In place; returns ``gm`` recompiled."""
-    if not isinstance(max_in_flight, OverlapConfig):
-        max_in_flight = OverlapConfig(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes)
-    cfg = max_in_flight
+    ("auto" derives it), in flight; takes the two limits (as ``OverlapConfig``
+    accepts them) or what ``as_options`` takes. In place; returns ``gm`` recompiled."""
+    limits = max_in_flight is None or isinstance(max_in_flight, int)
+    cfg = ScheduleOptions(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes) if limits \
+        else as_options(max_in_flight)
     if _reorder(gm, lambda s: budget_for(s, cfg)).modified:
         gm.recompile()
     return gm
