@@ -34,7 +34,7 @@ rank 0 writes the file):
   reference blocks' graph runs read from the profiler's spans (else: their
   steps less the step outside the graphs), ``step_us`` from the small block's
   step outside its graphs.
-* collectives in the middle of compute (``measure_issue``), the numbers the
+* collectives in the middle of compute (``measure_in_step``), the numbers the
   simulation and ``chunks="auto"`` use (``costmodel.LinkProfile``): every rank
   runs blocks of short slots of small matmuls (a step's compute between
   collectives), with no collective, with one started before
@@ -53,6 +53,15 @@ rank 0 writes the file):
   collective before it. The simulator charges the start call at the issue and
   the rest of the issuing cost only where compute does not wait for the
   collective anyway. On a GPU the issuing cost is the launch alone.
+  Between those blocks' rounds, compiled training steps of a small
+  ``TransformerEncoderLayer`` are timed three ways: plain, sharded by
+  ``overlapc.fsdp`` in its traced order (each collective waited at once) and
+  sharded as overlapc schedules it. What the collectives cost those steps,
+  over what the blocks price them at, scales the latencies (serial) and the
+  issue and start costs (scheduled): ``measured.in_step``. On a 2-core host
+  the blocks' compute keeps both cores busy and gloo's threads wait for one,
+  which a training step's compute, in short kernels between waits, does not
+  (serial scale 0.8-0.9, issue scale ~0.6 there).
 
 With one process (``world_size == 1``) only compute is measured; the link is
 the built-in one named by ``link``, recorded as such.
@@ -375,7 +384,7 @@ ISSUE_SIZES = (4 << 10, 1 << 20)   # full buffer bytes
 ISSUE_MATMUL = 64                    # a slot's compute: n^2 fp32 matmuls, tens of us each, like a step's kernels
 BLOCK_MS = 16.0                      # a timed block's compute at least: slots of SLOT_MS, at least ISSUE_SLOTS
 ISSUE_SLOTS = 8                      # slots of matmuls per timed block at least, a collective (or two) at each
-ISSUE_REPEATS = 11                   # samples per point of measure_issue (quick)
+ISSUE_REPEATS = 11                   # rounds of IssueSampler in measure_in_step (quick)
 SLOT_MS = 0.5                        # a slot's compute at least (and 1.5x the collective's sweep time)
 BLOCKS = ("compute", "overlapped", "serial", "pair")
 
@@ -421,40 +430,161 @@ def _slot_block(start, per_slot: int, slots: int, a, b, sync, calls: list[float]
     return block
 
 
-def measure_issue(device: torch.device, collectives: dict, quick: bool = False) -> dict:
-    """{kind: [(full bytes, us, start us, serial us, pair us), ...]}: what collectives cost a
-    thread that computes, at each of ``ISSUE_SIZES``, per collective. Per kind and size, blocks
-    of slots of ``ISSUE_MATMUL``^2 matmuls (each slot at least ``SLOT_MS`` and 1.5x the
-    collective's sweep time, ``collectives``; a block at least ``BLOCK_MS`` and ``ISSUE_SLOTS``
-    slots) are timed in the four ways of ``BLOCKS``, one after the other, the samples of every
-    (kind, size) interleaved (``IssueSampler``'s rounds); per slot (``IssueSampler.result``): us
-    (overlapped: the issuing thread's whole cost of a collective that compute covers, its wait
-    included), serial us (waited at once: what a collective costs where nothing overlaps it, in
-    the middle of compute as in a training step), pair us (two at once, waited at once); start
-    us: the start calls' mean time in the overlapped blocks. Medians over samples, each the
-    slowest rank's. Every rank calls this.
+IN_STEP_ROUNDS = 2   # rounds of reference steps (plain, serial, scheduled) after each round of the blocks
+IN_STEP_ORDERS = ("plain", "serial", "scheduled")
 
-    The slots are made like a training step's compute between collectives: many small kernels,
-    a fraction of a millisecond. Before issue 30's demo check they were 2 ms of 256^2 matmuls
-    (8 per block): on 2 gloo ranks of this 2-core host that priced a collective waited at once
-    at 0.8-1.8 ms and one overlapped at 0.9-1.2 ms over eight calibrations, while profiled
-    training steps spent 0.65 ms per collective either way (Inductor's order: waits and start
-    calls over its 64 collectives; overlapc's: the same over 36, with compute slowed by
-    gloo's threads); with these slots the same calibrations give 0.5-0.75 ms."""
-    repeats = ISSUE_REPEATS if quick else REPEATS
-    sampler = IssueSampler(device, collectives)
-    for _ in range(repeats):
+
+class _Collectives(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Inductor post-grad pass that records (kind, full bytes) of every collective in the graphs
+    it compiles (``costmodel.collective_bytes``)."""
+
+    def __init__(self):
+        self.found: list[tuple[str, int]] = []
+        self.key = f"overlapc.calibrate collectives {time.time_ns()} {os.getpid()}"   # never a cache hit
+
+    def __call__(self, graph) -> None:
+        from overlapc.collectives import scan
+        nodes = list(graph.nodes)
+        for c in scan(nodes, {node: at for at, node in enumerate(nodes)}, first_consumers=False):
+            self.found.append((c.kind, costmodel.collective_bytes(c) or 0))
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def _timed_round(steps, sync) -> list[float]:
+    """Each of ``steps`` once, in order, every rank starting it together; ms each, the closing
+    barrier included (as ``overlapc demo`` times its steps)."""
+    import torch.distributed as dist
+
+    times = []
+    for step in steps:
+        dist.barrier()
+        begin = time.perf_counter()
+        step()
+        sync()
+        dist.barrier()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple[Callable[[], None], list]:
+    """(a warm training step (``_warm_train_step``) of the small reference block in ``order``,
+    its compiled graphs' collectives [[kind, full bytes], ...]): "plain" as it is, compiled by
+    Inductor; "serial" sharded by ``overlapc.fsdp`` over ``mesh`` and compiled by plain
+    Inductor (each collective waited right after it starts); "scheduled" sharded and compiled
+    by overlapc (default options; its collectives read from its reports, ``dump_dir``)."""
+    import tempfile
+
+    import overlapc.fsdp
+
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(sizes["width"], sizes["heads"], dim_feedforward=sizes["ffn"],
+                                             dropout=0.0, batch_first=True).to(device)
+    if order != "plain":
+        model = overlapc.fsdp.shard(model, mesh)
+    x = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
+    y = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if order != "scheduled":
+        recorder = _Collectives()
+        with torch._inductor.config.patch(post_grad_custom_post_pass=recorder if order == "serial" else None,
+                                          fx_graph_cache=False):
+            step = _warm_train_step(torch.compile(model, dynamic=False), optimizer, x, y)
+        return step, [list(c) for c in recorder.found]
+    with tempfile.TemporaryDirectory(prefix="overlapc-calibrate-") as folder:
+        compiled = torch.compile(model, backend="overlapc", dynamic=False, options={"dump_dir": folder})
+        step = _warm_train_step(compiled, optimizer, x, y)
+        rank = os.path.join(folder, f"rank{torch.distributed.get_rank()}")
+        rows = []
+        for graph in sorted(os.listdir(rank)):
+            with open(os.path.join(rank, graph, "report.json"), encoding="utf-8") as report:
+                rows += json.load(report)["collectives"]
+    world = mesh.size()   # a row's bytes are the collective's output: a reduce-scatter's full buffer is world x
+    return step, [[row["kind"], (row["nbytes"] or 0) * (world if row["kind"] == "reduce_scatter" else 1)]
+                  for row in rows]
+
+
+def measure_in_step(device: torch.device, collectives: dict, quick: bool = False) -> tuple[dict, dict]:
+    """(``IssueSampler.result()``, the in-step reference): what collectives cost compiled
+    training steps, against what ``IssueSampler``'s blocks price them at, at the same time.
+
+    The small block of ``REFERENCES`` is built three times from one seed (``_in_step_model``):
+    plain, sharded in its traced order ("serial") and sharded as overlapc schedules it
+    ("scheduled"). After each round of the blocks (``ISSUE_REPEATS`` rounds, quick), the three
+    are timed ``IN_STEP_ROUNDS`` times in turn. The reference: {"collectives": {"serial": [[kind,
+    full bytes], ...], "scheduled": [...]} of the compiled graphs, "parameters", "<order>_ms"
+    per order (the slowest rank's median), "rounds", and the block's sizes};
+    ``in_step_scales`` turns it into the factors the blocks' costs are scaled by. Every rank
+    of the default group calls this."""
+    import torch.distributed as dist
+
+    sampler = IssueSampler(device, collectives)   # first: it routes gloo's all-gathers
+    sizes = REFERENCES.get(device.type, REFERENCES["cpu"])[0]
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    found = {}
+    steps = []
+    for order in IN_STEP_ORDERS:
+        step, found[order] = _in_step_model(device, sizes, order, mesh)
+        steps.append(step)
+    sync = _sync(device)
+    taken: list[list[float]] = [[] for _ in steps]
+    for _ in range(ISSUE_REPEATS if quick else REPEATS):
         sampler.round()
-    return sampler.result()
+        for _ in range(IN_STEP_ROUNDS):
+            for times, ms in zip(taken, _timed_round(steps, sync)):
+                times.append(ms)
+    medians = _slowest_median(taken)
+    parameters = len(list(torch.nn.TransformerEncoderLayer(sizes["width"], sizes["heads"], sizes["ffn"]).parameters()))
+    reference = {**sizes, "model": "TransformerEncoderLayer", "parameters": parameters, "rounds": len(taken[0]),
+                 "collectives": {order: found[order] for order in IN_STEP_ORDERS[1:]},
+                 **{f"{order}_ms": ms for order, ms in zip(IN_STEP_ORDERS, medians)}}
+    return sampler.result(), reference
+
+
+def in_step_scales(reference: dict, link: dict, kinds: dict, world_size: int, param_us: float) -> dict:
+    """{"serial_scale", "issue_scale"}: what the sharded reference block's collectives cost its
+    steps (the step less the plain block's and its parameters x ``param_us``), over what the
+    unscaled profile (``link_document``'s ``link`` and per-kind ``kinds``) prices them at: in
+    the serial order each waited at once (its kind's latency; the transfer at the kind's
+    bandwidth is subtracted from both), in overlapc's order each hidden (the link's
+    ``issue_us`` + bytes / ``issue_gbps``). 1 where there is nothing to scale; each clamped
+    to [0.1, 10]."""
+    def clamp(extra: float, priced: float) -> float:
+        return min(10.0, max(0.1, extra / priced)) if priced > 0 else 1.0
+
+    def extra_ms(order: str) -> float:
+        return reference[f"{order}_ms"] - reference["plain_ms"] - reference["parameters"] * param_us * 1e-3
+
+    latency = transfer = 0.0
+    for kind, nbytes in reference["collectives"]["serial"]:
+        numbers = kinds.get(kind)
+        if numbers is not None:
+            latency += numbers["latency_us"] * 1e-3
+            transfer += nbytes * costmodel.ring_factor(kind, world_size) / (numbers["gbps"] * 1e9) * 1e3
+    per_byte = 1e-6 / link["issue_gbps"] if link.get("issue_gbps") else 0.0
+    issue = sum(link.get("issue_us", 0.0) * 1e-3 + nbytes * per_byte
+                for _, nbytes in reference["collectives"]["scheduled"])
+    return {"serial_scale": clamp(extra_ms("serial") - transfer, latency),
+            "issue_scale": clamp(extra_ms("scheduled"), issue)}
 
 
 class IssueSampler:
-    """``measure_issue``'s samples, one round at a time: ``round()`` times every (kind, size)
-    point's ``BLOCKS`` once, back to back, point after point; ``result()`` is ``measure_issue``'s
-    dict from the rounds taken so far. Every rank of the default group makes the same calls
-    (the blocks and the result meet the other ranks). Rounds may be spread over other work, so
-    the costs are those of the machine while that work runs (``overlapc demo`` takes them
-    between its timed steps)."""
+    """What collectives cost a thread that computes, at each of ``ISSUE_SIZES``, one round of
+    samples at a time. Per kind and size, blocks of slots of ``ISSUE_MATMUL``^2 matmuls (each
+    slot at least ``SLOT_MS`` and 1.5x the collective's sweep time; a block at least
+    ``BLOCK_MS`` and ``ISSUE_SLOTS`` slots) are timed in the four ways of ``BLOCKS``:
+    ``round()`` times every (kind, size) point's ways once, back to back, point after point;
+    ``result()`` gives the costs from the rounds taken so far. Every rank of the default group
+    makes the same calls (the blocks and the result meet the other ranks). Rounds may be
+    spread over other work, so the costs are those of the machine while that work runs
+    (``measure_in_step`` takes them between reference steps, ``overlapc demo`` between its
+    timed steps).
+
+    The blocks price collectives on a host where compute keeps every core busy: on 2 gloo
+    ranks of a 2-core host they priced a collective waited at once at 0.9-1.5 ms and an
+    overlapped one at 0.9-1.4 ms, while compiled training steps spent 0.7-0.9 ms per
+    collective waited at once and less overlapped; ``measure_in_step`` measures the ratio."""
 
     def __init__(self, device: torch.device, collectives: dict):
         import torch.distributed as dist
@@ -496,8 +626,11 @@ class IssueSampler:
             taken.append([block(how) for how in BLOCKS])
 
     def result(self) -> dict:
-        """{kind: [(full bytes, us, start us, serial us, pair us), ...]} (``measure_issue``): per
-        slot, serial and pair the time inside their start and wait calls, overlapped that plus
+        """{kind: [(full bytes, us, start us, serial us, pair us), ...]}, medians over the rounds,
+        each the slowest rank's: us, the issuing thread's whole cost of a collective that
+        compute covers (its wait included); start us, the start calls' mean time in the
+        overlapped blocks; serial us, one waited at once; pair us, two started together and
+        waited at once. Per slot, serial and pair the time inside their start and wait calls, overlapped that plus
         what the block took beyond its calls and the compute-only block (gloo's threads slowing
         compute). Not block less compute-only block: on a loaded machine a thread that waits
         often is scheduled ahead of one that computes throughout, so the compute-only block
@@ -611,10 +744,11 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
 
 def document(compute: dict, collectives: dict | None, world_size: int, backend: str,
              device: torch.device, fallback_link: str = "ethernet", quick: bool = False,
-             issue: dict | None = None) -> dict:
+             issue: dict | None = None, in_step: dict | None = None) -> dict:
     """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements: the
     device from ``compute``, the link from ``collectives`` (the sweep) and ``issue``
-    (``measure_issue``; ``link_document``)."""
+    (``IssueSampler``; ``link_document``), scaled by ``in_step_scales`` of ``in_step``
+    (``measure_in_step``'s reference, recorded with its scales as ``measured.in_step``)."""
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
@@ -633,19 +767,28 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
         doc["collectives"] = {}
         measured["link"] = f"not measured (one process): built-in {fallback_link}"
     else:
-        doc["link"], doc["collectives"], link_measured = link_document(collectives, issue, world_size, backend)
+        if issue and in_step:
+            link, kinds, _ = link_document(collectives, issue, world_size, backend)
+            in_step = {**in_step, **in_step_scales(in_step, link, kinds, world_size, compute.get("param_us", 0.0))}
+            measured["in_step"] = in_step
+        doc["link"], doc["collectives"], link_measured = link_document(collectives, issue, world_size, backend,
+                                                                       in_step)
         measured.update(link_measured)
     doc["measured"] = measured
     return doc
 
 
-def link_document(collectives: dict, issue: dict | None, world_size: int, name: str) -> tuple[dict, dict, dict]:
+def link_document(collectives: dict, issue: dict | None, world_size: int, name: str,
+                  scales: dict | None = None) -> tuple[dict, dict, dict]:
     """(profile "link", profile "collectives", what was measured) from the sweep
-    ({kind: [(full bytes, ms), ...]}) and ``measure_issue``'s samples ({kind: [(bytes, us,
-    start us, serial us, pair us), ...]}; None: the sweep alone).
+    ({kind: [(full bytes, ms), ...]}) and ``IssueSampler``'s samples ({kind: [(bytes, us,
+    start us, serial us, pair us), ...]}; None: the sweep alone), the samples' serial latencies
+    times ``scales["serial_scale"]`` and their overlapped and start costs times
+    ``scales["issue_scale"]`` (``in_step_scales``: what compiled steps' collectives cost against
+    what the blocks price them at; None: 1).
 
     Per kind the bandwidth is the sweep's fit (``fit``), the latency the serial in-step cost
-    of ``measure_issue``'s smallest size less its transfer at that bandwidth (what a collective
+    of ``IssueSampler``'s smallest size less its transfer at that bandwidth (what a collective
     waited at once costs in the middle of compute: on 2 gloo ranks 1.2-1.7x the back-to-back sweep's
     fitted latency, which ``measured`` keeps); without ``issue`` the sweep's fit. The default
     link: one fit over every kind's sweep samples, its latency the kinds' mean. ``issue_us`` /
@@ -654,13 +797,14 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
     of two collectives issued together costs nothing more where its latency runs beside the
     first's, a whole serial collective where it waits for it), their median; 1 without ``issue``."""
     kinds, pooled, sweep_latency = {}, [], {}
+    serial_scale, issue_scale = (scales["serial_scale"], scales["issue_scale"]) if scales else (1.0, 1.0)
     for kind, samples in sorted(collectives.items()):
         gbps, latency_us = fit(samples, kind, world_size)
         sweep_latency[kind] = latency_us
         ring = costmodel.ring_factor(kind, world_size)
         if issue and kind in issue:
             small, _, _, serial_us, _ = min(issue[kind])
-            latency_us = max(0.0, serial_us - small * ring / (gbps * 1e9) * 1e6)
+            latency_us = serial_scale * max(0.0, serial_us - small * ring / (gbps * 1e9) * 1e6)
         kinds[kind] = {"gbps": gbps, "latency_us": latency_us,
                        "samples": [{"bytes": b, "ms": ms, "fit_ms": latency_us * 1e-3 + b * ring / (gbps * 1e9) * 1e3}
                                    for b, ms in samples]}
@@ -670,8 +814,10 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
     measured = {"sweep_latency_us": sweep_latency}
     if issue:
         link["latency_us"] = statistics.mean(k["latency_us"] for k in kinds.values())
-        link["issue_us"], link["issue_gbps"] = fit_issue([(s[0], s[1]) for kind in sorted(issue) for s in issue[kind]])
-        link["start_us"], link["start_gbps"] = fit_issue([(s[0], s[2]) for kind in sorted(issue) for s in issue[kind]])
+        link["issue_us"], link["issue_gbps"] = fit_issue([(s[0], s[1] * issue_scale) for kind in sorted(issue)
+                                                          for s in issue[kind]])
+        link["start_us"], link["start_gbps"] = fit_issue([(s[0], s[2] * issue_scale) for kind in sorted(issue)
+                                                          for s in issue[kind]])
         link["overlap"] = statistics.median(
             min(1.0, max(0.0, 2.0 - pair / serial)) if serial > 0 else 1.0
             for _, _, _, serial, pair in (min(samples) for _, samples in sorted(issue.items())))
@@ -688,10 +834,12 @@ def sweep_samples(doc: dict) -> dict:
 
 def with_issue(doc: dict, issue: dict) -> dict:
     """``doc`` (a profile document of 2 or more ranks) with its link and collectives derived
-    anew (``link_document``) from its own sweep samples and ``issue`` (``measure_issue``'s, or
-    ``IssueSampler.result()``'s, dict), which ``measured.issue`` then records."""
+    anew (``link_document``) from its own sweep samples and ``issue`` (``IssueSampler.result()``'s
+    dict), which ``measured.issue`` then records, scaled by the
+    in-step scales ``doc`` recorded (``measured.in_step``; 1 without them)."""
     measured = doc["measured"]
-    link, kinds, link_measured = link_document(sweep_samples(doc), issue, measured["world_size"], doc["link"]["name"])
+    link, kinds, link_measured = link_document(sweep_samples(doc), issue, measured["world_size"], doc["link"]["name"],
+                                               measured.get("in_step"))
     return {**doc, "link": link, "collectives": kinds, "measured": {**measured, **link_measured}}
 
 
@@ -740,7 +888,7 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
         collectives = measure_collectives(device, quick, say if rank == 0 else (lambda m: None)) \
             if world_size > 1 else None
     with _profiler(profiled):
-        issue = measure_issue(device, collectives, quick) if world_size > 1 else None
+        issue, in_step = measure_in_step(device, collectives, quick) if world_size > 1 else (None, None)
     compute = measure_compute(device, quick) if rank == 0 else None
     with _profiler(profiled):
         step = measure_step(device, quick, grouped and world_size > 1)
@@ -761,14 +909,17 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
             f"{compute['matmul']['n']}^2 and copy rates / {factor:.3g}, the reference blocks' roofline factor), "
             f"{compute['kernel_us']:.3g} us per node of compiled code; a training step outside its graphs "
             f"{compute['step_us']:.3g} us + {compute['param_us']:.3g} us per parameter")
-    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue)
+    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue, in_step)
     if rank == 0 and issue:
         link = doc["link"]
         say(f"issuing a collective during compute costs it {link['issue_us']:.3g} us"
             + (f" + bytes / {link['issue_gbps']:.3g} GB/s" if link["issue_gbps"] else "")
             + " (" + ", ".join(f"{kind} {b >> 10} KiB {us:.0f} us" for kind in sorted(issue)
                                for b, us, *_ in issue[kind]) + ")"
-            + f"; waited at once {link['latency_us']:.3g} us latency (mean), overlap {link['overlap']:.2g}")
+            + f"; waited at once {link['latency_us']:.3g} us latency (mean), overlap {link['overlap']:.2g}"
+            + (f"; scaled by {doc['measured']['in_step']['serial_scale']:.2f} (waited at once) and "
+               f"{doc['measured']['in_step']['issue_scale']:.2f} (overlapped), what compiled steps' "
+               f"collectives cost against these blocks" if "in_step" in doc["measured"] else ""))
     if rank == 0 and out:
         write(doc, out)
     return doc

@@ -144,6 +144,65 @@ def test_with_issue_derives_the_link_anew_from_the_sweep_and_new_in_step_samples
         costmodel.profile_from_json(doc).link.latency_ms("all_gather")
 
 
+def calibrate_issue(recorded: dict) -> dict:
+    """A profile's ``measured.issue`` back as ``IssueSampler.result()``'s tuples."""
+    return {kind: [(s["bytes"], s["us"], s["start_us"], s["serial_us"], s["pair_us"]) for s in samples]
+            for kind, samples in recorded.items()}
+
+
+def test_in_step_scales_price_the_reference_steps_collectives_as_they_ran():
+    """Serial: (serial step - plain step - parameters x param_us - transfers) / latencies, the
+    latencies and transfers those of the serial order's collectives by kind; issue: (scheduled
+    step - plain - parameters x param_us) / the scheduled collectives' issue costs. Worked by hand."""
+    kinds = {"all_gather": {"latency_us": 1000.0, "gbps": 1.0}, "reduce_scatter": {"latency_us": 2000.0, "gbps": 0.5}}
+    link = {"issue_us": 500.0, "issue_gbps": 2.0}
+    reference = {"plain_ms": 10.0, "serial_ms": 16.6, "scheduled_ms": 13.0, "parameters": 10,
+                 "collectives": {"serial": [["all_gather", 1_000_000], ["all_gather", 0], ["reduce_scatter", 0]],
+                                 "scheduled": [["all_gather", 1_000_000], ["reduce_scatter", 0]]}}
+    # serial: extra 16.6 - 10 - 10 x 0.06 = 6.0 ms; transfer 1e6 x 1/2 / 1e9 s = 0.5 ms; latencies 1 + 1 + 2 = 4 ms
+    # issue: extra 13 - 10 - 0.6 = 2.4 ms; priced 0.5 + 1e6 / 2e9 s (0.5 ms) + 0.5 = 1.5 ms
+    scales = calibrate.in_step_scales(reference, link, kinds, 2, param_us=60.0)
+    assert scales == pytest.approx({"serial_scale": (6.0 - 0.5) / 4.0, "issue_scale": 2.4 / 1.5})
+    # nothing priced: 1; a step no slower than plain: the floor, 0.1
+    assert calibrate.in_step_scales({**reference, "collectives": {"serial": [], "scheduled": []}}, {}, kinds, 2,
+                                    60.0) == {"serial_scale": 1.0, "issue_scale": 1.0}
+    assert calibrate.in_step_scales({**reference, "serial_ms": 9.0, "scheduled_ms": 9.0}, link, kinds, 2,
+                                    60.0) == {"serial_scale": 0.1, "issue_scale": 0.1}
+
+
+def test_document_scales_latency_and_issue_costs_by_the_in_step_reference():
+    """With an in-step reference the profile's latencies are the serial scale times the unscaled
+    ones, its issue and start fits those of the samples times the issue scale; ``with_issue``
+    applies the scales the document recorded to new samples."""
+    compute = {"tflops": 0.1, "mem_gbps": 10.0, "param_us": 0.0}
+    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)], "reduce_scatter": [(4096, 0.6), (1 << 20, 3.0)]}
+    issue = {"all_gather": [(4096, 900.0, 150.0, 1500.0, 2500.0), (1 << 20, 1900.0, 400.0, 3000.0, 5000.0)],
+             "reduce_scatter": [(4096, 1200.0, 250.0, 1600.0, 2900.0), (1 << 20, 2400.0, 500.0, 4000.0, 7000.0)]}
+    reference = {"plain_ms": 5.0, "serial_ms": 9.0, "scheduled_ms": 7.0, "parameters": 0,
+                 "collectives": {"serial": [["all_gather", 0], ["reduce_scatter", 0]],
+                                 "scheduled": [["all_gather", 0]]}}
+    plain = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue)
+    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue, in_step=reference)
+    latencies = sum(plain["collectives"][k]["latency_us"] for k in collectives) * 1e-3
+    serial, overlapped = 4.0 / latencies, 2.0 / (plain["link"]["issue_us"] * 1e-3)
+    assert doc["measured"]["in_step"]["serial_scale"] == pytest.approx(serial)
+    assert doc["measured"]["in_step"]["issue_scale"] == pytest.approx(overlapped)
+    for kind in collectives:
+        assert doc["collectives"][kind]["latency_us"] == pytest.approx(serial * plain["collectives"][kind]["latency_us"])
+    assert (doc["link"]["issue_us"], doc["link"]["start_us"]) == pytest.approx(
+        (calibrate.fit_issue([(s[0], s[1] * overlapped) for k in sorted(issue) for s in issue[k]])[0],
+         calibrate.fit_issue([(s[0], s[2] * overlapped) for k in sorted(issue) for s in issue[k]])[0]))
+    assert doc["link"]["overlap"] == plain["link"]["overlap"]   # a ratio of serial costs: unscaled
+    later = {kind: [(b, us / 2, start / 2, serial_us / 2, pair / 2) for b, us, start, serial_us, pair in samples]
+             for kind, samples in issue.items()}
+    again = calibrate.with_issue(doc, later)
+    unscaled_later = calibrate.with_issue(plain, later)
+    for kind in collectives:
+        assert again["collectives"][kind]["latency_us"] == pytest.approx(
+            serial * unscaled_later["collectives"][kind]["latency_us"])
+    assert again["measured"]["in_step"] == doc["measured"]["in_step"]
+
+
 def test_compute_only_profile_records_the_builtin_link(tmp_path):
     # one process: compute only, even where a default process group exists (the fake one here)
     doc = calibrate.run_local(1, str(tmp_path / "p.json"), quick=True, fallback_link="ib")
@@ -168,12 +227,25 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert sorted(issue) == sorted(calibrate.KINDS)
     assert all([s["bytes"] for s in issue[k]] == list(calibrate.ISSUE_SIZES) for k in issue)
     assert all(s["us"] >= 0 for k in issue for s in issue[k])
+    # the in-step reference: the small block sharded, in its traced order and in overlapc's
+    in_step = doc["measured"]["in_step"]
+    serial, scheduled = in_step["collectives"]["serial"], in_step["collectives"]["scheduled"]
+    assert {k for k, _ in serial} == {k for k, _ in scheduled} == {"all_gather", "reduce_scatter"}
+    assert len(scheduled) < len(serial) and sum(b for _, b in scheduled) == sum(b for _, b in serial)  # buckets
+    assert in_step["serial_ms"] > in_step["plain_ms"] > 0 and in_step["scheduled_ms"] > 0
+    unscaled_link, unscaled, _ = calibrate.link_document(calibrate.sweep_samples(doc), calibrate_issue(issue), 2, "gloo")
+    scales = calibrate.in_step_scales(in_step, unscaled_link, unscaled, 2, doc["device"]["param_us"])
+    assert scales == pytest.approx({k: in_step[k] for k in ("serial_scale", "issue_scale")})
+    for kind in calibrate.KINDS:
+        assert doc["collectives"][kind]["latency_us"] == pytest.approx(
+            in_step["serial_scale"] * unscaled[kind]["latency_us"])
+    scale = in_step["issue_scale"]
     assert (doc["link"]["issue_us"], doc["link"]["issue_gbps"]) == pytest.approx(
-        calibrate.fit_issue([(s["bytes"], s["us"]) for k in sorted(issue) for s in issue[k]]))
+        calibrate.fit_issue([(s["bytes"], s["us"] * scale) for k in sorted(issue) for s in issue[k]]))
     assert doc["link"]["issue_us"] > 0    # issuing and running a collective costs its caller time
     assert all(s["start_us"] > 0 for k in issue for s in issue[k])   # the start call's part of it
     assert (doc["link"]["start_us"], doc["link"]["start_gbps"]) == pytest.approx(
-        calibrate.fit_issue([(s["bytes"], s["start_us"]) for k in sorted(issue) for s in issue[k]]))
+        calibrate.fit_issue([(s["bytes"], s["start_us"] * scale) for k in sorted(issue) for s in issue[k]]))
     # a training step outside its graphs: fixed and per (DTensor) parameter
     assert doc["device"]["step_us"] > 0 and doc["device"]["param_us"] > 0
     assert doc["measured"]["compute"]["step"]["dtensor"] is True
