@@ -1,8 +1,9 @@
 """OverlapConfig: the one validated, frozen set of knobs for every entry point.
 
 The passes read only its scheduling fields, as ``ScheduleOptions``
-(``overlapc.passes.options``; ``OverlapConfig.scheduling``): every field is
-validated here, once."""
+(``overlapc.passes.options``; ``OverlapConfig.scheduling``). Those fields are
+checked by ``overlapc.passes.options.check_scheduling`` for both classes, the
+rest here."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +11,9 @@ import difflib
 import os
 from typing import Any, Mapping
 
-from overlapc.passes.options import ScheduleOptions
+from overlapc.passes.options import ScheduleOptions, check_scheduling
 
-_ON_ERROR = ("fallback", "raise")
 _INNER = ("inductor", "aot_eager")
-BYTE_MODES = ("auto", "serial-peak")
-_REGATHER = ("always", "auto")   # the named values of max_in_flight_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,38 +85,13 @@ class OverlapConfig:
     check_ranks_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        _positive_or_none("max_in_flight", self.max_in_flight)
-        if isinstance(self.max_in_flight_bytes, str):
-            if self.max_in_flight_bytes not in BYTE_MODES:
-                close = difflib.get_close_matches(self.max_in_flight_bytes.lower(), BYTE_MODES, n=1, cutoff=0.4)
-                raise ValueError(f"OverlapConfig.max_in_flight_bytes must be an int >= 1 (bytes), \"auto\", "
-                                 f"\"serial-peak\" or None, got {self.max_in_flight_bytes!r}"
-                                 + (f"; did you mean {close[0]!r}?" if close else ""))
-        else:
-            _positive_or_none("max_in_flight_bytes", self.max_in_flight_bytes, extra=' (bytes), "auto", "serial-peak"')
-        if isinstance(self.bucket, str) and self.bucket not in ("auto", "module"):
-            close = difflib.get_close_matches(self.bucket.lower(), ["auto", "module"], n=1, cutoff=0.5)
-            raise ValueError(f"OverlapConfig.bucket must be \"auto\", \"module\", an int >= 1 (bytes) or None, "
-                             f"got {self.bucket!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
-        if self.bucket not in (None, "auto", "module"):
-            _positive_or_none("bucket", self.bucket, extra=' (bytes), "auto", "module"')
-        if self.regather not in _REGATHER:
-            raise ValueError(f"OverlapConfig.regather must be one of {_REGATHER} (\"always\": every backward "
-                             f"re-gather stays; \"auto\": keep a block's forward gathers where the peak allows), "
-                             f"got {self.regather!r}")
-        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
-                                      or self.chunks < 1):
-            raise ValueError(f'OverlapConfig.chunks must be an int >= 1 (1 = off) or "auto", got {self.chunks!r}')
+        check_scheduling(self, "OverlapConfig")
         for name in ("profile", "inductor_mode"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"OverlapConfig.{name} must be a string or None, got {value!r}")
-        if self.on_error not in _ON_ERROR:
-            raise ValueError(f"OverlapConfig.on_error must be one of {_ON_ERROR}, got {self.on_error!r}")
         if self.inner not in _INNER:
             raise ValueError(f"OverlapConfig.inner must be one of {_INNER}, got {self.inner!r}")
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"OverlapConfig.enabled must be a bool, got {self.enabled!r}")
         if self.check_ranks is not None and not isinstance(self.check_ranks, bool):
             raise ValueError(f"OverlapConfig.check_ranks must be True, False or None (on when the world "
                              f"size is > 1), got {self.check_ranks!r}")
@@ -164,11 +137,6 @@ def as_config(config: "OverlapConfig | Mapping[str, Any] | None") -> OverlapConf
     if isinstance(config, dict):
         return OverlapConfig.from_options(config, env={})
     raise TypeError(f"expected an OverlapConfig or an options dict, got {type(config).__name__}")
-
-
-def _positive_or_none(name: str, value, extra: str = "") -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"OverlapConfig.{name} must be an int >= 1{extra} or None, got {value!r}")
 
 
 def _check_names(values: Mapping[str, Any]) -> None:

@@ -2,17 +2,21 @@
 
 The passes take their own small options, as XLA's scheduler takes its own
 config: the product's ``OverlapConfig`` (``overlapc/config.py``) holds these and
-the rest (profile, Inductor mode, dumps, rank checks), validates every field,
-and hands the passes ``OverlapConfig.scheduling()``. Nothing here validates:
-build options through ``OverlapConfig`` (or take the defaults) and the values
-are the ones it accepts. What ``chunks="auto"`` estimates with is no option: it
-is handed to ``pipeline.run`` as ``estimator``.
+the rest (profile, Inductor mode, dumps, rank checks) and hands the passes
+``OverlapConfig.scheduling()``. The scheduling fields are checked here, once
+(``check_scheduling``), for both. What ``chunks="auto"`` estimates with is no
+option: it is handed to ``pipeline.run`` as ``estimator``.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
-__all__ = ["ScheduleOptions", "as_options"]
+__all__ = ["ScheduleOptions", "as_options", "check_scheduling"]
+
+BYTE_MODES = ("auto", "serial-peak")   # the named values of max_in_flight_bytes
+REGATHER = ("always", "auto")
+ON_ERROR = ("fallback", "raise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,49 @@ class ScheduleOptions:
     chunks: int | str = 1
     on_error: str = "fallback"
     enabled: bool = True
+
+    def __post_init__(self) -> None:
+        check_scheduling(self, "ScheduleOptions")
+
+
+def _positive_or_none(owner: str, name: str, value, extra: str = "") -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{owner}.{name} must be an int >= 1{extra} or None, got {value!r}")
+
+
+def _one_of(owner: str, name: str, value, allowed, what: str, cutoff: float) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value).lower(), allowed, n=1, cutoff=cutoff)
+        raise ValueError(f"{owner}.{name} must be {what}, got {value!r}"
+                         + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def check_scheduling(config, owner: str) -> None:
+    """ValueError naming ``owner``'s field (``owner.field``), the values it takes and the
+    closest one, for the first scheduling field of ``config`` (``ScheduleOptions`` or
+    ``OverlapConfig``: the same names) that is out of range."""
+    _positive_or_none(owner, "max_in_flight", config.max_in_flight)
+    if isinstance(config.max_in_flight_bytes, str):
+        _one_of(owner, "max_in_flight_bytes", config.max_in_flight_bytes, BYTE_MODES,
+                'an int >= 1 (bytes), "auto", "serial-peak" or None', 0.4)
+    else:
+        _positive_or_none(owner, "max_in_flight_bytes", config.max_in_flight_bytes, ' (bytes), "auto", "serial-peak"')
+    if isinstance(config.bucket, str):
+        _one_of(owner, "bucket", config.bucket, ("auto", "module"), '"auto", "module", an int >= 1 (bytes) or None',
+                0.5)
+    else:
+        _positive_or_none(owner, "bucket", config.bucket, ' (bytes), "auto", "module"')
+    if config.regather not in REGATHER:
+        raise ValueError(f"{owner}.regather must be one of {REGATHER} (\"always\": every backward re-gather "
+                         f"stays; \"auto\": keep a block's forward gathers where the peak allows), "
+                         f"got {config.regather!r}")
+    if config.chunks != "auto" and (isinstance(config.chunks, bool) or not isinstance(config.chunks, int)
+                                    or config.chunks < 1):
+        raise ValueError(f'{owner}.chunks must be an int >= 1 (1 = off) or "auto", got {config.chunks!r}')
+    if config.on_error not in ON_ERROR:
+        raise ValueError(f"{owner}.on_error must be one of {ON_ERROR}, got {config.on_error!r}")
+    if not isinstance(config.enabled, bool):
+        raise ValueError(f"{owner}.enabled must be a bool, got {config.enabled!r}")
 
 
 def as_options(config) -> ScheduleOptions:

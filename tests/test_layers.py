@@ -141,3 +141,30 @@ def test_options_and_config_schedule_alike_and_a_dict_goes_through_the_product(f
     with pytest.raises(TypeError, match="OverlapConfig.from_options"):
         overlapc.passes.verify(graphs["options"], {"max_in_flight": 1})
 
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("max_in_flight", 0, "max_in_flight must be an int >= 1 or None, got 0"),
+    ("max_in_flight_bytes", "serial", "did you mean 'serial-peak'"),
+    ("bucket", "modul", "did you mean 'module'"),
+    ("regather", "sometimes", "regather must be one of"),
+    ("chunks", 0, 'chunks must be an int >= 1 (1 = off) or "auto"'),
+    ("on_error", "ignore", "on_error must be one of"),
+    ("enabled", 1, "enabled must be a bool"),
+])
+def test_both_configs_check_the_scheduling_fields_in_one_place(field, value, expected):
+    """ScheduleOptions and OverlapConfig refuse the same bad values with the same words, each
+    naming itself; so do the passes' helpers that take bare limits."""
+    from overlapc.passes.options import ScheduleOptions
+    for owner in (ScheduleOptions, overlapc.OverlapConfig):
+        with pytest.raises(ValueError) as raised:
+            owner(**{field: value})
+        assert str(raised.value).startswith(f"{owner.__name__}.{field}") and expected in str(raised.value)
+
+
+def test_the_bare_limit_helpers_refuse_bad_limits(fake_pg):
+    gm = trace(_two_gathers, (4, 16), (2, 16), (2, 16))
+    with pytest.raises(ValueError, match="ScheduleOptions.max_in_flight must be an int >= 1"):
+        overlapc.passes.limit_in_flight(gm, 0)
+    with pytest.raises(ValueError, match="did you mean 'serial-peak'"):
+        overlapc.passes.limit_in_flight(gm, 2, "serial")
