@@ -61,7 +61,8 @@ rank 0 writes the file):
   issue and start costs (scheduled): ``measured.in_step``. On a 2-core host
   the blocks' compute keeps both cores busy and gloo's threads wait for one,
   which a training step's compute, in short kernels between waits, does not
-  (serial scale 0.8-0.9, issue scale ~0.6 there).
+  (over this host's calibrations: serial scale 0.57-0.97, issue scale
+  0.60-1.08, lower under load).
 
 With one process (``world_size == 1``) only compute is measured; the link is
 the built-in one named by ``link``, recorded as such.
@@ -583,8 +584,8 @@ class IssueSampler:
 
     The blocks price collectives on a host where compute keeps every core busy: on 2 gloo
     ranks of a 2-core host they priced a collective waited at once at 0.9-1.5 ms and an
-    overlapped one at 0.9-1.4 ms, while compiled training steps spent 0.7-0.9 ms per
-    collective waited at once and less overlapped; ``measure_in_step`` measures the ratio."""
+    overlapped one at 0.9-1.4 ms, while compiled training steps spent 0.7-1.0 ms per
+    collective waited at once and 0.7-0.9 ms overlapped; ``measure_in_step`` measures the ratio."""
 
     def __init__(self, device: torch.device, collectives: dict):
         import torch.distributed as dist
