@@ -469,12 +469,13 @@ def _timed_round(steps, sync) -> list[float]:
     return times
 
 
-def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple[Callable[[], None], list]:
+def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple[Callable[[], None], list, int]:
     """(a warm training step (``_warm_train_step``) of the small reference block in ``order``,
-    its compiled graphs' collectives [[kind, full bytes], ...]): "plain" as it is, compiled by
-    Inductor; "serial" sharded by ``overlapc.fsdp`` over ``mesh`` and compiled by plain
-    Inductor (each collective waited right after it starts); "scheduled" sharded and compiled
-    by overlapc (default options; its collectives read from its reports, ``dump_dir``)."""
+    its compiled graphs' collectives [[kind, full bytes], ...], its parameter count): "plain"
+    as it is, compiled by Inductor; "serial" sharded by ``overlapc.fsdp`` over ``mesh`` and
+    compiled by plain Inductor (each collective waited right after it starts); "scheduled"
+    sharded and compiled by overlapc (default options; its collectives read from its reports,
+    ``dump_dir``)."""
     import tempfile
 
     import overlapc.fsdp
@@ -482,6 +483,7 @@ def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple
     torch.manual_seed(0)
     model = torch.nn.TransformerEncoderLayer(sizes["width"], sizes["heads"], dim_feedforward=sizes["ffn"],
                                              dropout=0.0, batch_first=True).to(device)
+    parameters = sum(1 for _ in model.parameters())
     if order != "plain":
         model = overlapc.fsdp.shard(model, mesh)
     x = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
@@ -492,7 +494,7 @@ def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple
         with torch._inductor.config.patch(post_grad_custom_post_pass=recorder if order == "serial" else None,
                                           fx_graph_cache=False):
             step = _warm_train_step(torch.compile(model, dynamic=False), optimizer, x, y)
-        return step, [list(c) for c in recorder.found]
+        return step, [list(c) for c in recorder.found], parameters
     with tempfile.TemporaryDirectory(prefix="overlapc-calibrate-") as folder:
         compiled = torch.compile(model, backend="overlapc", dynamic=False, options={"dump_dir": folder})
         step = _warm_train_step(compiled, optimizer, x, y)
@@ -503,7 +505,7 @@ def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple
                 rows += json.load(report)["collectives"]
     world = mesh.size()   # a row's bytes are the collective's output: a reduce-scatter's full buffer is world x
     return step, [[row["kind"], (row["nbytes"] or 0) * (world if row["kind"] == "reduce_scatter" else 1)]
-                  for row in rows]
+                  for row in rows], parameters
 
 
 def measure_in_step(device: torch.device, collectives: dict, quick: bool = False) -> tuple[dict, dict]:
@@ -526,7 +528,7 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
     found = {}
     steps = []
     for order in IN_STEP_ORDERS:
-        step, found[order] = _in_step_model(device, sizes, order, mesh)
+        step, found[order], parameters = _in_step_model(device, sizes, order, mesh)
         steps.append(step)
     sync = _sync(device)
     taken: list[list[float]] = [[] for _ in steps]
@@ -536,7 +538,6 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
             for times, ms in zip(taken, _timed_round(steps, sync)):
                 times.append(ms)
     medians = _slowest_median(taken)
-    parameters = len(list(torch.nn.TransformerEncoderLayer(sizes["width"], sizes["heads"], sizes["ffn"]).parameters()))
     reference = {**sizes, "model": "TransformerEncoderLayer", "parameters": parameters, "rounds": len(taken[0]),
                  "collectives": {order: found[order] for order in IN_STEP_ORDERS[1:]},
                  **{f"{order}_ms": ms for order, ms in zip(IN_STEP_ORDERS, medians)}}
@@ -631,11 +632,12 @@ class IssueSampler:
         each the slowest rank's: us, the issuing thread's whole cost of a collective that
         compute covers (its wait included); start us, the start calls' mean time in the
         overlapped blocks; serial us, one waited at once; pair us, two started together and
-        waited at once. Per slot, serial and pair the time inside their start and wait calls, overlapped that plus
-        what the block took beyond its calls and the compute-only block (gloo's threads slowing
-        compute). Not block less compute-only block: on a loaded machine a thread that waits
-        often is scheduled ahead of one that computes throughout, so the compute-only block
-        slowed more than the others' compute and the difference priced collectives low."""
+        waited at once. Per slot, serial and pair the time inside their start and wait calls,
+        overlapped that plus what the block took beyond its calls and the compute-only block
+        (gloo's threads slowing compute). Not block less compute-only block: on a loaded
+        machine a thread that waits often is scheduled ahead of one that computes throughout,
+        so the compute-only block slowed more than the others' compute and the difference
+        priced collectives low."""
         def costs(sample) -> list[float]:
             (compute, _), (overlapped, calls), (_, serial), (_, pair) = sample
             return [(calls + max(0.0, overlapped - calls - compute)) * 1e3, serial * 1e3, pair * 1e3]
