@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from overlapc.passes.options import ScheduleOptions, check_scheduling
 
 _INNER = ("inductor", "aot_eager")
+_SCHEDULING = ScheduleOptions()   # the defaults of the fields the passes read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +71,15 @@ class OverlapConfig:
     check_ranks_timeout: seconds a rank waits there for the others (> 0).
     """
 
-    max_in_flight: int | None = 3
-    max_in_flight_bytes: int | str | None = "auto"
-    bucket: str | int | None = "auto"
-    regather: str = "always"
-    chunks: int | str = 1
+    max_in_flight: int | None = _SCHEDULING.max_in_flight   # the scheduling fields' defaults are the passes'
+    max_in_flight_bytes: int | str | None = _SCHEDULING.max_in_flight_bytes
+    bucket: str | int | None = _SCHEDULING.bucket
+    regather: str = _SCHEDULING.regather
+    chunks: int | str = _SCHEDULING.chunks
     profile: str | None = None
     inductor_mode: str | None = None
-    on_error: str = "fallback"
-    enabled: bool = True
+    on_error: str = _SCHEDULING.on_error
+    enabled: bool = _SCHEDULING.enabled
     inner: str = "inductor"
     dump_dir: str | None = None
     check_ranks: bool | None = None

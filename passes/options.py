@@ -21,8 +21,8 @@ ON_ERROR = ("fallback", "raise")
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleOptions:
-    """The scheduling fields of ``OverlapConfig``, with its defaults; each field means
-    what the same field of ``OverlapConfig`` does (its docstring says how)."""
+    """The scheduling fields of ``OverlapConfig``; their defaults here are its defaults too.
+    Each field means what the same field of ``OverlapConfig`` does (its docstring says how)."""
 
     max_in_flight: int | None = 3
     max_in_flight_bytes: int | str | None = "auto"
