@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import socket
@@ -88,6 +89,7 @@ import torch._inductor.custom_graph_pass
 
 from overlapc import costmodel
 from overlapc.collectives import KINDS as COLLECTIVE_KINDS
+from overlapc.collectives import collectives as find_collectives
 
 KINDS = tuple(kind for kind, known in COLLECTIVE_KINDS.items() if known.ring_phases)   # what is measured
 SWEEP = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)   # full buffer bytes
@@ -469,6 +471,34 @@ def _timed_round(steps, sync) -> list[float]:
     return times
 
 
+def _in_step_layer(device: torch.device, sizes: dict) -> torch.nn.Module:
+    """The small reference block of ``sizes`` (a ``TransformerEncoderLayer``) on ``device``."""
+    return torch.nn.TransformerEncoderLayer(sizes["width"], sizes["heads"], dim_feedforward=sizes["ffn"],
+                                            dropout=0.0, batch_first=True).to(device)
+
+
+IN_STEP_CAPTURES = (("serial", {"bucket": None, "chunks": 1}), ("scheduled", {}))   # as Inductor runs it; overlapc
+
+
+def _in_step_graphs(device: torch.device, sizes: dict, mesh) -> dict:
+    """{"serial": [(graph, order)], "scheduled": [...]}: the sharded reference block's forward
+    and backward graphs as ``overlapc.backend.capture`` gives them, unbucketed in their traced
+    order (``before_order``: as plain Inductor runs them) and as overlapc schedules them (order
+    None: the graph's own); what ``in_step_scales`` simulates. Every rank calls this before
+    compiling anything it keeps (capture resets Dynamo)."""
+    import overlapc.fsdp
+    from overlapc import backend
+
+    graphs = {}
+    for order, options in IN_STEP_CAPTURES:
+        torch.manual_seed(0)
+        model = overlapc.fsdp.shard(_in_step_layer(device, sizes), mesh)
+        x = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
+        graphs[order] = [(r.gm, r.before_order if order == "serial" else None)
+                         for r in backend.capture(model, (x,), options)]
+    return graphs
+
+
 def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple[Callable[[], None], list, int]:
     """(a warm training step (``_warm_train_step``) of the small reference block in ``order``,
     its compiled graphs' collectives [[kind, full bytes], ...], its parameter count): "plain"
@@ -481,8 +511,7 @@ def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple
     import overlapc.fsdp
 
     torch.manual_seed(0)
-    model = torch.nn.TransformerEncoderLayer(sizes["width"], sizes["heads"], dim_feedforward=sizes["ffn"],
-                                             dropout=0.0, batch_first=True).to(device)
+    model = _in_step_layer(device, sizes)
     parameters = sum(1 for _ in model.parameters())
     if order != "plain":
         model = overlapc.fsdp.shard(model, mesh)
@@ -508,9 +537,10 @@ def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple
                   for row in rows], parameters
 
 
-def measure_in_step(device: torch.device, collectives: dict, quick: bool = False) -> tuple[dict, dict]:
-    """(``IssueSampler.result()``, the in-step reference): what collectives cost compiled
-    training steps, against what ``IssueSampler``'s blocks price them at, at the same time.
+def measure_in_step(device: torch.device, collectives: dict, quick: bool = False) -> tuple[dict, dict, dict]:
+    """(``IssueSampler.result()``, the in-step reference, its graphs (``_in_step_graphs``)): what
+    collectives cost compiled training steps, against what ``IssueSampler``'s blocks price them
+    at, at the same time.
 
     The small block of ``REFERENCES`` is built three times from one seed (``_in_step_model``):
     plain, sharded in its traced order ("serial") and sharded as overlapc schedules it
@@ -525,6 +555,7 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
     sampler = IssueSampler(device, collectives)   # first: it routes gloo's all-gathers
     sizes = REFERENCES.get(device.type, REFERENCES["cpu"])[0]
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    graphs = _in_step_graphs(device, sizes, mesh)
     found = {}
     steps = []
     for order in IN_STEP_ORDERS:
@@ -541,34 +572,54 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
     reference = {**sizes, "model": "TransformerEncoderLayer", "parameters": parameters, "rounds": len(taken[0]),
                  "collectives": {order: found[order] for order in IN_STEP_ORDERS[1:]},
                  **{f"{order}_ms": ms for order, ms in zip(IN_STEP_ORDERS, medians)}}
-    return sampler.result(), reference
+    return sampler.result(), reference, graphs
 
 
-def in_step_scales(reference: dict, link: dict, kinds: dict, world_size: int, param_us: float) -> dict:
-    """{"serial_scale", "issue_scale"}: what the sharded reference block's collectives cost its
-    steps (the step less the plain block's and its parameters x ``param_us``), over what the
-    unscaled profile (``link_document``'s ``link`` and per-kind ``kinds``) prices them at: in
-    the serial order each waited at once (its kind's latency; the transfer at the kind's
-    bandwidth is subtracted from both), in overlapc's order each hidden (the link's
-    ``issue_us`` + bytes / ``issue_gbps``). 1 where there is nothing to scale; each clamped
-    to [0.1, 10]."""
-    def clamp(extra: float, priced: float) -> float:
-        return min(10.0, max(0.1, extra / priced)) if priced > 0 else 1.0
+def in_step_scales(reference: dict, graphs: dict, profile_at: Callable[[dict], "costmodel.Profile"],
+                   param_us: float) -> dict:
+    """{"serial_scale", "issue_scale"}: the factors on the profile's latencies and on its issue
+    and start costs (``profile_at(scales)``: the profile they give) at which the reference's
+    ``graphs`` (``_in_step_graphs``), simulated (``overlapc.simulate``, the model every estimate
+    uses) in the serial order and in overlapc's, spend as long on their collectives as the
+    measured steps did: each order's step less the plain block's and its parameters x
+    ``param_us``, against the simulated steps less their compute. Each simulated time grows with
+    its scale: bisection over [0.1, 10] (a measured time outside it gives the end), the serial
+    scale first, then the issue scale, twice over. 1 for an order without collectives."""
+    from overlapc.simulate import simulate
 
-    def extra_ms(order: str) -> float:
-        return reference[f"{order}_ms"] - reference["plain_ms"] - reference["parameters"] * param_us * 1e-3
+    costs: dict = {}
 
-    latency = transfer = 0.0
-    for kind, nbytes in reference["collectives"]["serial"]:
-        numbers = kinds.get(kind)
-        if numbers is not None:
-            latency += numbers["latency_us"] * 1e-3
-            transfer += nbytes * costmodel.ring_factor(kind, world_size) / (numbers["gbps"] * 1e9) * 1e3
-    per_byte = 1e-6 / link["issue_gbps"] if link.get("issue_gbps") else 0.0
-    issue = sum(link.get("issue_us", 0.0) * 1e-3 + nbytes * per_byte
-                for _, nbytes in reference["collectives"]["scheduled"])
-    return {"serial_scale": clamp(extra_ms("serial") - transfer, latency),
-            "issue_scale": clamp(extra_ms("scheduled"), issue)}
+    def simulated_ms(order: str, scales: dict) -> float:
+        profile, total = profile_at(scales), 0.0
+        for gm, nodes in graphs[order]:
+            if gm not in costs:
+                costs[gm] = {n: costmodel.compute_ms(n, profile.device) for n in gm.graph.nodes}
+            timeline = simulate(gm, profile, nodes, compute_ms=costs[gm].__getitem__)
+            total += timeline.step_ms - sum(end - begin for begin, end in timeline.compute.values())
+        return total
+
+    def solve(order: str, key: str, scales: dict) -> float:
+        if not any(find_collectives(gm) for gm, _ in graphs[order]):
+            return 1.0
+        measured = reference[f"{order}_ms"] - reference["plain_ms"] - reference["parameters"] * param_us * 1e-3
+        low, high = math.log(IN_STEP_SCALE_RANGE[0]), math.log(IN_STEP_SCALE_RANGE[1])
+        for _ in range(IN_STEP_BISECTIONS):
+            middle = (low + high) / 2
+            if simulated_ms(order, {**scales, key: math.exp(middle)}) < measured:
+                low = middle
+            else:
+                high = middle
+        return math.exp((low + high) / 2)
+
+    scales = {"serial_scale": 1.0, "issue_scale": 1.0}
+    for _ in range(2):
+        scales["serial_scale"] = solve("serial", "serial_scale", scales)
+        scales["issue_scale"] = solve("scheduled", "issue_scale", scales)
+    return scales
+
+
+IN_STEP_SCALE_RANGE = (0.1, 10.0)
+IN_STEP_BISECTIONS = 24   # over ln 100: the scale to 3e-7 of itself
 
 
 class IssueSampler:
@@ -747,11 +798,12 @@ def measure_collectives(device: torch.device, quick: bool = False, say=lambda me
 
 def document(compute: dict, collectives: dict | None, world_size: int, backend: str,
              device: torch.device, fallback_link: str = "ethernet", quick: bool = False,
-             issue: dict | None = None, in_step: dict | None = None) -> dict:
+             issue: dict | None = None, in_step: dict | None = None, in_step_graphs: dict | None = None) -> dict:
     """The profile file's JSON (``costmodel.PROFILE_SCHEMA``) from the measurements: the
     device from ``compute``, the link from ``collectives`` (the sweep) and ``issue``
-    (``IssueSampler``; ``link_document``), scaled by ``in_step_scales`` of ``in_step``
-    (``measure_in_step``'s reference, recorded with its scales as ``measured.in_step``)."""
+    (``IssueSampler``; ``link_document``), scaled by ``in_step_scales`` of ``in_step`` and
+    ``in_step_graphs`` (``measure_in_step``'s reference and its graphs; the reference is recorded
+    with its scales as ``measured.in_step``)."""
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
@@ -771,8 +823,10 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
         measured["link"] = f"not measured (one process): built-in {fallback_link}"
     else:
         if issue and in_step:
-            link, kinds, _ = link_document(collectives, issue, world_size, backend)
-            in_step = {**in_step, **in_step_scales(in_step, link, kinds, world_size, compute.get("param_us", 0.0))}
+            def profile_at(scales: dict) -> costmodel.Profile:
+                link, kinds, _ = link_document(collectives, issue, world_size, backend, scales)
+                return costmodel.profile_from_json({**doc, "link": link, "collectives": kinds})
+            in_step = {**in_step, **in_step_scales(in_step, in_step_graphs, profile_at, compute.get("param_us", 0.0))}
             measured["in_step"] = in_step
         doc["link"], doc["collectives"], link_measured = link_document(collectives, issue, world_size, backend,
                                                                        in_step)
@@ -891,7 +945,8 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
         collectives = measure_collectives(device, quick, say if rank == 0 else (lambda m: None)) \
             if world_size > 1 else None
     with _profiler(profiled):
-        issue, in_step = measure_in_step(device, collectives, quick) if world_size > 1 else (None, None)
+        issue, in_step, in_step_graphs = measure_in_step(device, collectives, quick) if world_size > 1 \
+            else (None, None, None)
     compute = measure_compute(device, quick) if rank == 0 else None
     with _profiler(profiled):
         step = measure_step(device, quick, grouped and world_size > 1)
@@ -912,7 +967,8 @@ def run_in_group(out: str | None, quick: bool = False, fallback_link: str = "eth
             f"{compute['matmul']['n']}^2 and copy rates / {factor:.3g}, the reference blocks' roofline factor), "
             f"{compute['kernel_us']:.3g} us per node of compiled code; a training step outside its graphs "
             f"{compute['step_us']:.3g} us + {compute['param_us']:.3g} us per parameter")
-    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue, in_step)
+    doc = document(compute, collectives, world_size, backend, device, fallback_link, quick, issue, in_step,
+                   in_step_graphs)
     if rank == 0 and issue:
         link = doc["link"]
         say(f"issuing a collective during compute costs it {link['issue_us']:.3g} us"

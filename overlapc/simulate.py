@@ -19,10 +19,12 @@ Nodes are walked in program order:
   stream stalls is that collective's *exposed* time. At its first wait the
   rest of the link's ``issue_ms`` (the CPU time the backend's threads and the
   completion take around the collective's run) is charged to the compute
-  stream, less the time the stream stalled during the collective's run (its
-  cores were free then): in full for a hidden collective, not at all for one
-  that kept compute waiting that long. A collective never waited pays it in
-  full at the end.
+  stream in proportion to the part of the run, from the start call's return
+  to the collective's end, that the stream spent computing rather than
+  stalled on a wait (the threads slow compute only where it runs beside
+  them): in full for a hidden collective, not at all for one waited right
+  after its start. A collective never waited, or one whose run ended within
+  its start call, pays it in full.
 
 A collective is *hidden* when its waits stall compute for less than 1% of its
 duration or less than 1 us. In-flight bytes are counted by the scheduler's own
@@ -140,10 +142,18 @@ def _stalled(stalls: list[tuple[float, float]], begin: float, end: float) -> flo
     return total
 
 
+def _computed_beside(stalls: list[tuple[float, float]], begin: float, end: float) -> float:
+    """The fraction of ``begin``..``end`` (a collective's run after its start call) that the
+    compute stream did not stall (``stalls``, ``_stalled``); 1 for an empty run."""
+    if end <= begin:
+        return 1.0
+    return max(0.0, 1.0 - _stalled(stalls, begin, end) / (end - begin))
+
+
 def _walk(order, of_start, of_wait, costs, profile, comm):
     """The two-stream model (module docstring) over ``order``; ``costs``: node -> compute ms;
     ``comm``: collective -> (latency ms, transfer ms). Returns (step ms, compute spans,
-    start -> [issue, start, end, exposed, background], the in-flight tracker)."""
+    start -> [issue, start, end, exposed, background, start call's return], the in-flight tracker)."""
     now = 0.0                                  # compute stream time
     group_free: dict[str, float] = {}          # group -> when its link is free
     compute: dict[str, tuple[float, float]] = {}
@@ -161,7 +171,7 @@ def _walk(order, of_start, of_wait, costs, profile, comm):
             end = link.end_ms(issue, group_free.get(c.group, 0.0), latency, transfer)
             group_free[c.group] = end
             issued[node] = [issue, max(issue, end - latency - transfer), end, 0.0,
-                            link.issue_ms(nbytes) - link.start_ms(nbytes)]
+                            link.issue_ms(nbytes) - link.start_ms(nbytes), now]
             if c.waits:
                 flight.open(c)
             continue
@@ -172,7 +182,7 @@ def _walk(order, of_start, of_wait, costs, profile, comm):
                 record[3] += record[2] - now
                 stalls.append((now, record[2]))
                 now = record[2]
-            now += max(0.0, record[4] - _stalled(stalls, record[1], record[2]))
+            now += record[4] * _computed_beside(stalls, record[5], record[2])
             record[4] = 0.0
             waits_left[c.start] -= 1
             if waits_left[c.start] == 0:
@@ -212,7 +222,7 @@ def simulate(gm: fx.GraphModule, profile: costmodel.Profile | None = None, order
     now, compute, issued, flight = _walk(order, of_start, of_wait, costs, profile, _link_costs(profile, comm_ms))
 
     times = {}
-    for start, (issue, begin, end, exposed, _) in issued.items():
+    for start, (issue, begin, end, exposed, _, _) in issued.items():
         times[start.name] = CollectiveTime(of_start[start], issue, begin, end, exposed)
     return Timeline(compute=compute, collectives=times, step_ms=now,
                     exposed_ms=sum(t.exposed_ms for t in times.values()),

@@ -7,7 +7,11 @@ import pytest
 import torch
 
 import overlapc.cli as cli
+from torch.fx.experimental.proxy_tensor import make_fx
+
 from overlapc import calibrate, costmodel
+from overlapc.collectives import collectives
+from overlapc.simulate import simulate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLGATHER = os.path.join(REPO, "examples", "allgather.py") + ":build"
@@ -150,44 +154,87 @@ def calibrate_issue(recorded: dict) -> dict:
             for kind, samples in recorded.items()}
 
 
-def test_in_step_scales_price_the_reference_steps_collectives_as_they_ran():
-    """Serial: (serial step - plain step - parameters x param_us - transfers) / latencies, the
-    latencies and transfers those of the serial order's collectives by kind; issue: (scheduled
-    step - plain - parameters x param_us) / the scheduled collectives' issue costs. Worked by hand."""
-    kinds = {"all_gather": {"latency_us": 1000.0, "gbps": 1.0}, "reduce_scatter": {"latency_us": 2000.0, "gbps": 0.5}}
-    link = {"issue_us": 500.0, "issue_gbps": 2.0}
-    reference = {"plain_ms": 10.0, "serial_ms": 16.6, "scheduled_ms": 13.0, "parameters": 10,
-                 "collectives": {"serial": [["all_gather", 1_000_000], ["all_gather", 0], ["reduce_scatter", 0]],
-                                 "scheduled": [["all_gather", 1_000_000], ["reduce_scatter", 0]]}}
-    # serial: extra 16.6 - 10 - 10 x 0.06 = 6.0 ms; transfer 1e6 x 1/2 / 1e9 s = 0.5 ms; latencies 1 + 1 + 2 = 4 ms
-    # issue: extra 13 - 10 - 0.6 = 2.4 ms; priced 0.5 + 1e6 / 2e9 s (0.5 ms) + 0.5 = 1.5 ms
-    scales = calibrate.in_step_scales(reference, link, kinds, 2, param_us=60.0)
-    assert scales == pytest.approx({"serial_scale": (6.0 - 0.5) / 4.0, "issue_scale": 2.4 / 1.5})
-    # nothing priced: 1; a step no slower than plain: the floor, 0.1
-    assert calibrate.in_step_scales({**reference, "collectives": {"serial": [], "scheduled": []}}, {}, kinds, 2,
-                                    60.0) == {"serial_scale": 1.0, "issue_scale": 1.0}
-    assert calibrate.in_step_scales({**reference, "serial_ms": 9.0, "scheduled_ms": 9.0}, link, kinds, 2,
-                                    60.0) == {"serial_scale": 0.1, "issue_scale": 0.1}
+F = torch.ops._c10d_functional
 
 
-def test_document_scales_latency_and_issue_costs_by_the_in_step_reference():
+def waited_at_once(a, w):
+    x = torch.mm(a, a)
+    g = F.wait_tensor(F.all_gather_into_tensor(w, 8, "0"))
+    return torch.mm(x, a).sum() + g.sum()
+
+
+def issued_before_compute(a, w):
+    g = F.all_gather_into_tensor(w, 8, "0")
+    x = torch.mm(torch.mm(a, a), a)
+    return x.sum() + F.wait_tensor(g).sum()
+
+
+def reference_graphs():
+    """``_in_step_graphs``' shape: a serial order (the gather waited right after it starts) and
+    a scheduled one (the gather issued before 5 ms nodes of compute), over the fake group of 8."""
+    def traced(fn):
+        return [(make_fx(fn)(torch.randn(4, 4), torch.randn(2, 4)), None)]
+    return {"serial": traced(waited_at_once), "scheduled": traced(issued_before_compute)}
+
+
+SLOW_NODES = costmodel.DeviceProfile("d", tflops=1e3, mem_gbps=1e3, kernel_us=5000.0)   # ~5 ms a node
+
+
+def link_at(scales):
+    return costmodel.LinkProfile("l", gbps=0.001, latency_us=1000.0 * scales["serial_scale"],
+                                 issue_us=500.0 * scales["issue_scale"], start_us=100.0 * scales["issue_scale"])
+
+
+def test_in_step_scales_are_where_the_simulated_reference_spends_what_the_measured_one_did(fake_pg):
+    """Worked by hand. Serial: the gather waited at once costs its latency and transfer, nothing of its
+    issue beyond the start call (no compute runs beside it): (serial step - plain - parameters x param_us
+    - transfer) / latency. Scheduled: the gather runs beside 5 ms nodes, so it costs its whole issue:
+    (scheduled step - plain - parameters x param_us) / issue."""
+    graphs = reference_graphs()
+    gather = collectives(graphs["serial"][0][0])[0]
+    latency, transfer = costmodel.link_ms(gather, link_at({"serial_scale": 1.0, "issue_scale": 1.0}))
+    assert (latency, transfer) == pytest.approx((1.0, costmodel.collective_bytes(gather) * 7 / 8 / 1e6 * 1e3))
+    reference = {"plain_ms": 10.0, "serial_ms": 13.1, "scheduled_ms": 11.4, "parameters": 10}
+    profile_at = lambda scales: costmodel.Profile(SLOW_NODES, link_at(scales))  # noqa: E731
+    scales = calibrate.in_step_scales(reference, graphs, profile_at, param_us=60.0)
+    # extra: serial 13.1 - 10 - 10 x 0.06 = 2.5 ms; scheduled 11.4 - 10 - 0.6 = 0.8 ms; issue 0.5 ms
+    assert scales == pytest.approx({"serial_scale": (2.5 - transfer) / 1.0, "issue_scale": 0.8 / 0.5}, rel=1e-5)
+    # a step no slower than plain: the floor; nothing to scale: 1
+    assert calibrate.in_step_scales({**reference, "serial_ms": 9.0, "scheduled_ms": 9.0}, graphs, profile_at,
+                                    60.0) == pytest.approx({"serial_scale": 0.1, "issue_scale": 0.1}, rel=1e-5)
+    empty = make_fx(lambda a: torch.mm(a, a))(torch.randn(4, 4))
+    assert calibrate.in_step_scales(reference, {"serial": [(empty, None)], "scheduled": [(empty, None)]},
+                                    profile_at, 60.0) == {"serial_scale": 1.0, "issue_scale": 1.0}
+
+
+def collective_ms(graphs: dict, order: str, profile: costmodel.Profile) -> float:
+    """The simulated step less its compute, over an order's graphs."""
+    total = 0.0
+    for gm, nodes in graphs[order]:
+        t = simulate(gm, profile, nodes)
+        total += t.step_ms - sum(end - begin for begin, end in t.compute.values())
+    return total
+
+
+def test_document_scales_latency_and_issue_costs_by_the_in_step_reference(fake_pg):
     """With an in-step reference the profile's latencies are the serial scale times the unscaled
-    ones, its issue and start fits those of the samples times the issue scale; ``with_issue``
-    applies the scales the document recorded to new samples."""
-    compute = {"tflops": 0.1, "mem_gbps": 10.0, "param_us": 0.0}
-    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)], "reduce_scatter": [(4096, 0.6), (1 << 20, 3.0)]}
+    ones, its issue and start fits those of the samples times the issue scale, and the written
+    profile, simulating the reference's graphs, spends on their collectives what the measured
+    steps did; ``with_issue`` applies the scales the document recorded to new samples."""
+    compute = {"tflops": 1e3, "mem_gbps": 1e3, "kernel_us": 5000.0, "param_us": 0.0}
+    collectives_swept = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)], "reduce_scatter": [(4096, 0.6), (1 << 20, 3.0)]}
     issue = {"all_gather": [(4096, 900.0, 150.0, 1500.0, 2500.0), (1 << 20, 1900.0, 400.0, 3000.0, 5000.0)],
              "reduce_scatter": [(4096, 1200.0, 250.0, 1600.0, 2900.0), (1 << 20, 2400.0, 500.0, 4000.0, 7000.0)]}
-    reference = {"plain_ms": 5.0, "serial_ms": 9.0, "scheduled_ms": 7.0, "parameters": 0,
-                 "collectives": {"serial": [["all_gather", 0], ["reduce_scatter", 0]],
-                                 "scheduled": [["all_gather", 0]]}}
-    plain = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue)
-    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue, in_step=reference)
-    latencies = sum(plain["collectives"][k]["latency_us"] for k in collectives) * 1e-3
-    serial, overlapped = 4.0 / latencies, 2.0 / (plain["link"]["issue_us"] * 1e-3)
-    assert doc["measured"]["in_step"]["serial_scale"] == pytest.approx(serial)
-    assert doc["measured"]["in_step"]["issue_scale"] == pytest.approx(overlapped)
-    for kind in collectives:
+    reference = {"plain_ms": 5.0, "serial_ms": 9.0, "scheduled_ms": 6.0, "parameters": 0}
+    graphs = reference_graphs()
+    plain = calibrate.document(compute, collectives_swept, 2, "gloo", torch.device("cpu"), issue=issue)
+    doc = calibrate.document(compute, collectives_swept, 2, "gloo", torch.device("cpu"), issue=issue,
+                             in_step=reference, in_step_graphs=graphs)
+    serial, overlapped = doc["measured"]["in_step"]["serial_scale"], doc["measured"]["in_step"]["issue_scale"]
+    written = costmodel.profile_from_json(doc)
+    assert collective_ms(graphs, "serial", written) == pytest.approx(9.0 - 5.0, rel=1e-4)
+    assert collective_ms(graphs, "scheduled", written) == pytest.approx(6.0 - 5.0, rel=1e-4)
+    for kind in collectives_swept:
         assert doc["collectives"][kind]["latency_us"] == pytest.approx(serial * plain["collectives"][kind]["latency_us"])
     assert (doc["link"]["issue_us"], doc["link"]["start_us"]) == pytest.approx(
         (calibrate.fit_issue([(s[0], s[1] * overlapped) for k in sorted(issue) for s in issue[k]])[0],
@@ -197,7 +244,7 @@ def test_document_scales_latency_and_issue_costs_by_the_in_step_reference():
              for kind, samples in issue.items()}
     again = calibrate.with_issue(doc, later)
     unscaled_later = calibrate.with_issue(plain, later)
-    for kind in collectives:
+    for kind in collectives_swept:
         assert again["collectives"][kind]["latency_us"] == pytest.approx(
             serial * unscaled_later["collectives"][kind]["latency_us"])
     assert again["measured"]["in_step"] == doc["measured"]["in_step"]
@@ -234,8 +281,7 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert len(scheduled) < len(serial) and all(b > 0 for _, b in serial + scheduled)   # buckets
     assert in_step["serial_ms"] > in_step["plain_ms"] > 0 and in_step["scheduled_ms"] > 0
     unscaled_link, unscaled, _ = calibrate.link_document(calibrate.sweep_samples(doc), calibrate_issue(issue), 2, "gloo")
-    scales = calibrate.in_step_scales(in_step, unscaled_link, unscaled, 2, doc["device"]["param_us"])
-    assert scales == pytest.approx({k: in_step[k] for k in ("serial_scale", "issue_scale")})
+    assert all(0.1 <= in_step[k] <= 10.0 for k in ("serial_scale", "issue_scale"))
     for kind in calibrate.KINDS:
         assert doc["collectives"][kind]["latency_us"] == pytest.approx(
             in_step["serial_scale"] * unscaled[kind]["latency_us"])

@@ -45,9 +45,9 @@ def test_profile_file_carries_the_split(tmp_path):
 
 
 @pytest.mark.parametrize("comm, step", [
-    (3.0, 4.0),    # stalls 1.9 ms >= the 0.4 ms of background work: none charged
-    (0.5, 2.5),    # hidden: all 0.4 ms charged at the wait
-    (1.3, 2.5),    # stalls 0.2 ms during its run: the other 0.2 ms charged
+    (3.0, 4.0 + 0.4 * 1.0 / 2.9),   # runs 1.1..4.0 after its start call, compute 1.0 ms of it: that share of 0.4
+    (0.5, 2.5),                     # hidden: all 0.4 ms of background work charged at the wait
+    (1.3, 2.3 + 0.4 * 1.0 / 1.2),   # runs 1.1..2.3, stalls the last 0.2 ms: 1.0 / 1.2 of it charged
 ])
 def test_background_issue_cost_is_charged_where_compute_runs(fake_pg, comm, step):
     gm = make_fx(gather_between_compute)(torch.randn(8, 8), torch.randn(1, 8))
