@@ -51,18 +51,17 @@ rank 0 writes the file):
   collective after computing apart, and the threads wake); 2 - pair / serial
   is ``link.overlap``, how much of a collective's latency runs beside the
   collective before it. The simulator charges the start call at the issue and
-  the rest of the issuing cost only where compute does not wait for the
-  collective anyway. On a GPU the issuing cost is the launch alone.
+  the rest of the issuing cost for the share of the collective's run that
+  compute ran beside it. On a GPU the issuing cost is the launch alone.
   Between those blocks' rounds, compiled training steps of a small
   ``TransformerEncoderLayer`` are timed three ways: plain, sharded by
   ``overlapc.fsdp`` in its traced order (each collective waited at once) and
-  sharded as overlapc schedules it. What the collectives cost those steps,
-  over what the blocks price them at, scales the latencies (serial) and the
-  issue and start costs (scheduled): ``measured.in_step``. On a 2-core host
-  the blocks' compute keeps both cores busy and gloo's threads wait for one,
-  which a training step's compute, in short kernels between waits, does not
-  (over this host's calibrations: serial scale 0.57-0.97, issue scale
-  0.60-1.08, lower under load).
+  sharded as overlapc schedules it. The latencies (serial) and the issue and
+  start costs (scheduled) are scaled until the simulator, run over those
+  steps' own graphs (``in_step_scales``), spends on their collectives what the
+  measured steps did: ``measured.in_step``. On a 2-core host the blocks'
+  compute keeps both cores busy and gloo's threads wait for one, which a
+  training step's compute, in short kernels between waits, does not.
 
 With one process (``world_size == 1``) only compute is measured; the link is
 the built-in one named by ``link``, recorded as such.
@@ -433,7 +432,6 @@ def _slot_block(start, per_slot: int, slots: int, a, b, sync, calls: list[float]
     return block
 
 
-IN_STEP_ROUNDS = 2   # rounds of reference steps (plain, serial, scheduled) after each round of the blocks
 IN_STEP_ORDERS = ("plain", "serial", "scheduled")
 
 
@@ -544,8 +542,10 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
 
     The small block of ``REFERENCES`` is built three times from one seed (``_in_step_model``):
     plain, sharded in its traced order ("serial") and sharded as overlapc schedules it
-    ("scheduled"). After each round of the blocks (``ISSUE_REPEATS`` rounds, quick), the three
-    are timed ``IN_STEP_ROUNDS`` times in turn. The reference: {"collectives": {"serial": [[kind,
+    ("scheduled"). During each round of the blocks (``ISSUE_REPEATS`` rounds, quick), the three
+    are timed in turn after every point of the round (``IssueSampler.round``'s ``between``: its
+    kinds x sizes, so their samples spread over the whole measurement as a step's slow spells
+    do; over 10 consecutive rounds the scheduled step's median moved 17-33 ms). The reference: {"collectives": {"serial": [[kind,
     full bytes], ...], "scheduled": [...]} of the compiled graphs, "parameters", "<order>_ms"
     per order (the slowest rank's median), "rounds", and the block's sizes};
     ``in_step_scales`` turns it into the factors the blocks' costs are scaled by. Every rank
@@ -563,11 +563,13 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
         steps.append(step)
     sync = _sync(device)
     taken: list[list[float]] = [[] for _ in steps]
+
+    def reference_round() -> None:
+        for times, ms in zip(taken, _timed_round(steps, sync)):
+            times.append(ms)
+
     for _ in range(ISSUE_REPEATS if quick else REPEATS):
-        sampler.round()
-        for _ in range(IN_STEP_ROUNDS):
-            for times, ms in zip(taken, _timed_round(steps, sync)):
-                times.append(ms)
+        sampler.round(between=reference_round)
     medians = _slowest_median(taken)
     reference = {**sizes, "model": "TransformerEncoderLayer", "parameters": parameters, "rounds": len(taken[0]),
                  "collectives": {order: found[order] for order in IN_STEP_ORDERS[1:]},
@@ -672,11 +674,13 @@ class IssueSampler:
             self.starts.append(calls)
         self.taken: list[list[list[float]]] = [[] for _ in self.points]
 
-    def round(self) -> None:
+    def round(self, between: Callable[[], None] | None = None) -> None:
         """One sample of every point: its ways timed back to back, so drifts in the machine's
-        load hit all alike."""
+        load hit all alike; ``between`` (if given) called after each point."""
         for block, taken in zip(self.blocks, self.taken):
             taken.append([block(how) for how in BLOCKS])
+            if between is not None:
+                between()
 
     def result(self) -> dict:
         """{kind: [(full bytes, us, start us, serial us, pair us), ...]}, medians over the rounds,
