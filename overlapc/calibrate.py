@@ -544,10 +544,11 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
     plain, sharded in its traced order ("serial") and sharded as overlapc schedules it
     ("scheduled"). During each round of the blocks (``ISSUE_REPEATS`` rounds, quick), the three
     are timed in turn after every point of the round (``IssueSampler.round``'s ``between``: its
-    kinds x sizes, so their samples spread over the whole measurement as a step's slow spells
-    do; over 10 consecutive rounds the scheduled step's median moved 17-33 ms). The reference: {"collectives": {"serial": [[kind,
-    full bytes], ...], "scheduled": [...]} of the compiled graphs, "parameters", "<order>_ms"
-    per order (the slowest rank's median), "rounds", and the block's sizes};
+    kinds x sizes), so their samples spread over the whole measurement as a step's slow spells
+    do (over 10 consecutive rounds the scheduled step's median moved 17-33 ms). The reference:
+    {"collectives": {"serial": [[kind, full bytes], ...], "scheduled": [...]} of the compiled
+    graphs, "parameters", "<order>_ms" per order (the slowest rank's median), "rounds", and the
+    block's sizes};
     ``in_step_scales`` turns it into the factors the blocks' costs are scaled by. Every rank
     of the default group calls this."""
     import torch.distributed as dist
@@ -808,6 +809,9 @@ def document(compute: dict, collectives: dict | None, world_size: int, backend: 
     (``IssueSampler``; ``link_document``), scaled by ``in_step_scales`` of ``in_step`` and
     ``in_step_graphs`` (``measure_in_step``'s reference and its graphs; the reference is recorded
     with its scales as ``measured.in_step``)."""
+    if in_step is not None and in_step_graphs is None:
+        raise ValueError("calibrate.document: an in-step reference needs its graphs (in_step_graphs, "
+                         "measure_in_step's third result) to scale the profile by")
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": socket.gethostname(), "backend": backend, "world_size": world_size,
                 "device_type": device.type, "torch": torch.__version__, "platform": platform.platform(),
@@ -885,23 +889,6 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
         measured["issue"] = {kind: [dict(zip(("bytes", "us", "start_us", "serial_us", "pair_us"), s)) for s in samples]
                              for kind, samples in sorted(issue.items())}
     return link, kinds, measured
-
-
-def sweep_samples(doc: dict) -> dict:
-    """{kind: [(full bytes, ms), ...]}: the back-to-back sweep recorded in a profile document
-    (``measure_collectives``' result)."""
-    return {kind: [(s["bytes"], s["ms"]) for s in numbers["samples"]] for kind, numbers in doc["collectives"].items()}
-
-
-def with_issue(doc: dict, issue: dict) -> dict:
-    """``doc`` (a profile document of 2 or more ranks) with its link and collectives derived
-    anew (``link_document``) from its own sweep samples and ``issue`` (``IssueSampler.result()``'s
-    dict), which ``measured.issue`` then records, scaled by the
-    in-step scales ``doc`` recorded (``measured.in_step``; 1 without them)."""
-    measured = doc["measured"]
-    link, kinds, link_measured = link_document(sweep_samples(doc), issue, measured["world_size"], doc["link"]["name"],
-                                               measured.get("in_step"))
-    return {**doc, "link": link, "collectives": kinds, "measured": {**measured, **link_measured}}
 
 
 def _profiler(profiled: bool):

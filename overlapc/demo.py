@@ -3,10 +3,8 @@
 First the ranks calibrate a profile of this machine and link (``overlapc
 calibrate``'s quick sweep, not under the profiler: the timed steps the header
 compares with are not profiled either), so the estimates are this machine's;
-overlapc compiles with it (``profile.json``). The in-step costs of collectives
-(``calibrate.IssueSampler``) are measured once more in rounds between the timed
-pairs of steps, so the machine's load while the steps run is the load the
-header's estimates see (``profile_steps.json``).
+overlapc compiles with it (``profile.json``), and every estimate the demo prints
+uses it.
 Each rank builds the same model, shards it with overlapc.fsdp, and compiles it
 twice from the same initial weights: under backend="overlapc" (default options
 unless flags say otherwise) and under plain Inductor. After one compiling step
@@ -17,8 +15,7 @@ steps run under torch.profiler (``overlapc.analyze`` reads the trace).
 
 Rank 0 prints, in three parts: a header block (model and mesh, whether the
 losses are equal, the measured step of overlapc vs Inductor and their ratio;
-the estimate of each step and of the same ratio, with ``profile_steps.json``,
-the Inductor one from the traced graphs in their own order, unbucketed, as
+the estimate of each step and of the same ratio, the Inductor one from the traced graphs in their own order, unbucketed, as
 plain Inductor runs them, overlapc's from its scheduled graphs; peak memory of
 both orders, exposed communication in both), one compact
 table per graph (``report.format_graph``; its "before" is the order the
@@ -81,10 +78,9 @@ def _step(model, optimizer, x, y) -> tuple[float, float]:
     return loss.item(), time.perf_counter() - begin
 
 
-def _train_alternating(models: dict, data, steps: int, say, between=None) -> dict:
+def _train_alternating(models: dict, data, steps: int, say) -> dict:
     """Step 0 of each model (its compile), one after the other; then steps 1.. in
-    alternating pairs, the model going first alternating too, ``between(step)`` (if given)
-    called after each pair. name -> (losses, seconds)."""
+    alternating pairs, the model going first alternating too. name -> (losses, seconds)."""
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.05) for name, model in models.items()}
     results = {name: ([], []) for name in models}
     names = list(models)
@@ -101,8 +97,6 @@ def _train_alternating(models: dict, data, steps: int, say, between=None) -> dic
             loss, seconds = _step(models[name], optimizers[name], *data[step % len(data)])
             results[name][0].append(loss)
             results[name][1].append(seconds)
-        if between is not None:
-            between(step)
     return results
 
 
@@ -162,7 +156,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: s
     from overlapc import calibrate
     profile = os.path.join(dump_dir, "profile.json")
     say("calibrating this machine and link (quick sweep) ...")
-    calibrated = calibrate.run_in_group(profile, quick=True)
+    calibrate.run_in_group(profile, quick=True)
     dist.barrier()
     options = {"dump_dir": dump_dir, "profile": profile, **_schedule_options(args)}
     models = {}
@@ -170,24 +164,17 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: s
         torch.manual_seed(0)
         model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
         models[name] = torch.compile(model, backend=backend, options=opts)
-    sampler = calibrate.IssueSampler(torch.device("cpu"), calibrate.sweep_samples(calibrated))
-    results = _train_alternating(models, data, args.steps, say,
-                                 lambda step: sampler.round() if (step - 1) % ISSUE_EVERY == 0 else None)
-    timed = os.path.join(dump_dir, "profile_steps.json")
-    if rank == 0:
-        calibrate.write(calibrate.with_issue(calibrated, sampler.result()), timed)
-    else:
-        sampler.result()   # the other ranks' part of the slowest-rank medians
+    results = _train_alternating(models, data, args.steps, say)
     dist.barrier()
 
     trace = os.path.join(dump_dir, f"trace_rank{rank}.json")
     say(f"profiling {PROFILED} overlapc steps (torch.profiler) ...")
     _profile(models["overlapc"], data, trace)
     dist.barrier()
-    estimates = _estimates(mesh, args, data, options, timed)
+    estimates = _estimates(mesh, args, data, options, profile)
     if rank == 0:
         parameters = sum(1 for _ in models["overlapc"].parameters())
-        print(_results_text(args, world_size, dump_dir, timed, trace, results, parameters, estimates), end="",
+        print(_results_text(args, world_size, dump_dir, profile, trace, results, parameters, estimates), end="",
               flush=True)
     if args.keep:
         _write_page(rank, mesh, args, data, options, profile, trace, dump_dir)
@@ -244,8 +231,8 @@ def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str
     barrier = calibrated.link.for_kind("all_reduce")[1] * 1e-3   # the step's dist.barrier(): latency
     measured = analyze(trace, dump_dir)
     lines = _header(args, world_size, results, graphs, framework + barrier, measured, estimates)
-    lines += [f"estimates above: {os.path.basename(profile)} (the link re-measured between the timed pairs)",
-              "", "schedule per graph (estimates from profile.json, calibrated before compiling)"]
+    lines += [f"estimates above and below: {os.path.basename(profile)} (calibrated before compiling)",
+              "", "schedule per graph"]
     text = "\n".join(report.wrap(line, "    ").rstrip("\n") for line in lines) + "\n"
     for name, rows, summary in graphs:
         text += "\n" + report.format_graph(name, rows, summary)
@@ -330,9 +317,6 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
 STEPS = 32     # per model, the first compiling: on 2 shared cores the same program's step moved 1.6-2.6x
 #               between steps (a stall hits the collectives of one step and not the next), and the ratio of
 #               the medians of 7 pairs moved 1.14-2.63x between runs; 31 pairs take 2-4 s
-ISSUE_EVERY = 3   # timed pairs per round of the in-step collective costs (calibrate.IssueSampler) taken between
-#                  them: calibrated 40 s before the steps, the estimates of the same program moved 0.66-1.43x
-#                  its measured step on a loaded machine; taken between the steps, load hits both alike
 PROFILED = 9   # steps under torch.profiler, after one warm-up step: on 2 shared cores a step takes
 #               28-80 ms (a ~4 ms stall hits some collectives and not others), and the median of 5
 #               moved by a third between runs of the same program

@@ -125,29 +125,6 @@ def test_document_takes_latency_from_serial_costs_and_overlap_from_pairs():
     assert costmodel.profile_from_json(plain).link.overlap == 1.0
 
 
-def test_with_issue_derives_the_link_anew_from_the_sweep_and_new_in_step_samples():
-    """The demo re-measures the in-step costs between its timed steps: the profile document
-    gets the link (latency, issue cost, overlap) of the new samples, the device and the
-    sweep's bandwidth unchanged, as if ``document`` had been given them."""
-    compute = {"tflops": 0.1, "mem_gbps": 10.0}
-    collectives = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)], "reduce_scatter": [(4096, 0.6), (1 << 20, 3.0)]}
-    first = {"all_gather": [(4096, 900.0, 150.0, 1500.0, 2500.0), (1 << 20, 1900.0, 400.0, 3000.0, 5000.0)],
-             "reduce_scatter": [(4096, 1200.0, 250.0, 1600.0, 2900.0), (1 << 20, 2400.0, 500.0, 4000.0, 7000.0)]}
-    later = {"all_gather": [(4096, 500.0, 120.0, 600.0, 900.0), (1 << 20, 1400.0, 300.0, 2000.0, 3100.0)],
-             "reduce_scatter": [(4096, 550.0, 130.0, 700.0, 1000.0), (1 << 20, 1500.0, 350.0, 2100.0, 3500.0)]}
-    doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=first)
-    again = calibrate.with_issue(doc, later)
-    expected = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=later)
-    assert calibrate.sweep_samples(doc) == collectives
-    assert again["link"] == pytest.approx(expected["link"]) and again["link"] != doc["link"]
-    for kind in collectives:
-        assert again["collectives"][kind]["latency_us"] == pytest.approx(expected["collectives"][kind]["latency_us"])
-        assert again["collectives"][kind]["gbps"] == pytest.approx(doc["collectives"][kind]["gbps"])
-    assert again["device"] == doc["device"] and again["measured"]["issue"] == expected["measured"]["issue"]
-    assert costmodel.profile_from_json(again).link.latency_ms("all_gather") < \
-        costmodel.profile_from_json(doc).link.latency_ms("all_gather")
-
-
 def calibrate_issue(recorded: dict) -> dict:
     """A profile's ``measured.issue`` back as ``IssueSampler.result()``'s tuples."""
     return {kind: [(s["bytes"], s["us"], s["start_us"], s["serial_us"], s["pair_us"]) for s in samples]
@@ -220,7 +197,7 @@ def test_document_scales_latency_and_issue_costs_by_the_in_step_reference(fake_p
     """With an in-step reference the profile's latencies are the serial scale times the unscaled
     ones, its issue and start fits those of the samples times the issue scale, and the written
     profile, simulating the reference's graphs, spends on their collectives what the measured
-    steps did; ``with_issue`` applies the scales the document recorded to new samples."""
+    steps did."""
     compute = {"tflops": 1e3, "mem_gbps": 1e3, "kernel_us": 5000.0, "param_us": 0.0}
     collectives_swept = {"all_gather": [(4096, 0.5), (1 << 20, 2.0)], "reduce_scatter": [(4096, 0.6), (1 << 20, 3.0)]}
     issue = {"all_gather": [(4096, 900.0, 150.0, 1500.0, 2500.0), (1 << 20, 1900.0, 400.0, 3000.0, 5000.0)],
@@ -235,19 +212,14 @@ def test_document_scales_latency_and_issue_costs_by_the_in_step_reference(fake_p
     assert collective_ms(graphs, "serial", written) == pytest.approx(9.0 - 5.0, rel=1e-4)
     assert collective_ms(graphs, "scheduled", written) == pytest.approx(6.0 - 5.0, rel=1e-4)
     for kind in collectives_swept:
-        assert doc["collectives"][kind]["latency_us"] == pytest.approx(serial * plain["collectives"][kind]["latency_us"])
+        assert doc["collectives"][kind]["latency_us"] == pytest.approx(
+            serial * plain["collectives"][kind]["latency_us"])
     assert (doc["link"]["issue_us"], doc["link"]["start_us"]) == pytest.approx(
         (calibrate.fit_issue([(s[0], s[1] * overlapped) for k in sorted(issue) for s in issue[k]])[0],
          calibrate.fit_issue([(s[0], s[2] * overlapped) for k in sorted(issue) for s in issue[k]])[0]))
     assert doc["link"]["overlap"] == plain["link"]["overlap"]   # a ratio of serial costs: unscaled
-    later = {kind: [(b, us / 2, start / 2, serial_us / 2, pair / 2) for b, us, start, serial_us, pair in samples]
-             for kind, samples in issue.items()}
-    again = calibrate.with_issue(doc, later)
-    unscaled_later = calibrate.with_issue(plain, later)
-    for kind in collectives_swept:
-        assert again["collectives"][kind]["latency_us"] == pytest.approx(
-            serial * unscaled_later["collectives"][kind]["latency_us"])
-    assert again["measured"]["in_step"] == doc["measured"]["in_step"]
+    with pytest.raises(ValueError, match="in_step_graphs"):
+        calibrate.document(compute, collectives_swept, 2, "gloo", torch.device("cpu"), issue=issue, in_step=reference)
 
 
 def test_compute_only_profile_records_the_builtin_link(tmp_path):
@@ -280,7 +252,8 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert {k for k, _ in serial} == {k for k, _ in scheduled} == {"all_gather", "reduce_scatter"}
     assert len(scheduled) < len(serial) and all(b > 0 for _, b in serial + scheduled)   # buckets
     assert in_step["serial_ms"] > in_step["plain_ms"] > 0 and in_step["scheduled_ms"] > 0
-    unscaled_link, unscaled, _ = calibrate.link_document(calibrate.sweep_samples(doc), calibrate_issue(issue), 2, "gloo")
+    swept = {kind: [(s["bytes"], s["ms"]) for s in numbers["samples"]] for kind, numbers in doc["collectives"].items()}
+    _, unscaled, _ = calibrate.link_document(swept, calibrate_issue(issue), 2, "gloo")
     assert all(0.1 <= in_step[k] <= 10.0 for k in ("serial_scale", "issue_scale"))
     for kind in calibrate.KINDS:
         assert doc["collectives"][kind]["latency_us"] == pytest.approx(
