@@ -5,6 +5,7 @@ import operator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -282,3 +283,48 @@ def test_old_profile_files_load_without_fixed_costs(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="link.overlap"):
         costmodel.load_profile(path)
+
+
+def _program(serial: bool, gathers: int, matmuls: int):
+    """A chain of ``matmuls`` matmuls and ``gathers`` all-gathers: serial, each gather waited right
+    after it starts, between the matmuls; else all issued first and waited after the last matmul."""
+    def program(a, w):
+        x, total = a, 0
+        if serial:
+            for i in range(max(gathers, matmuls)):
+                if i < matmuls:
+                    x = torch.mm(x, a)
+                if i < gathers:
+                    total = total + F.wait_tensor(F.all_gather_into_tensor(w, 8, "0")).sum()
+            return x.sum() + total
+        started = [F.all_gather_into_tensor(w, 8, "0") for _ in range(gathers)]
+        for _ in range(matmuls):
+            x = torch.mm(x, a)
+        return x.sum() + sum(F.wait_tensor(g).sum() for g in started)
+    return program
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(gathers=st.integers(1, 5), matmuls=st.integers(1, 5), latency_us=st.floats(200.0, 2000.0),
+       issue_us=st.floats(0.0, 3000.0), start_share=st.floats(0.0, 1.0), rows=st.integers(1, 64))
+def test_background_issue_cost_follows_the_compute_beside_the_run(fake_pg, gathers, matmuls, latency_us,
+                                                                  issue_us, start_share, rows):
+    """Random chains, timelines added up here: waited at once, a collective costs its latency and
+    transfer and none of its background issuing cost (no compute runs beside it); hidden behind
+    compute, its whole issuing cost."""
+    start_us = min(start_share * issue_us, 0.9 * latency_us)   # the start call returns before the run ends
+    link = costmodel.LinkProfile("l", gbps=0.5, latency_us=latency_us, issue_us=issue_us, start_us=start_us)
+    profile = costmodel.Profile(costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0), link)
+    for serial, mm_ms in ((True, 1.0), (False, 1000.0)):
+        gm = make_fx(_program(serial, gathers, matmuls))(torch.randn(4, 4), torch.randn(rows, 4))
+        compute = lambda n, mm_ms=mm_ms: mm_ms if n.target == torch.ops.aten.mm.default else 0.0  # noqa: E731
+        timeline = simulate(gm, profile, compute_ms=compute)
+        found = overlapc.collectives(gm)
+        assert len(found) == gathers
+        compute_total = matmuls * mm_ms
+        if serial:
+            expected = compute_total + sum(sum(costmodel.link_ms(c, link)) for c in found)
+        else:
+            expected = compute_total + sum(link.issue_ms(costmodel.collective_bytes(c)) for c in found)
+            assert timeline.exposed_ms == 0
+        assert timeline.step_ms == pytest.approx(expected, rel=1e-9, abs=1e-9)
