@@ -15,9 +15,10 @@ steps run under torch.profiler (``overlapc.analyze`` reads the trace).
 
 Rank 0 prints, in three parts: a header block (model and mesh, whether the
 losses are equal, the measured step of overlapc vs Inductor and their ratio;
-the estimate of each step and of the same ratio, the Inductor one from the traced graphs in their own order, unbucketed, as
-plain Inductor runs them, overlapc's from its scheduled graphs; peak memory of
-both orders, exposed communication in both), one compact
+the estimate of each step and of the same ratio, the Inductor one from the
+traced graphs in their own order, unbucketed, as plain Inductor runs them,
+overlapc's from its scheduled graphs; peak memory of both orders, exposed
+communication in both), one compact
 table per graph (``report.format_graph``; its "before" is the order the
 scheduler was handed, after bucketing), and only with ``--verbose`` the
 details: losses and times per step, the wide tables, and per profiled step
