@@ -435,24 +435,6 @@ def _slot_block(start, per_slot: int, slots: int, a, b, sync, calls: list[float]
 IN_STEP_ORDERS = ("plain", "serial", "scheduled")
 
 
-class _Collectives(torch._inductor.custom_graph_pass.CustomGraphPass):
-    """Inductor post-grad pass that records (kind, full bytes) of every collective in the graphs
-    it compiles (``costmodel.collective_bytes``)."""
-
-    def __init__(self):
-        self.found: list[tuple[str, int]] = []
-        self.key = f"overlapc.calibrate collectives {time.time_ns()} {os.getpid()}"   # never a cache hit
-
-    def __call__(self, graph) -> None:
-        from overlapc.collectives import scan
-        nodes = list(graph.nodes)
-        for c in scan(nodes, {node: at for at, node in enumerate(nodes)}, first_consumers=False):
-            self.found.append((c.kind, costmodel.collective_bytes(c) or 0))
-
-    def uuid(self) -> str:
-        return self.key
-
-
 def _timed_round(steps, sync) -> list[float]:
     """Each of ``steps`` once, in order, every rank starting it together; ms each, the closing
     barrier included (as ``overlapc demo`` times its steps)."""
@@ -497,15 +479,11 @@ def _in_step_graphs(device: torch.device, sizes: dict, mesh) -> dict:
     return graphs
 
 
-def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple[Callable[[], None], list, int]:
+def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple[Callable[[], None], int]:
     """(a warm training step (``_warm_train_step``) of the small reference block in ``order``,
-    its compiled graphs' collectives [[kind, full bytes], ...], its parameter count): "plain"
-    as it is, compiled by Inductor; "serial" sharded by ``overlapc.fsdp`` over ``mesh`` and
-    compiled by plain Inductor (each collective waited right after it starts); "scheduled"
-    sharded and compiled by overlapc (default options; its collectives read from its reports,
-    ``dump_dir``)."""
-    import tempfile
-
+    its parameter count): "plain" as it is, compiled by Inductor; "serial" sharded by
+    ``overlapc.fsdp`` over ``mesh`` and compiled by plain Inductor (each collective waited right
+    after it starts); "scheduled" sharded and compiled by overlapc (default options)."""
     import overlapc.fsdp
 
     torch.manual_seed(0)
@@ -516,23 +494,8 @@ def _in_step_model(device: torch.device, sizes: dict, order: str, mesh) -> tuple
     x = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
     y = torch.randn(sizes["batch"], sizes["seq"], sizes["width"], device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    if order != "scheduled":
-        recorder = _Collectives()
-        with torch._inductor.config.patch(post_grad_custom_post_pass=recorder if order == "serial" else None,
-                                          fx_graph_cache=False):
-            step = _warm_train_step(torch.compile(model, dynamic=False), optimizer, x, y)
-        return step, [list(c) for c in recorder.found], parameters
-    with tempfile.TemporaryDirectory(prefix="overlapc-calibrate-") as folder:
-        compiled = torch.compile(model, backend="overlapc", dynamic=False, options={"dump_dir": folder})
-        step = _warm_train_step(compiled, optimizer, x, y)
-        rank = os.path.join(folder, f"rank{torch.distributed.get_rank()}")
-        rows = []
-        for graph in sorted(os.listdir(rank)):
-            with open(os.path.join(rank, graph, "report.json"), encoding="utf-8") as report:
-                rows += json.load(report)["collectives"]
-    world = mesh.size()   # a row's bytes are the collective's output: a reduce-scatter's full buffer is world x
-    return step, [[row["kind"], (row["nbytes"] or 0) * (world if row["kind"] == "reduce_scatter" else 1)]
-                  for row in rows], parameters
+    compiled = torch.compile(model, backend="overlapc" if order == "scheduled" else "inductor", dynamic=False)
+    return _warm_train_step(compiled, optimizer, x, y), parameters
 
 
 def measure_in_step(device: torch.device, collectives: dict, quick: bool = False) -> tuple[dict, dict, dict]:
@@ -546,8 +509,8 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
     are timed in turn after every point of the round (``IssueSampler.round``'s ``between``: its
     kinds x sizes), so their samples spread over the whole measurement as a step's slow spells
     do (over 10 consecutive rounds the scheduled step's median moved 17-33 ms). The reference:
-    {"collectives": {"serial": [[kind, full bytes], ...], "scheduled": [...]} of the compiled
-    graphs, "parameters", "<order>_ms" per order (the slowest rank's median), "rounds", and the
+    {"collectives": {"serial": [[kind, full bytes], ...], "scheduled": [...]} of its graphs,
+    "parameters", "<order>_ms" per order (the slowest rank's median), "rounds", and the
     block's sizes};
     ``in_step_scales`` turns it into the factors the blocks' costs are scaled by. Every rank
     of the default group calls this."""
@@ -557,10 +520,9 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
     sizes = REFERENCES.get(device.type, REFERENCES["cpu"])[0]
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     graphs = _in_step_graphs(device, sizes, mesh)
-    found = {}
     steps = []
     for order in IN_STEP_ORDERS:
-        step, found[order], parameters = _in_step_model(device, sizes, order, mesh)
+        step, parameters = _in_step_model(device, sizes, order, mesh)
         steps.append(step)
     sync = _sync(device)
     taken: list[list[float]] = [[] for _ in steps]
@@ -573,7 +535,8 @@ def measure_in_step(device: torch.device, collectives: dict, quick: bool = False
         sampler.round(between=reference_round)
     medians = _slowest_median(taken)
     reference = {**sizes, "model": "TransformerEncoderLayer", "parameters": parameters, "rounds": len(taken[0]),
-                 "collectives": {order: found[order] for order in IN_STEP_ORDERS[1:]},
+                 "collectives": {order: [[c.kind, costmodel.collective_bytes(c) or 0] for gm, _ in graphs[order]
+                                         for c in find_collectives(gm)] for order in IN_STEP_ORDERS[1:]},
                  **{f"{order}_ms": ms for order, ms in zip(IN_STEP_ORDERS, medians)}}
     return sampler.result(), reference, graphs
 
