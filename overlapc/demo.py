@@ -315,9 +315,9 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
     ]
 
 
-STEPS = 32     # per model, the first compiling: on 2 shared cores the same program's step moved 1.6-2.6x
-#               between steps (a stall hits the collectives of one step and not the next), and the ratio of
-#               the medians of 7 pairs moved 1.14-2.63x between runs; 31 pairs take 2-4 s
+STEPS = 201    # per model, the first compiling: on 2 shared cores the Inductor / overlapc ratio of 30
+#               consecutive pairs moved 1.19-1.55x within one run (load comes in spells of seconds), so
+#               31 pairs (2-4 s) measured 1.18-1.49x over 8 runs; 120-240 pairs (10-20 s) 1.30-1.42x
 PROFILED = 9   # steps under torch.profiler, after one warm-up step: on 2 shared cores a step takes
 #               28-80 ms (a ~4 ms stall hits some collectives and not others), and the median of 5
 #               moved by a third between runs of the same program
