@@ -628,7 +628,7 @@ class IssueSampler:
         for kind, nbytes in self.points:
             start = _start(kind, nbytes, self.world_size, group_name, device)
             torch.ops._c10d_functional.wait_tensor(start())
-            slot_ms = max(SLOT_MS, 1.5 * _interpolate(collectives[kind], nbytes))
+            slot_ms = _slot_ms(collectives[kind], nbytes)
             calls: list[float] = []   # this point's start calls, us per call, per overlapped block
             slots = max(ISSUE_SLOTS, round(BLOCK_MS / slot_ms))
             block = _slot_block(start, max(1, int(slot_ms / float(mm_ms.item())) + 1), slots, a, b, sync, calls)
@@ -669,6 +669,13 @@ class IssueSampler:
             us, serial, pair = (max(0.0, ways[at]) for ways in extra)
             result.setdefault(kind, []).append((numel * 4, us, called, serial, pair))
         return result
+
+
+def _slot_ms(sweep: list[tuple[int, float]], nbytes: int) -> float:
+    """The compute between two collectives of ``nbytes`` in ``IssueSampler``'s blocks (at
+    least): ``SLOT_MS``, or 1.5x the collective's time in the sweep (``sweep``: [(full bytes,
+    ms), ...] of its kind) if longer."""
+    return max(SLOT_MS, 1.5 * _interpolate(sweep, nbytes))
 
 
 def _interpolate(samples: list[tuple[int, float]], nbytes: int) -> float:
@@ -823,8 +830,11 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
     ``issue_gbps`` fit (``fit_issue``) the overlapped costs, ``start_us`` / ``start_gbps`` the start
     calls; ``overlap``: per kind at the smallest size ``2 - pair / serial`` in [0, 1] (the second
     of two collectives issued together costs nothing more where its latency runs beside the
-    first's, a whole serial collective where it waits for it), their median; 1 without ``issue``."""
-    kinds, pooled, sweep_latency = {}, [], {}
+    first's, a whole serial collective where it waits for it), their median; 1 without ``issue``.
+    ``met_fraction`` / ``gap_us`` (``LinkProfile.latency_after_ms``): per kind, the sweep's
+    latency (collectives back to back) over the in-step one, and the blocks' compute between
+    two collectives (``_slot_ms`` at the smallest size), their means; absent without ``issue``."""
+    kinds, pooled, sweep_latency, met, gaps = {}, [], {}, [], []
     serial_scale, issue_scale = (scales["serial_scale"], scales["issue_scale"]) if scales else (1.0, 1.0)
     for kind, samples in sorted(collectives.items()):
         gbps, latency_us = fit(samples, kind, world_size)
@@ -832,7 +842,10 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
         ring = costmodel.ring_factor(kind, world_size)
         if issue and kind in issue:
             small, _, _, serial_us, _ = min(issue[kind])
-            latency_us = serial_scale * max(0.0, serial_us - small * ring / (gbps * 1e9) * 1e6)
+            in_step_us = max(0.0, serial_us - small * ring / (gbps * 1e9) * 1e6)
+            met.append(min(1.0, latency_us / in_step_us) if in_step_us > 0 else 1.0)
+            gaps.append(_slot_ms(samples, small) * 1e3)
+            latency_us = serial_scale * in_step_us
         kinds[kind] = {"gbps": gbps, "latency_us": latency_us,
                        "samples": [{"bytes": b, "ms": ms, "fit_ms": latency_us * 1e-3 + b * ring / (gbps * 1e9) * 1e3}
                                    for b, ms in samples]}
@@ -846,6 +859,7 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
                                                           for s in issue[kind]])
         link["start_us"], link["start_gbps"] = fit_issue([(s[0], s[2] * issue_scale) for kind in sorted(issue)
                                                           for s in issue[kind]])
+        link["met_fraction"], link["gap_us"] = statistics.mean(met), statistics.mean(gaps)
         link["overlap"] = statistics.median(
             min(1.0, max(0.0, 2.0 - pair / serial)) if serial > 0 else 1.0
             for _, _, _, serial, pair in (min(samples) for _, samples in sorted(issue.items())))

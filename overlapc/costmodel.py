@@ -32,7 +32,9 @@ Profile file ("overlapc.profile/1")::
               "issue_gbps": float >= 0,                # optional (0: none): ... plus full bytes / this
               "start_us": float >= 0,                  # optional (all of issue): its start call's part
               "start_gbps": float >= 0,                # optional (0: none): ... plus full bytes / this
-              "overlap": float in [0, 1]},             # optional (1): latency beside earlier transfers
+              "overlap": float in [0, 1],              # optional (1): latency beside earlier transfers
+              "met_fraction": float in [0, 1],         # optional (1): latency right after the last one ...
+              "gap_us": float >= 0},                   # optional (0: none): ... the whole after this gap
      "collectives": {<kind>: {"gbps": float > 0, "latency_us": float >= 0,
                               "samples": [{"bytes": int, "ms": float, "fit_ms": float}, ...]}, ...},
      "measured": {...}}   # how it was measured (free form; see overlapc.calibrate)
@@ -125,6 +127,8 @@ class LinkProfile:
     start_us: float | None = None
     start_gbps: float = 0.0
     overlap: float = 1.0
+    met_fraction: float = 1.0
+    gap_us: float = 0.0
 
     def issue_ms(self, nbytes: int | None) -> float:
         """The compute stream's time for issuing one collective of ``nbytes`` full bytes (ms)."""
@@ -159,11 +163,25 @@ class LinkProfile:
         """latency + transfer of one ``kind`` collective on an idle link (ms)."""
         return self.latency_ms(kind) + self.transfer_ms(kind, nbytes, n)
 
-    def end_ms(self, issue_ms: float, free_ms: float, latency_ms: float, transfer_ms: float) -> float:
+    def latency_after_ms(self, issue_ms: float, free_ms: float | None, latency_ms: float) -> float:
+        """The latency of a collective issued at ``issue_ms`` whose group's last collective
+        ended at ``free_ms`` (None: none before it): ``met_fraction`` of ``latency_ms`` when it
+        is issued before or as that one ends (the ranks have just met), growing linearly to
+        all of it once ``gap_us`` has passed since (ranks drift apart while they compute
+        between collectives); all of it when nothing came before or ``gap_us`` is 0."""
+        if free_ms is None or self.gap_us <= 0:
+            return latency_ms
+        grown = min(1.0, max(0.0, issue_ms - free_ms) / (self.gap_us * 1e-3))
+        return latency_ms * (self.met_fraction + (1.0 - self.met_fraction) * grown)
+
+    def end_ms(self, issue_ms: float, free_ms: float | None, latency_ms: float, transfer_ms: float) -> float:
         """When a collective issued at ``issue_ms`` ends, its group's link being busy with the
-        collectives issued before it until ``free_ms``: its bytes move after its latency and
-        after the link is free, and ``1 - overlap`` of its latency cannot start before then:
+        collectives issued before it until ``free_ms`` (None: nothing before it): its bytes
+        move after its latency (``latency_after_ms``) and after the link is free, and
+        ``1 - overlap`` of its latency cannot start before then:
         ``max(issue + latency, free + (1 - overlap) x latency) + transfer``."""
+        latency_ms = self.latency_after_ms(issue_ms, free_ms, latency_ms)
+        free_ms = 0.0 if free_ms is None else free_ms
         return max(issue_ms + latency_ms, free_ms + (1.0 - self.overlap) * latency_ms) + transfer_ms
 
 
@@ -371,7 +389,9 @@ def profile_from_json(document: dict, source: str = "", name: str = "") -> Profi
                            None if lnk.get("start_us") is None
                            else _number(f"{where}: link.start_us", lnk["start_us"], 0, False),
                            _number(f"{where}: link.start_gbps", lnk.get("start_gbps", 0.0), 0, False),
-                           _fraction(f"{where}: link.overlap", lnk.get("overlap", 1.0)))
+                           _fraction(f"{where}: link.overlap", lnk.get("overlap", 1.0)),
+                           _fraction(f"{where}: link.met_fraction", lnk.get("met_fraction", 1.0)),
+                           _number(f"{where}: link.gap_us", lnk.get("gap_us", 0.0), 0, False))
     except (KeyError, TypeError) as error:
         raise ValueError(f"{where}: missing or malformed field {error} (schema {PROFILE_SCHEMA})") from None
     return Profile(device, link, name, source)

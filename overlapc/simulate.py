@@ -11,7 +11,9 @@ Nodes are walked in program order:
   (``costmodel.LinkProfile``: the one link model, which ``chunks="auto"``'s
   estimate uses too): its group's collectives move their bytes one after
   another in issue order, and its latency runs beside the transfers before it
-  as far as the link's ``overlap`` says. Issuing keeps the compute stream busy
+  as far as the link's ``overlap`` says; on a calibrated link it is shorter when
+  issued soon after its group's last collective ended
+  (``LinkProfile.latency_after_ms``). Issuing keeps the compute stream busy
   for the link's ``start_ms`` of its bytes (the start call; 0 on the built-in
   links, measured by a calibrated CPU profile: gloo enqueues on the caller's
   thread);
@@ -168,8 +170,10 @@ def _walk(order, of_start, of_wait, costs, profile, comm):
             link, nbytes = profile.link_for(c.group), costmodel.collective_bytes(c)
             now += link.start_ms(nbytes)
             latency, transfer = comm(c)
-            end = link.end_ms(issue, group_free.get(c.group, 0.0), latency, transfer)
+            free = group_free.get(c.group)
+            end = link.end_ms(issue, free, latency, transfer)
             group_free[c.group] = end
+            latency = link.latency_after_ms(issue, free, latency)
             issued[node] = [issue, max(issue, end - latency - transfer), end, 0.0,
                             link.issue_ms(nbytes) - link.start_ms(nbytes), now]
             if c.waits:

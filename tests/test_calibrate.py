@@ -108,12 +108,19 @@ def test_document_takes_latency_from_serial_costs_and_overlap_from_pairs():
              "all_reduce": [(4096, 700.0, 250.0, 1000.0, 2500.0), (1 << 20, 1700.0, 500.0, 4000.0, 7000.0)],
              "all_to_all": [(4096, 600.0, 200.0, 800.0, 700.0), (1 << 20, 1600.0, 450.0, 2000.0, 3000.0)]}
     doc = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"), issue=issue)
+    met = []
     for kind, samples in collectives.items():
         gbps, sweep_latency = calibrate.fit(samples, kind, 2)
         transfer_us = 4096 * costmodel.ring_factor(kind, 2) / (gbps * 1e9) * 1e6
         assert doc["collectives"][kind]["gbps"] == pytest.approx(gbps)
         assert doc["collectives"][kind]["latency_us"] == pytest.approx(issue[kind][0][3] - transfer_us)
         assert doc["measured"]["sweep_latency_us"][kind] == pytest.approx(sweep_latency)
+        met.append(min(1.0, sweep_latency / (issue[kind][0][3] - transfer_us)))
+    # right after another collective: the sweep's latency over the in-step one, the kinds' mean;
+    # the whole latency after the blocks' compute between two collectives: 1.5x the sweep's
+    # 4 KiB times (0.5, 0.6, 0.4 ms; above SLOT_MS), their mean
+    assert doc["link"]["met_fraction"] == pytest.approx(sum(met) / 3) and 0 < doc["link"]["met_fraction"] < 1
+    assert doc["link"]["gap_us"] == pytest.approx(1.5 * (0.5 + 0.6 + 0.4) / 3 * 1e3)
     # 2 - 1800/1200 = 0.5, 2 - 2500/1000 -> 0, 2 - 700/800 -> 1: the median
     assert doc["link"]["overlap"] == pytest.approx(0.5)
     assert doc["link"]["latency_us"] == pytest.approx(
@@ -123,6 +130,8 @@ def test_document_takes_latency_from_serial_costs_and_overlap_from_pairs():
     assert plain["collectives"]["all_gather"]["latency_us"] == pytest.approx(
         calibrate.fit(collectives["all_gather"], "all_gather", 2)[1])
     assert costmodel.profile_from_json(plain).link.overlap == 1.0
+    assert (costmodel.profile_from_json(plain).link.met_fraction, costmodel.profile_from_json(plain).link.gap_us) \
+        == (1.0, 0.0)
 
 
 def calibrate_issue(recorded: dict) -> dict:
@@ -276,6 +285,7 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     # in the middle of compute: each kind's latency is its serial cost less its transfer, and
     # the link's overlap a fraction (tests below check the arithmetic)
     assert 0.0 <= doc["link"]["overlap"] <= 1.0 and "busy_us" not in doc["link"]
+    assert 0.0 <= doc["link"]["met_fraction"] <= 1.0 and doc["link"]["gap_us"] >= calibrate.SLOT_MS * 1e3
     assert all(s["serial_us"] > 0 and s["pair_us"] > 0 for k in issue for s in issue[k])
     assert sorted(doc["measured"]["sweep_latency_us"]) == sorted(calibrate.KINDS)
     for kind, entry in doc["collectives"].items():
@@ -297,10 +307,15 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
     assert code == 0, err
     report = json.loads(out)
     assert report["profile"]["name"] == str(path) and report["profile"]["source"].startswith(f"file {path}")
-    gather = doc["collectives"]["all_gather"]
-    for row in report["graphs"][0]["rows"]:   # world size 8: ring factor 7/8 on the gathered bytes
-        expected = gather["latency_us"] * 1e-3 + row["nbytes"] * 7 / 8 / (gather["gbps"] * 1e9) * 1e3
-        assert row["kind"] == "all_gather" and row["comm_ms"] == pytest.approx(expected)
+    gather, met = doc["collectives"]["all_gather"], doc["link"]["met_fraction"]
+    rows = sorted(report["graphs"][0]["rows"], key=lambda row: row["start_ms"])
+    for at, row in enumerate(rows):   # world size 8: ring factor 7/8 on the gathered bytes
+        latency, transfer = gather["latency_us"] * 1e-3, row["nbytes"] * 7 / 8 / (gather["gbps"] * 1e9) * 1e3
+        assert row["kind"] == "all_gather"
+        if at == 0:   # nothing before it on the link: its whole latency
+            assert row["comm_ms"] == pytest.approx(latency + transfer)
+        else:         # after another: between the met fraction of its latency and all of it
+            assert met * latency + transfer - 1e-9 <= row["comm_ms"] <= latency + transfer + 1e-9
     code, default, _ = cli.main(["report", ALLGATHER, "--world-size", "8", "--format", "json", "--quiet"]), \
         *capsys.readouterr()
     assert json.loads(default)["graphs"][0]["rows"][0]["comm_ms"] != pytest.approx(

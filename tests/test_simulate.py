@@ -283,6 +283,17 @@ def test_old_profile_files_load_without_fixed_costs(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="link.overlap"):
         costmodel.load_profile(path)
+    doc["link"]["overlap"], doc["link"]["met_fraction"] = 1.0, 1.5
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="link.met_fraction"):
+        costmodel.load_profile(path)
+    doc["link"]["met_fraction"], doc["link"]["gap_us"] = 0.5, -1.0
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="link.gap_us"):
+        costmodel.load_profile(path)
+    doc["link"]["gap_us"] = 700.0
+    path.write_text(json.dumps(doc))
+    assert (costmodel.load_profile(path).link.met_fraction, costmodel.load_profile(path).link.gap_us) == (0.5, 700.0)
 
 
 def _program(serial: bool, gathers: int, matmuls: int):
@@ -328,3 +339,43 @@ def test_background_issue_cost_follows_the_compute_beside_the_run(fake_pg, gathe
             expected = compute_total + sum(link.issue_ms(costmodel.collective_bytes(c)) for c in found)
             assert timeline.exposed_ms == 0
         assert timeline.step_ms == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_latency_after_the_last_collective_grows_with_the_gap():
+    link = costmodel.LinkProfile("l", gbps=1.0, latency_us=1000.0, met_fraction=0.4, gap_us=500.0)
+    assert link.latency_after_ms(3.0, None, 1.0) == 1.0              # nothing before it
+    assert link.latency_after_ms(3.0, 3.5, 1.0) == pytest.approx(0.4)    # issued while the last one runs
+    assert link.latency_after_ms(3.0, 3.0, 1.0) == pytest.approx(0.4)    # as it ends
+    assert link.latency_after_ms(3.25, 3.0, 1.0) == pytest.approx(0.7)   # half the gap: half the way
+    assert link.latency_after_ms(9.0, 3.0, 1.0) == pytest.approx(1.0)    # past the gap: all of it
+    assert costmodel.LinkProfile("l", 1.0, 1000.0, met_fraction=0.4).latency_after_ms(3.0, 3.0, 1.0) == 1.0
+    # end_ms: the latency it gives, after the link is free
+    assert link.end_ms(3.25, 3.0, 1.0, 0.5) == pytest.approx(3.25 + 0.7 + 0.5)
+    assert link.end_ms(0.0, None, 1.0, 0.5) == pytest.approx(1.5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(gathers=st.integers(1, 5), mm_ms=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=5),
+       met=st.floats(0.0, 1.0), gap_us=st.floats(0.0, 2000.0), rows=st.integers(1, 64))
+def test_serial_collectives_pay_the_latency_their_gap_gives(fake_pg, gathers, mm_ms, met, gap_us, rows):
+    """Random serial chains (matmuls of random times between all-gathers waited at once), the
+    timeline added up here: the first all-gather pays its whole latency; each later one the met
+    fraction of it, growing linearly to all of it over ``gap_us`` of compute since the last one
+    ended."""
+    link = costmodel.LinkProfile("l", gbps=0.5, latency_us=800.0, met_fraction=met, gap_us=gap_us)
+    profile = costmodel.Profile(costmodel.DeviceProfile("d", tflops=1.0, mem_gbps=1.0), link)
+    gm = make_fx(_program(True, gathers, len(mm_ms)))(torch.randn(4, 4), torch.randn(rows, 4))
+    mms = iter(mm_ms)
+    costs_by_node = {n: next(mms) for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default}
+    timeline = simulate(gm, profile, compute_ms=lambda n: costs_by_node.get(n, 0.0))
+    found = overlapc.collectives(gm)
+    t, last_end = 0.0, None
+    for i in range(max(gathers, len(mm_ms))):
+        if i < len(mm_ms):
+            t += mm_ms[i]
+        if i < gathers:
+            latency, transfer = costmodel.link_ms(found[i], link)
+            if last_end is not None and gap_us > 0:
+                latency *= met + (1 - met) * min(1.0, (t - last_end) / (gap_us * 1e-3))
+            t = last_end = t + latency + transfer
+    assert timeline.step_ms == pytest.approx(t, rel=1e-9, abs=1e-9)

@@ -53,7 +53,7 @@ def pipeline_ms(plan: Plan, k: int, prof) -> float:
             piece += (ms - fixed) / k + fixed
     source = _comm_ms(plan.source, k, link, plan.world) if plan.source is not None else None
     sink = _comm_ms(plan.sink, k, link, plan.world) if plan.sink is not None else None
-    t = busy = 0.0            # compute stream clock; the link is busy until ``busy``
+    t, busy = 0.0, None       # compute stream clock; the link is busy until ``busy`` (None: unused)
     source_done, sink_done = [], []
 
     def issue_on_link(comm: tuple[float, float, float]) -> float:
