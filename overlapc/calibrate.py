@@ -50,7 +50,10 @@ rank 0 writes the file):
   (on 2 gloo ranks 1.2-1.7x the back-to-back sweep's: the ranks meet at every
   collective after computing apart, and the threads wake); 2 - pair / serial
   is ``link.overlap``, how much of a collective's latency runs beside the
-  collective before it. The simulator charges the start call at the issue and
+  collective before it. The sweep's latency over the serial one is
+  ``link.met_fraction``, a collective's latency right after its group's last
+  one ended, growing to all of it over ``link.gap_us``, the blocks' compute
+  between two collectives. The simulator charges the start call at the issue and
   the rest of the issuing cost for the share of the collective's run that
   compute ran beside it. On a GPU the issuing cost is the launch alone.
   Between those blocks' rounds, compiled training steps of a small
