@@ -10,18 +10,19 @@ passes never import the cost model: ``prof.compute_ms(node)``, ``prof.fixed_ms()
 and ``end_ms``, the one link model ``overlapc.simulate`` uses too.
 
 The model replays the emitted order on two streams: the compute stream runs the
-region's nodes piece by piece (``compute_ms`` of each node on the full rows,
-its roofline part divided by k, its fixed per-op cost paid once a piece) and
-issues the collectives (``issue_ms`` of a piece's bytes: the calibrated compute
-time one collective costs its caller); the link moves them in issue order, each
+region's nodes piece by piece (``compute_ms`` of each node on the full rows, its
+roofline part divided by k, its fixed per-op cost paid once a piece) and issues
+the collectives (``issue_ms`` of a piece's bytes: the calibrated compute time
+one collective costs its caller); the link moves them in issue order, each
 ending at ``link.end_ms(issue, link free, latency, transfer of bytes/k)``: on a
 link whose latency overlaps earlier transfers, more pieces cost the link their
-bytes only. Order, as emitted: source 0; then for each piece i: source i+1,
-wait and compute i, sink i, wait for sink i-1; wait for the last sink. A
-pipeline fed by an earlier one (``Plan.link``) has its first source issued
-while the feeder still computes: it is on the link when the pipeline starts,
-its issue paid by the feeder (the link's time is still the pipeline's: a chain
-of pipelines moves every piece's bytes). With 1 piece nothing feeds it.
+bytes only, and a piece issued before the one ahead of it ends pays the link's
+met latency (``latency_after_ms``). Order, as emitted: source 0; then for each
+piece i: source i+1, wait and compute i, sink i, wait for sink i-1; wait for the
+last sink. A pipeline fed by an earlier one (``Plan.link``) has its first source
+issued while the feeder still computes: it is on the link when the pipeline
+starts, its issue paid by the feeder (the link's time is still the pipeline's: a
+chain of pipelines moves every piece's bytes). With 1 piece nothing feeds it.
 """
 from __future__ import annotations
 
