@@ -168,10 +168,11 @@ class LinkProfile:
         ended at ``free_ms`` (None: none before it): ``met_fraction`` of ``latency_ms`` when it
         is issued before or as that one ends (the ranks have just met), growing linearly to
         all of it once ``gap_us`` has passed since (ranks drift apart while they compute
-        between collectives); all of it when nothing came before or ``gap_us`` is 0."""
-        if free_ms is None or self.gap_us <= 0:
+        between collectives); all of it when nothing came before or ``gap_us`` is 0 (in ms)."""
+        gap_ms = self.gap_us * 1e-3
+        if free_ms is None or gap_ms <= 0:
             return latency_ms
-        grown = min(1.0, max(0.0, issue_ms - free_ms) / (self.gap_us * 1e-3))
+        grown = min(1.0, max(0.0, issue_ms - free_ms) / gap_ms)
         return latency_ms * (self.met_fraction + (1.0 - self.met_fraction) * grown)
 
     def end_ms(self, issue_ms: float, free_ms: float | None, latency_ms: float, transfer_ms: float) -> float:

@@ -375,7 +375,7 @@ def test_serial_collectives_pay_the_latency_their_gap_gives(fake_pg, gathers, mm
             t += mm_ms[i]
         if i < gathers:
             latency, transfer = costmodel.link_ms(found[i], link)
-            if last_end is not None and gap_us > 0:
+            if last_end is not None and gap_us * 1e-3 > 0:   # a gap under a float's reach: none
                 latency *= met + (1 - met) * min(1.0, (t - last_end) / (gap_us * 1e-3))
             t = last_end = t + latency + transfer
     assert timeline.step_ms == pytest.approx(t, rel=1e-9, abs=1e-9)
