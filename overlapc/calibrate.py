@@ -846,7 +846,7 @@ def link_document(collectives: dict, issue: dict | None, world_size: int, name: 
         if issue and kind in issue:
             small, _, _, serial_us, _ = min(issue[kind])
             in_step_us = max(0.0, serial_us - small * ring / (gbps * 1e9) * 1e6)
-            met.append(min(1.0, latency_us / in_step_us) if in_step_us > 0 else 1.0)
+            met.append(min(1.0, sweep_latency[kind] / in_step_us) if in_step_us > 0 else 1.0)
             gaps.append(_slot_ms(samples, small) * 1e3)
             latency_us = serial_scale * in_step_us
         kinds[kind] = {"gbps": gbps, "latency_us": latency_us,

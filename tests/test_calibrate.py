@@ -129,9 +129,9 @@ def test_document_takes_latency_from_serial_costs_and_overlap_from_pairs():
     plain = calibrate.document(compute, collectives, 2, "gloo", torch.device("cpu"))
     assert plain["collectives"]["all_gather"]["latency_us"] == pytest.approx(
         calibrate.fit(collectives["all_gather"], "all_gather", 2)[1])
-    assert costmodel.profile_from_json(plain).link.overlap == 1.0
-    assert (costmodel.profile_from_json(plain).link.met_fraction, costmodel.profile_from_json(plain).link.gap_us) \
-        == (1.0, 0.0)
+    plain_link = costmodel.profile_from_json(plain).link
+    assert plain_link.overlap == 1.0
+    assert (plain_link.met_fraction, plain_link.gap_us) == (1.0, 0.0)
 
 
 def calibrate_issue(recorded: dict) -> dict:

@@ -293,7 +293,8 @@ def test_old_profile_files_load_without_fixed_costs(tmp_path):
         costmodel.load_profile(path)
     doc["link"]["gap_us"] = 700.0
     path.write_text(json.dumps(doc))
-    assert (costmodel.load_profile(path).link.met_fraction, costmodel.load_profile(path).link.gap_us) == (0.5, 700.0)
+    loaded = costmodel.load_profile(path).link
+    assert (loaded.met_fraction, loaded.gap_us) == (0.5, 700.0)
 
 
 def _program(serial: bool, gathers: int, matmuls: int):
