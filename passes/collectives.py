@@ -433,9 +433,12 @@ def size_hint(size, unbacked: bool = False) -> int | None:
 
 def tensor_nbytes(value) -> int | None:
     """Bytes of a (fake) tensor or a list of them, from shapes (size hints for
-    symbolic sizes: no guard is added); None when unknown (data-dependent sizes)."""
+    symbolic sizes: no guard is added). In a list or tuple, entries that are no
+    tensor (None, ints: an efficient-attention backward returns grad q, k, v and
+    a None) hold 0 bytes; None when a tensor's size is unknown (data-dependent)
+    or ``value`` is no tensor and no list."""
     if isinstance(value, (list, tuple)):
-        parts = [tensor_nbytes(v) for v in value]
+        parts = [tensor_nbytes(v) for v in value if isinstance(v, (torch.Tensor, list, tuple))]
         return None if any(p is None for p in parts) else sum(parts)
     if not isinstance(value, torch.Tensor):
         return None

@@ -35,6 +35,26 @@ def test_live_bytes_by_hand(fake_pg):
     assert peak_bytes(nodes) == live["mm"] > live["relu"]
 
 
+def test_outputs_with_none_count_their_tensors():
+    """A tuple holding a None (an efficient-attention backward returns grad q, k, v
+    and a None) counts the bytes of its tensors, not 0; an unknown size stays unknown."""
+    from overlapc.passes.collectives import tensor_nbytes
+    q = torch.empty(2, 8, 16)
+    assert tensor_nbytes((q, q, q, None)) == 3 * q.numel() * 4
+    assert tensor_nbytes([q, 3, None, [q, None]]) == 2 * q.numel() * 4
+    assert tensor_nbytes((None,)) == 0
+    assert tensor_nbytes(None) is None
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = q
+    grads = graph.call_function(torch.ops.aten.sin.default, (x,))   # stands in for a multi-output op
+    grads.meta["val"] = (q, q, q, None)
+    graph.output(grads)
+    nodes = list(graph.nodes)
+    assert Liveness(nodes).live_bytes(nodes)[1] == 4 * q.numel() * 4   # x and three grads
+
+
 def _build(name):
     spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
