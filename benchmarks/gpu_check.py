@@ -16,9 +16,11 @@ time is recorded with its error and the next one runs:
    starts with no compute before their wait.
 2. ``memory``: ``torch.cuda.max_memory_allocated`` over a training step (forward,
    loss, backward) of that scheduled model, of the same model scheduled with
-   ``max_in_flight_bytes="serial-peak"`` and compiled with plain Inductor,
-   interleaved rounds (allocation does not depend on the fake group's missing
-   data movement). Each, and the ratios scheduled / plain.
+   overlapc's defaults and with the ``max_in_flight_bytes="auto"`` budget, and
+   compiled with plain Inductor, interleaved rounds (allocation does not depend
+   on the fake group's missing data movement). Each, and the ratios scheduled /
+   plain. ``--memory-snapshots`` adds one recorded step per variant (the CUDA
+   allocator's history, to find where a peak comes from).
 3. ``trace``: an MLP whose layers all-gather their weights with functional
    collectives over a real NCCL group of world size 1 (127.0.0.1 TCPStore),
    compiled with backend="overlapc" (``dump_dir``), profiled with
@@ -304,12 +306,12 @@ def _plain_inductor(model: torch.nn.Module, reorder_for_peak_memory: bool):
 MEMORY_VARIANTS = {
     "overlapc": lambda m: overlapc_compile(m, max_in_flight=MAX_IN_FLIGHT),
     "inductor": lambda m: _plain_inductor(m, True),
-    "overlapc_serial_peak": lambda m: overlapc_compile(m, max_in_flight=MAX_IN_FLIGHT,
-                                                       max_in_flight_bytes="serial-peak"),
+    "overlapc_defaults": lambda m: overlapc_compile(m),
+    "overlapc_auto_bytes": lambda m: overlapc_compile(m, max_in_flight=MAX_IN_FLIGHT, max_in_flight_bytes="auto"),
     "overlapc_no_bucket": lambda m: overlapc_compile(m, max_in_flight=MAX_IN_FLIGHT, bucket=None),
     "inductor_no_memory_reorder": lambda m: _plain_inductor(m, False),
 }
-DEFAULT_MEMORY_VARIANTS = ("overlapc", "inductor", "overlapc_serial_peak")
+DEFAULT_MEMORY_VARIANTS = ("overlapc", "inductor", "overlapc_defaults", "overlapc_auto_bytes")
 
 
 def part_memory(ctx: dict) -> dict:
@@ -335,6 +337,9 @@ def part_memory(ctx: dict) -> dict:
     for _ in range(3 if ctx["dry_run"] else 5):
         for name, (module, compiled) in variants.items():
             _measure_step(device, module, compiled, tokens, samples[name])
+    if ctx["memory_snapshots"] and device.type == "cuda":
+        for name, (module, compiled) in variants.items():
+            _snapshot_step(ctx, name, module, compiled, tokens)
     result = {"ok": True, "sizes": ctx["sizes"], "max_in_flight": MAX_IN_FLIGHT, "rounds": samples,
               "note": "fake process group: collectives move no data, so step times are compute only"}
     for name in variants:
@@ -365,6 +370,21 @@ def _measure_step(device: torch.device, module, compiled, tokens, rounds: dict[s
         peak = torch.cuda.max_memory_allocated()
         rounds["peak_bytes"].append(peak)
         rounds["above_start_bytes"].append(peak - start)
+
+
+def _snapshot_step(ctx: dict, name: str, module, compiled, tokens) -> None:
+    """One more step of variant ``name`` with the CUDA allocator's history recorded (Python
+    stacks: the generated wrapper's lines name the buffers), written as a pickle beside the
+    JSON (``<stem>_snapshot_<name>.pickle``) for ``torch.cuda.memory`` snapshot tools."""
+    module.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        train_step(compiled, tokens)
+        torch.cuda.synchronize()
+        torch.cuda.memory._dump_snapshot(str(ctx["json"].with_name(f"{ctx['json'].stem}_snapshot_{name}.pickle")))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 class GatheredMLP(torch.nn.Module):
@@ -508,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-variants", default=",".join(DEFAULT_MEMORY_VARIANTS),
                         help=f"the memory part's variants, comma-separated, of {','.join(MEMORY_VARIANTS)} "
                         "(overlapc and inductor are always measured)")
+    parser.add_argument("--memory-snapshots", action="store_true",
+                        help="CUDA only: after the memory part's rounds, one more step per variant with the "
+                        "allocator's history recorded, written as <json stem>_snapshot_<variant>.pickle")
     parser.add_argument("--no-code", dest="keep_code", action="store_false",
                         help="do not write the order part's wrapper code beside the JSON (<json stem>_code/)")
     args = parser.parse_args(argv)
@@ -533,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     ctx = {"device": device, "dry_run": args.dry_run, "json": path, "sizes": llama_sizes(args.dry_run),
            "keep_code": args.keep_code, "memory_variants": memory_variants,
+           "memory_snapshots": args.memory_snapshots,
            "budget_scale": 3.0 if args.dry_run else 1.0}
     with tempfile.TemporaryDirectory() as cache:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)   # nothing cached from an earlier run

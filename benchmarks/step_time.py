@@ -28,7 +28,9 @@ instance compiled up front, timed interleaved (A B C ... A B C ...):
                               on a CPU-only install it needs CPU numbers for two GPU queries;
                               they come from this run's calibration, not invented)
   overlapc                    overlapc.fsdp.shard + backend="overlapc", default options
-                              (bucket="auto", max_in_flight=3, max_in_flight_bytes="auto")
+                              (bucket="auto", max_in_flight=3, max_in_flight_bytes="serial-peak")
+  overlapc_auto_bytes         ... max_in_flight_bytes="auto" (the default until 2026-11-28: may
+                              raise the peak above the serial order's)
   overlapc_bucket_module      ... bucket="module" (one bucket per block, as FSDP2 gathers)
   overlapc_nobucket           ... bucket=None (one collective per parameter)
   overlapc_k2/k3              ... max_in_flight=2 / 3
@@ -119,13 +121,14 @@ from harness import concurrent_step, profile_step, run_worker_on_shaped_link, wr
 DDP_VARIANTS = ["ddp_eager", "ddp_inductor", "overlapc_ddp", "overlapc_ddp_unlimited"]
 MODEL_VARIANTS = [
     "fsdp2_eager", "inductor", "inductor_pinned", "inductor_reorder", "inductor_overlap_scheduler",
-    "overlapc", "overlapc_bucket_module", "overlapc_nobucket", "overlapc_k2", "overlapc_k3",
+    "overlapc", "overlapc_auto_bytes", "overlapc_bucket_module", "overlapc_nobucket", "overlapc_k2", "overlapc_k3",
     "overlapc_count_none", "overlapc_count_only",
     "overlapc_unlimited",
 ]
 BOUND_VARIANTS = ["compute_only", "comm_only", "edge_comm", "concurrent"]
 DDP_BOUND_VARIANTS = ["forward_only"]  # gradients exist only in the backward: no all-reduce overlaps the forward
-OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_bucket_module": {"bucket": "module"},
+OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_auto_bytes": {"max_in_flight_bytes": "auto"},
+                    "overlapc_bucket_module": {"bucket": "module"},
                     "overlapc_nobucket": {"bucket": None}, "overlapc_k2": {"max_in_flight": 2},
                     "overlapc_k3": {"max_in_flight": 3},
                     "overlapc_count_none": {"max_in_flight": None},

@@ -230,9 +230,9 @@ def _common_options() -> argparse.ArgumentParser:
                         help="collectives of one group and kind in flight, at most (default 3, OverlapConfig's)")
     common.add_argument("--max-in-flight-bytes", type=_byte_limit(("auto", "serial-peak", "none")),
                         default=argparse.SUPPRESS, metavar="B|auto|serial-peak|none",
-                        help="bytes held in flight per group, at most, e.g. 64MiB (default auto: twice the "
-                        "group's largest collective, more where memory allows; serial-peak: only what fits "
-                        "under the serial order's peak)")
+                        help="bytes held in flight per group, at most, e.g. 64MiB (default serial-peak: only "
+                        "what fits under the serial order's peak, so the peak never rises; auto: twice the "
+                        "group's largest collective, more where memory allows, which may raise the peak)")
     common.add_argument("--regather", type=_regather, default=argparse.SUPPRESS, metavar="always|auto",
                         help="joint forward+backward graphs: re-gather every parameter in the backward "
                         "(always, the default) or keep a block's forward gathers where the peak allows (auto)")

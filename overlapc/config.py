@@ -26,16 +26,17 @@ class OverlapConfig:
         counts as one, and so do the pieces of one chunked collective.
     max_in_flight_bytes: the in-flight budget of one process group: bytes of
         all-gather outputs plus bytes of reduce-scatter / all-reduce /
-        all-to-all inputs, issued and not yet waited (int >= 1), "auto"
-        (twice the group's largest collective, see
+        all-to-all inputs, issued and not yet waited (int >= 1),
+        "serial-peak" (the default; no fixed number: a collective goes ahead
+        only where everything in flight, all groups, fits under the peak of
+        the graph's serial order, so the scheduled graph's peak never exceeds
+        that order's, which ``verify`` checks; a reduce-scatter or all-reduce
+        that does not fit is waited right after its start, as in the serial
+        order), "auto" (faster where the peak is the bound, and may raise the
+        peak: twice the group's largest collective, see
         ``overlapc.passes.inflight.auto_budget``, and more wherever everything
         in flight fits under the graph's memory peak, see
-        ``overlapc.passes.memory.Headroom``), "serial-peak" (no fixed number:
-        a collective goes ahead only where everything in flight, all groups,
-        fits under the peak of the graph's serial order, so the scheduled
-        graph's peak never exceeds that order's, which ``verify`` checks; a
-        reduce-scatter or all-reduce that does not fit is waited right after
-        its start, as in the serial order), or None for no limit.
+        ``overlapc.passes.memory.Headroom``), or None for no limit.
     bucket: merge small collectives before scheduling: "auto" (within a block
         of the model, up to the size of the group's largest collective, so the
         byte budget and memory stay as without buckets), "module" (one bucket

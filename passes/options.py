@@ -25,7 +25,7 @@ class ScheduleOptions:
     Each field means what the same field of ``OverlapConfig`` does (its docstring says how)."""
 
     max_in_flight: int | None = 3
-    max_in_flight_bytes: int | str | None = "auto"
+    max_in_flight_bytes: int | str | None = "serial-peak"
     bucket: str | int | None = "auto"
     regather: str = "always"
     chunks: int | str = 1

@@ -11,6 +11,8 @@ overlapc.verify (``tests/test_properties.independent_checks``, which defines
 every first consumer on the scheduled graph), and values, determinism and
 verify are checked too. Every such graph must schedule: on_error="raise".
 """
+import contextlib
+import logging
 import os
 
 import torch
@@ -156,6 +158,25 @@ def test_chained_graphs_schedule_and_keep_every_guarantee(fake_pg, two_groups, p
     check_schedule(lambda: trace(build(p, groups), *shapes), inputs_for(p), cfg)
 
 
+@contextlib.contextmanager
+def overlapc_warnings():
+    """The WARNING (and worse) messages the "overlapc" logger emits inside the block, as a
+    list filled on exit: a graph rolled back, or chains placed serially, says so there."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logger = logging.getLogger("overlapc")
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+
+
 def check_schedule(make_graph, inputs, cfg):
     """Schedule the graph ``make_graph()`` traces and check it: same values
     (exact, under the stand-ins), ``verify``, the independent checks, and the
@@ -164,7 +185,9 @@ def check_schedule(make_graph, inputs, cfg):
     expected = Stand(gm).run(*inputs)
     before = list(gm.graph.nodes)
 
-    overlapc.schedule(gm, cfg)
+    with overlapc_warnings() as warned:
+        overlapc.schedule(gm, cfg)
+    assert not warned, f"the schedule was cut back: {warned}"   # e.g. chains placed serially
 
     gm.graph.lint()
     got = Stand(gm).run(*inputs)
@@ -198,7 +221,8 @@ def _positions(gm):
 
 def test_hsdp_all_reduce_goes_at_a_chain_point_between_its_reduce_scatter_and_the_end(fake_pg, two_groups):
     gm = trace(hsdp_backward(fake_pg.group_name, two_groups[0].group_name), (16, 16), *[(16, 16)] * 4)
-    overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None))
+    cfg = overlapc.OverlapConfig(on_error="raise", bucket=None, max_in_flight_bytes="auto")
+    overlapc.schedule(gm, cfg)
     pos = _positions(gm)
     rows = overlapc.collectives(gm)
     compute = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default]
@@ -216,7 +240,7 @@ def test_hsdp_all_reduce_goes_at_a_chain_point_between_its_reduce_scatter_and_th
         assert pos[r.waits[0]] < pos[a.start]
         assert a.start.meta["overlapc_reason"] == "chain point"
         assert r.waits[0].meta["overlapc_reason"] in ("before chained start", "early for room")
-    overlapc.verify(gm)
+    overlapc.verify(gm, cfg)
 
 
 def test_two_dim_all_gather_chain_keeps_consumer_order_and_overlaps(fake_pg, two_groups):
@@ -231,8 +255,9 @@ def test_two_dim_all_gather_chain_keeps_consumer_order_and_overlaps(fake_pg, two
         return x
 
     gm = trace(fn, (16, 16), *[(1, 16)] * 4)
-    overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None, max_in_flight=2))
-    overlapc.verify(gm)
+    cfg = overlapc.OverlapConfig(on_error="raise", bucket=None, max_in_flight=2, max_in_flight_bytes="auto")
+    overlapc.schedule(gm, cfg)
+    overlapc.verify(gm, cfg)
     pos = _positions(gm)
     rows = overlapc.collectives(gm)
     first_stage = [c for c in rows if c.group == inner]

@@ -80,7 +80,7 @@ def test_report_json_schema(capsys):
     doc = json.loads(out)
     assert doc["schema"] == cli.REPORT_SCHEMA
     assert (doc["target"], doc["world_size"], doc["rank"]) == (ALLGATHER, 8, 0)
-    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "auto", "bucket": "auto", "chunks": 1,
+    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "serial-peak", "bucket": "auto", "chunks": 1,
                              "regather": "always", "enabled": True}
     assert doc["profile"]["device"]["name"] == "cpu" and doc["profile"]["link"]["name"] == "ethernet"
     assert [g["name"] for g in doc["graphs"]] == ["fw_0", "bw_0"]

@@ -47,7 +47,8 @@ def test_in_place_on_a_temporary_is_compute_and_collectives_cross_it(fake_pg):
     expected = LocalCollectives(gm).run(*_inputs(gm))
     before = [n for n in body(gm) if "all_gather" not in n and "wait" not in n]
 
-    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, bucket=None, on_error="raise"))
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=None, bucket=None, max_in_flight_bytes="auto",
+                                                 on_error="raise"))
 
     order = body(gm)
     # every all-gather is issued before the first in-place write: none was held behind one
