@@ -201,7 +201,8 @@ _EXAMPLES = {
     "report": """examples:
   overlapc report examples/llama.py:build --world-size 8
   overlapc report examples/mlp.py:build --world-size 8 --profile cpu:ethernet --wide
-  overlapc report examples/llama.py:build --world-size 8 --profile cpu:ethernet --html schedule.html""",
+  overlapc report examples/llama.py:build --world-size 8 --profile cpu:ethernet --html schedule.html
+  overlapc report examples/llama.py:build --world-size 8 --dispatch cpu   # h100 estimates of CPU-shaped graphs""",
     "timeline": """examples:
   overlapc timeline examples/llama.py:build --world-size 8 -o llama-trace.json
   overlapc timeline examples/mlp.py:build --world-size 8 --max-in-flight none""",
@@ -484,7 +485,8 @@ def _run(args: argparse.Namespace) -> int:
             f"(rank {args.rank}) ...")
         notes: list[str] = []
         records, dispatch = _capture(built, options, device, notes)
-        say(f"{notes[0]}; dispatch: {dispatch.describe()}")
+        say(notes[0])
+        say(f"dispatch: {dispatch.describe()}")
         for record in records:
             say(f"scheduled {record.name}: {len(collectives(record.gm))} collectives")
         records = [r for r in records if args.graph == "all" or r.name.startswith(args.graph + "_")]
