@@ -8,8 +8,8 @@ meshes and shard the model (``overlapc.fsdp.shard``). The CLI then captures one
 forward and backward and works on the scheduled graphs ("fw_0", "bw_0", ...;
 ``--graph fw|bw|all`` selects). ``--dispatch auto|cuda|cpu`` says how: cuda
 captures the graphs as the CUDA compile makes them (``overlapc.cuda_capture``: a
-fake H100's dispatch, e.g. efficient attention and ``_fused_rms_norm``, and
-Inductor's min-cut partitioner; needs the triton package, else the CLI says so
+fake H100's attention dispatch, e.g. efficient attention, and Inductor's
+min-cut partitioner; needs the triton package, else the CLI says so
 and exits 2), cpu as ``overlapc.backend.capture`` does on CPU (CPU dispatch, the
 default partitioner); auto (default) takes cuda for a GPU profile and cpu for a
 CPU one. Every output says which it used ("dispatch: ..."). The
@@ -270,7 +270,7 @@ def _common_options() -> argparse.ArgumentParser:
                         "(default: the profile's)")
     common.add_argument("--dispatch", choices=("auto", "cuda", "cpu"), default="auto",
                         help="capture the graphs as the CUDA compile makes them (cuda: a fake H100's "
-                        "dispatch, efficient/flash attention, fused RMSNorm, Inductor's min-cut "
+                        "attention dispatch (efficient/flash attention), Inductor's min-cut "
                         "partitioner; needs the triton package) or as CPU does (cpu); auto: cuda for a GPU "
                         "profile, cpu for a CPU one (default auto)")
     common.add_argument("--quiet", action="store_true", help="no progress lines on stderr; report: print "

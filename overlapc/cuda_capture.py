@@ -6,7 +6,7 @@ Three things, each for the estimates of a GPU profile (``overlapc report``,
 - ``capture(model, example_inputs, options, note)``: one training step of
   ``model`` compiled as the backend compiles it for CUDA (Dynamo, AOTAutograd
   with Inductor's decompositions and Inductor's min-cut partitioner), with the
-  device-dependent dispatch of an H100 (``device_dispatch``), each forward and
+  H100's attention dispatch (``device_dispatch``), each forward and
   backward re-traced on fake CUDA tensors (``on_cuda``) and scheduled by
   overlapc; returns the records and the ``Dispatch`` it used. Nothing is
   computed: the compiled step returns zeros shaped like its outputs.
@@ -23,18 +23,20 @@ replaced, for the capture only, by what they do on an H100 (``device_dispatch``)
 ``scaled_dot_product_attention`` calls the kernel ``sdpa_backend`` picks (flash,
 efficient or math, as torch's sm90 checks and enabled backends allow; cuDNN
 attention, which torch >= 2.13 with cuDNN >= 9.15.1 prefers for fp16/bf16 on sm90,
-is not modelled: those calls are captured as flash) and ``rms_norm`` calls
-``_fused_rms_norm``. Other device branches inside composite ops (dropout's fused
-kernel, for one) are not modelled.
+is not modelled: those calls are captured as flash). Not modelled either:
+``rms_norm`` (one ``_fused_rms_norm`` and ``_fused_rms_norm_backward`` on CUDA; on
+CPU tensors ``_fused_rms_norm`` is itself a composite, so the capture keeps CPU's
+pow/mean/rsqrt pieces and their autograd) and other device branches inside
+composite ops (dropout's fused kernel, for one).
 
 Everything here patches process-wide (the dispatcher, torch.cuda, Triton's
 active driver, Dynamo's device registry) and restores all of it on exit; do not
 run other torch work in other threads meanwhile.
 
 Private internals this leans on (names as of torch 2.13 / 2.14.1, triton 3.8 / 3.9):
-- ``torch.library.Library("aten", "IMPL")`` kernels for the CompositeImplicitAutograd
-  key of ``aten::scaled_dot_product_attention`` and ``aten::rms_norm`` (overriding
-  torch's own; ``Library._destroy`` puts them back);
+- ``torch.library.Library("aten", "IMPL")``: a kernel for the CompositeImplicitAutograd
+  key of ``aten::scaled_dot_product_attention`` (overriding torch's own;
+  ``Library._destroy`` puts it back);
 - ``torch._dynamo.device_interface``: ``device_interfaces`` (the registry
   ``register_interface_for_device`` writes), ``CudaInterface``, and
   ``caching_worker_device_properties``;
@@ -339,23 +341,16 @@ def _sdpa_on_h100(chosen: list[str]) -> Callable:
     return sdpa
 
 
-def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
-    """``rms_norm`` as CUDA dispatches it (one ``_fused_rms_norm``, whose backward is
-    ``_fused_rms_norm_backward``), where CPU decomposes it into pow, mean, rsqrt, mul."""
-    return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)[0]
-
-
 @contextlib.contextmanager
 def device_dispatch(chosen: list[str]):
-    """For the duration, ``scaled_dot_product_attention`` and ``rms_norm`` dispatch on any
-    device as they do on an H100 (module docstring), each SDPA call's kernel appended to
-    ``chosen``; torch's own kernels are back on exit."""
+    """For the duration, ``scaled_dot_product_attention`` dispatches on any device as it
+    does on an H100 (``sdpa_backend``; module docstring), each call's kernel appended to
+    ``chosen``; torch's own kernel is back on exit."""
     library = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
             library.impl("scaled_dot_product_attention", _sdpa_on_h100(chosen), "CompositeImplicitAutograd")
-            library.impl("rms_norm", _fused_rms_norm, "CompositeImplicitAutograd")
         yield
     finally:
         library._destroy()
