@@ -61,11 +61,11 @@ def test_the_default_h100_report_captures_the_cuda_graphs(llama):
     assert "_scaled_dot_product_efficient_attention" not in cpu["bw"]
     # the partitioner saves other tensors: the estimates see other graphs
     assert [g["summary"] for g in cuda["report"]["graphs"]] != [g["summary"] for g in cpu["report"]["graphs"]]
-    # ... but the same collectives (the backward issues them in another order), each still
-    # named by its module across the re-trace
-    for graph_cuda, graph_cpu in zip(cuda["report"]["graphs"], cpu["report"]["graphs"]):
-        modules = [sorted((r["kind"], r["module"]) for r in graph["rows"]) for graph in (graph_cuda, graph_cpu)]
-        assert modules[0] == modules[1] and all(module for _, module in modules[0])
+    # ... the forward's collectives and buckets as on CPU, each still named by its module across
+    # the re-trace (the backward issues its reduce-scatters in another order, so buckets differ)
+    fw_cuda, fw_cpu = (graphs["report"]["graphs"][0] for graphs in (cuda, cpu))
+    assert [(r["kind"], r["module"]) for r in fw_cuda["rows"]] == [(r["kind"], r["module"]) for r in fw_cpu["rows"]]
+    assert all(row["module"] for graph in cuda["report"]["graphs"] for row in graph["rows"])
 
 
 def test_every_output_names_the_dispatch(llama):
