@@ -428,9 +428,18 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
         return _aot_eager(cfg, next(graphs), sink=records.append, decompositions=select_decomp_table(),
                           input_names=_input_names(gm))(gm, example_inputs)
 
+    run_step(model, example_inputs, backend, note)
+    return records
+
+
+def run_step(model: torch.nn.Module, example_inputs, dynamo_backend: Callable,
+             note: Callable[[str], None] | None = None) -> None:
+    """One forward of ``model`` compiled with ``dynamo_backend`` (Dynamo reset before and
+    after) and the backward from ``backward_root`` of its output; ``note`` (if given) is
+    told where the backward started or why there is none (a backward that raises is said)."""
     torch._dynamo.reset()
     inputs = example_inputs if isinstance(example_inputs, (list, tuple)) else (example_inputs,)
-    out = torch.compile(model, backend=backend)(*inputs)
+    out = torch.compile(model, backend=dynamo_backend)(*inputs)
     root, said = backward_root(out)
     if root is not None:
         try:
@@ -440,7 +449,6 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
     if note is not None:
         note(said)
     torch._dynamo.reset()
-    return records
 
 
 def backward_root(out) -> tuple[torch.Tensor | None, str]:

@@ -4,9 +4,15 @@ TARGET is ``path/to/file.py:function`` or ``module:function``. The function
 takes no arguments and returns ``(model, example_inputs)``; it runs after the
 CLI has initialised a fake process group (backend "fake": no network, any
 world size) of ``--world-size`` ranks as ``--rank``, so it may build device
-meshes and shard the model (``overlapc.fsdp.shard``). The CLI then runs one
-forward and backward through ``overlapc.backend.capture`` and works on the
-scheduled graphs ("fw_0", "bw_0", ...; ``--graph fw|bw|all`` selects). The
+meshes and shard the model (``overlapc.fsdp.shard``). The CLI then captures one
+forward and backward and works on the scheduled graphs ("fw_0", "bw_0", ...;
+``--graph fw|bw|all`` selects). ``--dispatch auto|cuda|cpu`` says how: cuda
+captures the graphs as the CUDA compile makes them (``overlapc.cuda_capture``: a
+fake H100's attention dispatch, e.g. efficient attention, and Inductor's
+min-cut partitioner; needs the triton package, else the CLI says so
+and exits 2), cpu as ``overlapc.backend.capture`` does on CPU (CPU dispatch, the
+default partitioner); auto (default) takes cuda for a GPU profile and cpu for a
+CPU one. Every output says which it used ("dispatch: ..."). The
 schedule's options are ``--max-in-flight K|none``,
 ``--max-in-flight-bytes B|auto|serial-peak|none`` (B may end in KiB, MiB or
 GiB), ``--bucket auto|module|B|none``, ``--chunks N|auto`` and
@@ -21,7 +27,8 @@ came from.
 
     overlapc dump TARGET --world-size N [--out DIR]
         DIR/<graph>/before.txt, after.txt, report.txt, report.json
-        (``overlapc.report.write_artifacts``; report.json is "overlapc.report/1").
+        (``overlapc.report.write_artifacts``; report.json is "overlapc.report/1",
+        with the "dispatch" entry).
     overlapc report TARGET --world-size N [--format text|json] [--wide] [--quiet]
                     [--html FILE [--trace TRACE]]
         A summary per graph and one row per collective, on stdout: compact
@@ -68,6 +75,8 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
      "profile": {"device": {"name", "tflops", "mem_gbps"},
                  "link": {"name", "gbps", "latency_us", "per_kind": [[kind, gbps, latency_us], ...]},
                  "name": "h100:nvlink" | profile file path, "source": where the numbers came from},
+     "dispatch": {"device": "cuda" | "cpu", "attention": ["efficient", ...], "partitioner": "min-cut" | "default",
+                  "described": "cuda (fake H100, efficient attention, min-cut partitioner)" | "cpu"},
      "graphs": [{"name": "fw_0",
                  "rows": [<overlapc.report.Row fields>, ...],   # issue order after
                  "summary": {<overlapc.report.summary keys>}}, ...]}
@@ -76,7 +85,7 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
 
     {"traceEvents": [...], "displayTimeUnit": "ms",
      "otherData": {"schema": "overlapc.cli.timeline/1", "target", "world_size",
-                   "rank", "config", "profile"}}
+                   "rank", "config", "profile", "dispatch"}}
 
 Per graph (i = 0, 1, ... in capture order) two processes: pid 2i+1 named
 "<graph> before" and pid 2i+2 named "<graph> after" (metadata events "M":
@@ -192,7 +201,8 @@ _EXAMPLES = {
     "report": """examples:
   overlapc report examples/llama.py:build --world-size 8
   overlapc report examples/mlp.py:build --world-size 8 --profile cpu:ethernet --wide
-  overlapc report examples/llama.py:build --world-size 8 --profile cpu:ethernet --html schedule.html""",
+  overlapc report examples/llama.py:build --world-size 8 --profile cpu:ethernet --html schedule.html
+  overlapc report examples/llama.py:build --world-size 8 --dispatch cpu   # h100 estimates of CPU-shaped graphs""",
     "timeline": """examples:
   overlapc timeline examples/llama.py:build --world-size 8 -o llama-trace.json
   overlapc timeline examples/mlp.py:build --world-size 8 --max-in-flight none""",
@@ -258,6 +268,11 @@ def _common_options() -> argparse.ArgumentParser:
                         "(default: the profile's)")
     common.add_argument("--latency-us", type=float, help="latency per collective in us, every kind "
                         "(default: the profile's)")
+    common.add_argument("--dispatch", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="capture the graphs as the CUDA compile makes them (cuda: a fake H100's "
+                        "attention dispatch (efficient/flash attention), Inductor's min-cut "
+                        "partitioner; needs the triton package) or as CPU does (cpu); auto: cuda for a GPU "
+                        "profile, cpu for a CPU one (default auto)")
     common.add_argument("--quiet", action="store_true", help="no progress lines on stderr; report: print "
                         "the header and each graph's summary only, no rows (default: off)")
     return common
@@ -416,7 +431,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from overlapc import backend
+    from overlapc import cuda_capture
     from overlapc.collectives import collectives
     from overlapc.config import OverlapConfig
 
@@ -436,6 +451,9 @@ def _run(args: argparse.Namespace) -> int:
         profile = estimates(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    device = cuda_capture.dispatch_for(profile, args.dispatch)
+    if device == "cuda":
+        _require_cuda_capture()
     if args.command == "dump":
         _check_writable(args.out)
     elif args.command == "report" and (args.html or args.trace):
@@ -466,8 +484,9 @@ def _run(args: argparse.Namespace) -> int:
         say(f"capturing forward/backward of {args.target} at world size {args.world_size} "
             f"(rank {args.rank}) ...")
         notes: list[str] = []
-        records = backend.capture(built[0], built[1], options, note=notes.append)
+        records, dispatch = _capture(built, options, device, notes)
         say(notes[0])
+        say(f"dispatch: {dispatch.describe()}")
         for record in records:
             say(f"scheduled {record.name}: {len(collectives(record.gm))} collectives")
         records = [r for r in records if args.graph == "all" or r.name.startswith(args.graph + "_")]
@@ -478,9 +497,9 @@ def _run(args: argparse.Namespace) -> int:
         header = {"target": args.target, "world_size": args.world_size, "rank": args.rank,
                   "config": {k: getattr(cfg, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket",
                                                           "chunks", "regather", "enabled")},
-                  "profile": dataclasses.asdict(profile)}
+                  "profile": dataclasses.asdict(profile), "dispatch": dispatch.as_dict()}
         if args.command == "dump":
-            _dump(records, args.out, profile, say)
+            _dump(records, args.out, profile, say, header["dispatch"])
         elif args.command == "report":
             sys.stdout.write(_report(records, header, profile, args.format, args.wide, args.quiet))
             if args.html:
@@ -490,6 +509,25 @@ def _run(args: argparse.Namespace) -> int:
             _write(args.out, _trace(records, header, profile))
             say(f"wrote {args.out} (open in https://ui.perfetto.dev or chrome://tracing)")
     return 0
+
+
+def _require_cuda_capture() -> None:
+    """UsageError, naming what to install or pass, when the CUDA-shaped capture cannot run."""
+    from overlapc import cuda_capture
+    try:
+        cuda_capture.require_triton()
+    except cuda_capture.CaptureUnavailable as error:
+        raise UsageError(str(error)) from None
+
+
+def _capture(built, options: dict, device: str, notes: list[str]):
+    """(records, dispatch): one training step of ``built`` = (model, inputs) captured as
+    ``device`` ("cuda" | "cpu", ``overlapc.cuda_capture.capture_as``) and scheduled."""
+    from overlapc import cuda_capture
+    try:
+        return cuda_capture.capture_as(device, built[0], built[1], options, note=notes.append)
+    except cuda_capture.CaptureUnavailable as error:
+        raise UsageError(str(error)) from None
 
 
 def _check_writable(folder: str) -> None:
@@ -565,7 +603,8 @@ def _write_html(args: argparse.Namespace, records, header: dict, profile, cfg) -
     try:
         html_report.write_html(args.html, records, profile, cfg, trace=args.trace,
                                title=f"overlapc schedule: {args.target}",
-                               notes=[f"world size {args.world_size}, rank {args.rank}; {settings}"])
+                               notes=[f"world size {args.world_size}, rank {args.rank}; {settings}",
+                                      f"dispatch: {header['dispatch']['described']}"])
     except ValueError as error:   # a trace that `overlapc analyze` rejects
         raise UsageError(str(error)) from None
 
@@ -589,12 +628,12 @@ def _process_group(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def _dump(records, out: str, profile, say) -> None:
+def _dump(records, out: str, profile, say, dispatch: dict) -> None:
     from overlapc.report import write_artifacts
 
     for record in records:
         folder = os.path.join(out, record.name)
-        write_artifacts(record, folder, profile)
+        write_artifacts(record, folder, profile, dispatch=dispatch)
         say(f"wrote {folder}/")
 
 
@@ -621,6 +660,7 @@ def _report(records, header: dict, profile, fmt: str, wide: bool = False, quiet:
         f"chunks={config['chunks']}, regather={config['regather']}"
         + ("" if config["enabled"] else " (disabled: OVERLAPC_DISABLE)"),
         f"profile: {profile.source or profile.name}",
+        f"dispatch: {header['dispatch']['described']}",
         f"estimates: {device.name} {device.tflops:.3g} TFLOP/s, {device.mem_gbps:.3g} GB/s memory; "
         f"{link.name} {link.gbps:.3g} GB/s, {link.latency_us:.3g} us latency"
         + "".join(f"; {kind} {gbps:.3g} GB/s, {lat:.3g} us" for kind, gbps, lat in link.per_kind),

@@ -557,18 +557,22 @@ def html_for_target(target: str, world_size: int, *, rank: int = 0, options: dic
                     profile=None, trace: str | None = None, dump: str | None = None) -> str:
     """The page for ``overlapc report TARGET --world-size N``'s graphs: capture ``target``
     ("path/to/file.py:function" or "module:function", returning ``(model, inputs)``) under a
-    fake process group of ``world_size`` ranks, schedule with ``options`` (OverlapConfig
-    fields) and draw it (``html_for_records``). Errors as the CLI's (``cli.UsageError``)."""
-    from overlapc import backend, cli
+    fake process group of ``world_size`` ranks, captured as the profile's device dispatches
+    (``cuda_capture.dispatch_for``: CUDA-shaped for a GPU profile, the default), schedule with
+    ``options`` (OverlapConfig fields) and draw it (``html_for_records``). Errors as the
+    CLI's (``cli.UsageError``)."""
+    from overlapc import cli, costmodel, cuda_capture
     from overlapc.config import OverlapConfig
 
     cfg = OverlapConfig.from_options(options)
+    device = cuda_capture.dispatch_for(costmodel.resolve(profile))
     build = cli._load(target)
     with cli._process_group(world_size, rank):
         model, inputs = build()
-        records = backend.capture(model, inputs, options)
+        records, dispatch = cuda_capture.capture_as(device, model, inputs, options)
         notes = [f"target {target}, world size {world_size}, rank {rank}; max_in_flight={cfg.max_in_flight}, "
-                 f"max_in_flight_bytes={cfg.max_in_flight_bytes}, bucket={cfg.bucket}, chunks={cfg.chunks}"]
+                 f"max_in_flight_bytes={cfg.max_in_flight_bytes}, bucket={cfg.bucket}, chunks={cfg.chunks}",
+                 f"dispatch: {dispatch.describe()}"]
         return html_for_records(records, profile, cfg, trace=trace, dump=dump,
                                 title=f"overlapc schedule: {target}", notes=notes)
 

@@ -78,7 +78,9 @@ inferred reason; ``Row.why`` is the recorded reasons, else the inferred one.
 
     {"schema": "overlapc.report/1",
      "summary": {<the keys of summary(), below>},
-     "collectives": [{<the fields of Row, below>}, ...]}   # in issue order after
+     "collectives": [{<the fields of Row, below>}, ...],   # in issue order after
+     "dispatch": {"device": "cuda" | "cpu", "attention": [kernel, ...], "partitioner": str,
+                  "described": str}}   # only where the writer knows how the graph was captured
 
 Row fields: name (start node), kind, group (the mesh dim name where a DeviceMesh
 names the process group, ``costmodel.group_label``, else its name), nbytes (int or null), dtype (str
@@ -648,21 +650,25 @@ def format_graph_wide(name: str, rows: list[Row], summary: dict) -> str:
 
 
 def write_artifacts(record, folder: str, profile: costmodel.Profile | str | None = None,
-                    built: tuple[list[Row], dict] | None = None) -> None:
+                    built: tuple[list[Row], dict] | None = None, dispatch: dict | None = None) -> None:
     """Write one scheduled graph (a ``backend.GraphRecord``) into ``folder``, creating it:
     before.txt and after.txt (its readable code before and after scheduling), report.txt
     (``format_graph_wide`` and a last line naming the profile's source) and report.json
     (``to_json``). ``profile`` as in ``rows``; ``built``: the graph's (rows, summary) with
     that profile when the caller built them (the backend, from its schedule), else built
-    here. Same record and profile -> same bytes."""
+    here. ``dispatch`` (``overlapc.cuda_capture.Dispatch.as_dict()``, when the caller knows how
+    the graph was captured) adds a "dispatch: ..." line to report.txt and a "dispatch" entry
+    to report.json. Same record and profile -> same bytes."""
     rows_, summary_ = built if built is not None else study(record.gm, record.before_order, profile)
     os.makedirs(folder, exist_ok=True)
     files = {
         "before.txt": record.before_code,
         "after.txt": record.after_code,
         "report.txt": format_graph_wide(record.name, rows_, summary_)
-        + f"estimates: {summary_['profile_source'] or summary_['profile']}\n",
-        "report.json": json.dumps(to_json(rows_, summary_), indent=2) + "\n",
+        + f"estimates: {summary_['profile_source'] or summary_['profile']}\n"
+        + (f"dispatch: {dispatch['described']}\n" if dispatch else ""),
+        "report.json": json.dumps({**to_json(rows_, summary_), **({"dispatch": dispatch} if dispatch else {})},
+                                  indent=2) + "\n",
     }
     for name, text in files.items():
         with open(os.path.join(folder, name), "w", encoding="utf-8", newline="\n") as out:

@@ -21,6 +21,9 @@ decides whether the installed torch needs it and the behaviour it works around:
 - ``route_gloo_all_gathers``: gloo's coalesced all-gather corrupting the heap
   with many in flight (seen on 2.13; process-wide, installed by the backend
   when it compiles for a gloo group, never at import).
+- ``fake_cuda_patches``: what a fake CUDA device (``overlapc.cuda_capture.fake_h100``)
+  needs besides on the installed build (``~tensor``'s C binding takes a CUDA device
+  guard; for the duration of the fake device only).
 - ``quiet_checkpoint_context_warning``: torch's warning on every
   ``context_fn`` checkpoint under torch.compile, dropped for overlapc.fsdp's
   own regions (installed on torch's logger by ``overlapc.fsdp.shard``, never
@@ -143,6 +146,15 @@ def release() -> str:
     """The installed torch's release, without a local build tag ("2.14.1")."""
     return torch.__version__.split("+")[0]
 
+
+
+def fake_cuda_patches() -> list[tuple[object, str, object]]:
+    """(owner, attribute, value) patches a fake CUDA device needs on the installed torch,
+    for ``overlapc.cuda_capture.fake_h100`` to apply and undo: the C binding of
+    ``~tensor`` takes a CUDA device guard, which a build without a usable CUDA runtime
+    cannot give (torch 2.13's embedding-backward decomposition inverts a mask on fake
+    CUDA tensors), so it goes through ``torch.bitwise_not``, the same op without the guard."""
+    return [(torch.Tensor, "__invert__", lambda self: torch.bitwise_not(self))]
 
 
 def warn_if_untested() -> None:
