@@ -1,19 +1,38 @@
 """Live bytes along an order of a graph's nodes (the memory tracker).
 
-Model: a node that is not an alias allocates its output (``meta["val"]``
-sizes) when it runs; views, getitem and waits alias their input's storage (a
-wait returns its collective's buffer, allocated at the start). A storage is
-freed after the last node that reads it or any alias of it; graph outputs live
-to the end. A collective's inputs are held until its last wait (the c10d work
-keeps them). Placeholders are live from the top until their last use, the same
-in every order. Symbolic sizes count their hint (no guard is
-added); unknown (data-dependent) sizes count 0. Deterministic, O(nodes + edges).
+The model is what Inductor's generated code allocates (``tests/wrapper_replay.py``
+replays that code and ``tests/test_wrapper_replay.py`` holds the two within 3%):
+
+- A node allocates one storage when it runs, of the bytes its output's sizes and
+  strides span (``meta["val"]``; a tuple or list: the sum of its tensors; symbolic
+  sizes count their hint, no guard is added; unknown, data-dependent sizes 0).
+- Aliases allocate nothing: views, getitem, and waits (a wait returns its
+  collective's buffer, allocated at the start).
+- Fused away, nothing allocated: a functional pointwise op (tagged pointwise, casts,
+  ``full``, and the gathers Inductor lowers as pointwise loops: index, embedding,
+  gather, index_select, constant_pad_nd) whose every reader reads from inside a fused
+  loop (pointwise, reductions, scatters, cat, or a view whose readers all do) is
+  computed inside its readers' kernels; its readers read what it reads instead. With
+  several readers only when it reads at most 4 storages (Inductor realizes a reused
+  node that reads more).
+- In place, nothing allocated: a pointwise op that is not fused away writes into an
+  input's storage when that input is a compute node's own buffer (not a graph input,
+  an alias or a collective), read by this op alone, of the same dtype and 95-100% of
+  the output's bytes (Inductor's ``buf7 = buf6; del buf6  # reuse``).
+- A storage is freed after the last node that reads it or any alias of it; graph
+  outputs live to the end; a collective's inputs are held until its last wait (the
+  c10d work keeps them). Graph inputs are live from the top until their last use
+  (the wrapper deletes them there), an input nothing reads until the end.
+
+Every decision above reads the graph, never the order: one ``Liveness`` serves any
+order. Deterministic, O(nodes + edges).
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import is_alias, node_value, role, tensor_nbytes, wait_nodes
+from overlapc.passes.collectives import is_alias, node_value, role, size_hint, tensor_nbytes, wait_nodes
 from overlapc.passes.structure import Structure
 
 
@@ -27,16 +46,26 @@ class Liveness:
         self.size: dict[fx.Node, int] = {}
         self.reads: dict[fx.Node, list[fx.Node]] = {}       # node -> storages it reads
         self.held_until: dict[fx.Node, tuple] = {}          # start -> its waits
+        self.unread: list[fx.Node] = []                     # inputs nothing reads: live to the end
         root, size, reads = self.root, self.size, self.reads
+        inlined: dict[fx.Node, list[fx.Node]] = {}          # fused-away node -> storages it reads
+        fusable: dict[fx.Node, bool] = {}
         for node in nodes:
             start, wait, _ = role(node)
             inputs = node._input_nodes
+            read = _expand([root[i] for i in inputs], inlined)
             if inputs and (wait or _aliases(node)):
                 root[node] = root[next(iter(inputs))]
+            elif _fuses_away(node, fusable, read):
+                root[node], size[node], inlined[node] = node, 0, read
+            elif (reused := _reused_input(node, size)) is not None:
+                root[node] = reused   # Inductor writes the output into that input's buffer
             else:
                 root[node] = node
                 size[node] = 0 if node.op == "output" else _nbytes(node)
-            reads[node] = [root[i] for i in inputs]
+                if node.op == "placeholder" and not node.users:
+                    self.unread.append(node)
+            reads[node] = read
             if start is not None:
                 waits = wait_nodes(node)
                 if waits:
@@ -61,6 +90,8 @@ class Liveness:
     def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
         """Storage -> the position in ``order`` after which it is freed."""
         last = {root: pos[root] for root in self.size}
+        for r in self.unread:
+            last[r] = len(order) - 1
         held_until = self.held_until
         for node in order:
             until = pos[node]
@@ -98,10 +129,114 @@ def _aliases(node: fx.Node) -> bool:
     return entry[1]
 
 
+def _expand(roots: list[fx.Node], inlined: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
+    """``roots`` with each fused-away node replaced by the storages it reads (no repeats)."""
+    if not any(r in inlined for r in roots):
+        return roots
+    out: dict[fx.Node, None] = {}
+    for r in roots:
+        out.update(dict.fromkeys(inlined.get(r, (r,))))
+    return list(out)
+
+
+# Inductor inlines a pointwise op into the kernels of its consumers when they are pointwise or
+# reductions too (its lowering keeps it unrealized; the scheduler fuses the rest): no buffer.
+_EXTRA_POINTWISE = {"aten._to_copy.default", "aten.full.default", "aten.scalar_tensor.default",
+                    # gathers Inductor lowers as pointwise loops (indirect loads)
+                    "aten.index.Tensor", "aten.embedding.default", "aten.gather.default",
+                    "aten.index_select.default", "aten.constant_pad_nd.default"}
+# ops that read their (non-index) inputs from inside their own loop (scatters load the
+# values and the base they copy; cat writes each input into its slice of the output)
+_FUSED_READERS = {"aten.index_put.default", "aten.scatter.src", "aten.scatter.value",
+                  "aten.scatter_add.default", "aten.slice_scatter.default",
+                  "aten.select_scatter.default", "aten.cat.default"}
+_MAX_REUSE_READS = 4   # torch._inductor.config.realize_reads_threshold
+
+
+def _tags(node: fx.Node) -> tuple:
+    return getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+
+
+def _pointwise(node: fx.Node) -> bool:
+    """A functional pointwise op (Inductor lowers it to a loop body it can inline)."""
+    if node.op != "call_function":
+        return False
+    tags = _tags(node)
+    if torch.Tag.inplace in tags or getattr(getattr(node.target, "_schema", None), "is_mutable", True):
+        return False
+    return torch.Tag.pointwise in tags or str(node.target) in _EXTRA_POINTWISE
+
+
+def _fusable_reader(node: fx.Node, fusable: dict[fx.Node, bool]) -> bool:
+    """``node`` reads its inputs from inside a fused loop: pointwise or a reduction, or an
+    alias (not a wait) whose own readers all are."""
+    known = fusable.get(node)
+    if known is None:
+        if _pointwise(node) or torch.Tag.reduction in _tags(node) or str(node.target) in _FUSED_READERS:
+            known = True
+        elif node.op == "call_function" and _aliases(node) and role(node)[1] is False and node.users:
+            known = all(_fusable_reader(user, fusable) for user in node.users)
+        else:
+            known = False
+        fusable[node] = known
+    return known
+
+
+def _fuses_away(node: fx.Node, fusable: dict[fx.Node, bool], reads: list[fx.Node]) -> bool:
+    """Inductor computes ``node`` inside its readers' kernels and never allocates it: a
+    pointwise op all of whose readers read from fused loops (several readers only when it
+    reads few storages, as Inductor realizes a reused node that reads many)."""
+    if not node.users or not _pointwise(node):
+        return False
+    if len(node.users) > 1 and len(reads) > _MAX_REUSE_READS:
+        return False
+    return all(_fusable_reader(user, fusable) for user in node.users)
+
+
+def _reused_input(node: fx.Node, size: dict[fx.Node, int]) -> fx.Node | None:
+    """The input whose buffer Inductor reuses for ``node``'s output (its in-place update,
+    ``buf7 = buf6; del buf6  # reuse``): ``node`` is a pointwise kernel that is not fused
+    away, the input is a buffer of its own (allocated by a compute node, not an input, an
+    alias or a collective) read by ``node`` alone, of the same dtype and 95-100% of the
+    bytes of ``node``'s output. None when there is none."""
+    if not _pointwise(node) or not node.users:
+        return None
+    value = node_value(node)
+    if not isinstance(value, torch.Tensor):
+        return None
+    nbytes = _nbytes(node)
+    for x in node._input_nodes:
+        if size.get(x, 0) <= 0 or x.op != "call_function" or len(x.users) != 1 or role(x)[0] is not None:
+            continue
+        other = node_value(x)
+        if isinstance(other, torch.Tensor) and other.dtype == value.dtype and 0.95 * size[x] <= nbytes <= size[x]:
+            return x
+    return None
+
+
 def _nbytes(node: fx.Node) -> int:
-    """Bytes of ``node``'s output: size hints for symbolic sizes (no guard), 0 for
-    data-dependent (unbacked) sizes and non-tensors."""
-    return tensor_nbytes(node_value(node)) or 0
+    """Bytes of ``node``'s output storage: the extent its sizes and strides span (what
+    ``empty_strided`` allocates; a strided input's storage holds at least that), with
+    size hints for symbolic sizes (no guard), 0 for data-dependent (unbacked) sizes and
+    non-tensors; a tuple or list sums its tensors."""
+    value = node_value(node)
+    if isinstance(value, (list, tuple)):
+        return sum(_extent_bytes(v) for v in value if isinstance(v, torch.Tensor))
+    return _extent_bytes(value) if isinstance(value, torch.Tensor) else 0
+
+
+def _extent_bytes(tensor: torch.Tensor) -> int:
+    """``element_size`` x (1 + sum over dims of (size - 1) x stride); 0 when empty or unknown."""
+    try:
+        sizes = [size_hint(n) for n in tensor.shape]
+        strides = [size_hint(n) for n in tensor.stride()]
+    except (RuntimeError, NotImplementedError):   # no strides (sparse, nested): contiguous bytes
+        return tensor_nbytes(tensor) or 0
+    if None in sizes or None in strides:
+        return 0
+    if 0 in sizes:
+        return 0
+    return (1 + sum((n - 1) * abs(st) for n, st in zip(sizes, strides))) * tensor.element_size()
 
 
 def _topological(nodes: list[fx.Node]) -> list[fx.Node]:
