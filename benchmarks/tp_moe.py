@@ -32,6 +32,8 @@ slowest rank's step:
                these DTensor graphs costs ~45 s per variant). --path pass: an
                AOTAutograd backend that runs chunk_collectives(gm, k) alone.
                chunks1 = the same compile without chunking.
+  chunks1_auto_bytes, chunks8_auto_bytes  the same with max_in_flight_bytes="auto" (the
+               default until 2026-11-28; the default "serial-peak" never raises the peak)
   chunks_auto  options={"chunks": "auto", "profile": <file>} through the same
                backend (--path pass: the pass alone), the profile calibrated at the
                start of the run (overlapc calibrate's quick sweep on this link, rank
@@ -77,16 +79,33 @@ for path in (HERE, os.path.join(ROOT, "examples")):
 
 from harness import concurrent_step, profile_step, run_worker_on_shaped_link, write_json  # noqa: E402
 
-VARIANTS = ["eager", "chunks1", "chunks2", "chunks4", "chunks8", "chunks_auto", "compute_only", "comm_only",
-            "concurrent"]
+VARIANTS = ["eager", "chunks1", "chunks1_auto_bytes", "chunks2", "chunks4", "chunks8", "chunks8_auto_bytes", "chunks_auto",
+            "compute_only", "comm_only", "concurrent"]
 FIXED = ["chunks2", "chunks4", "chunks8"]
 MODELS = ["tp_sp", "tp_sp_batch", "moe", "moe_dropless"]
 # data-dependent split sizes: no local stand-in of the same shapes, nothing chunked
-VARIANTS_OF = {"moe_dropless": ["eager", "chunks1", "chunks2", "chunks4", "chunks8", "chunks_auto"]}
+VARIANTS_OF = {"moe_dropless": ["eager", "chunks1", "chunks1_auto_bytes", "chunks2", "chunks4", "chunks8",
+                                 "chunks8_auto_bytes", "chunks_auto"]}
+ALWAYS = ("eager", "chunks1")   # the losses' and the speed-ups' references
 
 
-def variants_of(name: str) -> list[str]:
-    return VARIANTS_OF.get(name, VARIANTS)
+def variants_of(name: str, chosen: list[str] | None = None) -> list[str]:
+    """The variants model ``name`` runs: all of its own, or those of ``chosen`` (--variants)
+    plus eager and chunks1, in the usual order."""
+    own = VARIANTS_OF.get(name, VARIANTS)
+    return own if chosen is None else [v for v in own if v in chosen or v in ALWAYS]
+
+
+def chunk_options(variant: str) -> dict:
+    """overlapc's options of a chunksK variant: {"chunks": K or "auto"}, and the "auto"
+    byte budget for a ..._auto_bytes one (the default budget is "serial-peak")."""
+    spec = variant[len("chunks"):]
+    auto_bytes = spec.endswith("_auto_bytes")
+    spec = spec.removesuffix("_auto_bytes").lstrip("_")
+    options = {"chunks": spec if spec == "auto" else int(spec)}
+    if auto_bytes:
+        options["max_in_flight_bytes"] = "auto"
+    return options
 
 
 def log(msg: str) -> None:
@@ -111,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-depth", type=int, default=2)
     p.add_argument("--tokens", type=int, default=2048, help="MoE tokens per rank")
     p.add_argument("--models", nargs="*", default=MODELS, choices=MODELS)
+    p.add_argument("--variants", nargs="*", default=None, choices=VARIANTS,
+                   help="run only these variants (eager and chunks1 always run: the references)")
     p.add_argument("--path", choices=("overlapc", "pass"), default="overlapc",
                    help="chunksK through backend='overlapc' (chunk + schedule, inner aot_eager), "
                         "or through a backend that runs chunk_collectives alone")
@@ -232,7 +253,7 @@ def rank_main(rank: int, world: int, argd: dict) -> dict:
     for name in args.models:
         steps, notes = {}, {}
         specs: list = []
-        variants = variants_of(name)
+        variants = variants_of(name, args.variants)
         on_error = "raise"
         for variant in variants:
             if variant == "comm_only":
@@ -249,17 +270,14 @@ def rank_main(rank: int, world: int, argd: dict) -> dict:
             elif variant == "compute_only":
                 fn = torch.compile(model, backend=chunk_backend(1, [], specs, local=True))
             elif args.path == "overlapc":
-                chunks = variant[len("chunks"):].lstrip("_")
-                options = {"chunks": chunks if chunks == "auto" else int(chunks), "inner": "aot_eager",
-                           "on_error": on_error}
-                if chunks == "auto":
+                options = {**chunk_options(variant), "inner": "aot_eager", "on_error": on_error}
+                if options["chunks"] == "auto":
                     options["profile"] = profile_path
                     notes[variant] = []
                 fn = torch.compile(model, backend="overlapc", options=options)
             else:
-                chunks = variant[len("chunks"):].lstrip("_")
                 notes[variant] = []
-                fn = torch.compile(model, backend=chunk_backend(chunks if chunks == "auto" else int(chunks),
+                fn = torch.compile(model, backend=chunk_backend(chunk_options(variant)["chunks"],
                                                                 notes[variant], profile=profile))
             steps[variant] = _train_step(model, fn, x0)
         for variant in variants:          # compiles, then warm-up
@@ -370,7 +388,7 @@ def report(args, per_rank: list[dict]) -> int:
     print(f"chunking: {_path_text(args)}")
     print(f"profile for chunks_auto: {per_rank[0]['profile']}")
     for name in args.models:
-        variants = variants_of(name)
+        variants = variants_of(name, args.variants)
         med = {}
         for v in variants:
             key = f"{name}/{v}"
@@ -419,19 +437,22 @@ def report(args, per_rank: list[dict]) -> int:
         tp = name.startswith("tp_sp")
         goal = 1.3 if tp else 1.5
         of_concurrent = med[best] / med["concurrent"] if "concurrent" in med else None
-        auto_gap = med["chunks_auto"] / med[best] - 1
+        auto_gap = med["chunks_auto"] / med[best] - 1 if "chunks_auto" in med else None   # --variants
         rows[name]["floor_ms"] = max(compute, comm) * 1e3 if compute is not None else None
         rows[name]["best"] = {"variant": best, "speedup_vs_chunks1": speed, "goal_speedup": goal,
                               "goal_speedup_met": speed >= goal,
                               "best_over_concurrent": of_concurrent,
-                              "goal_within_10pct_of_concurrent_met": of_concurrent <= 1.10 if tp else None,
-                              "auto_over_best": 1 + auto_gap, "goal_auto_within_3pct_met": auto_gap <= 0.03,
+                              "goal_within_10pct_of_concurrent_met":
+                                  of_concurrent <= 1.10 if tp and of_concurrent is not None else None,
+                              "auto_over_best": None if auto_gap is None else 1 + auto_gap,
+                              "goal_auto_within_3pct_met": None if auto_gap is None else auto_gap <= 0.03,
                               "ideal_speedup": (compute + comm) / max(compute, comm) if compute else None,
                               "ceiling_speedup": med["chunks1"] / med["concurrent"] if of_concurrent else None}
         print(f"best fixed: {best} {speed:.2f}x vs chunks1 (goal >= {goal}x: {'met' if speed >= goal else 'NOT met'})"
               + (f"; {of_concurrent:.2f}x concurrent (goal <= 1.10x: {'met' if of_concurrent <= 1.10 else 'NOT met'})"
-                 if tp else "")
-              + f"; chunks_auto {1 + auto_gap:.3f}x best (goal <= 1.03x: {'met' if auto_gap <= 0.03 else 'NOT met'})")
+                 if tp and of_concurrent is not None else "")
+              + ("" if auto_gap is None else
+                 f"; chunks_auto {1 + auto_gap:.3f}x best (goal <= 1.03x: {'met' if auto_gap <= 0.03 else 'NOT met'})"))
         if of_concurrent is not None:
             print(f"concurrent (compute || comm, untied) {med['concurrent'] * 1e3:.0f} ms = "
                   f"{med['concurrent'] / max(compute, comm):.2f}x the floor; chunks1 / concurrent = "

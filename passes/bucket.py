@@ -26,6 +26,12 @@ holds consecutive members. A bucket closes before a member when
   budget (twice the largest) and the memory it allows stay as without buckets;
   what merges is the small collectives (norms, biases, the smaller projections)
   that would each take a slot of the count bound and pay a latency;
+* under the "serial-peak" byte budget (the default), the pipeline hands in the
+  graph's headroom under its serial order's peak: the member would take the
+  bucket's copies (at the copy-out twice the bucket, then the copy until the
+  last member's consumer; for a reduce-scatter the inputs and the packed copy)
+  past that headroom (``_fits_headroom``), so that buckets never raise the
+  peak the unbucketed graph would have;
 * either way: the bucket could not be issued before its first result is
   needed (a member's input is ready only after another member's first real
   consumer), or the member's result or input is tied to another collective.
@@ -95,6 +101,7 @@ import torch.fx as fx
 
 from overlapc.passes.collectives import Collective, module_path, node_value, real_consumers, source_of
 from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
+from overlapc.passes.memory import Headroom
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
 
@@ -260,13 +267,15 @@ def _key(value):
 
 def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
                        before_rewrite: Callable[[], None] | None = None,
-                       structure: Structure | None = None) -> list[BucketNote]:
+                       structure: Structure | None = None, headroom: Headroom | None = None) -> list[BucketNote]:
     """Merge ``gm``'s all-gathers and reduce-scatters into buckets (rules in the
     module docstring), in place. ``bucket``: "auto", "module" or an int byte target >= 1.
     ``before_rewrite`` is called once just before the graph is first changed (not when
     nothing merges): the pipeline saves a copy there to roll back to. ``structure``:
     ``Structure(gm)`` when the caller has built it (the pipeline reuses it when
-    nothing merged)."""
+    nothing merged). ``headroom``: the ``memory.Headroom`` of ``gm`` as it stands (its
+    serial order), when a bucket must not raise that order's peak (the "serial-peak"
+    budget): a bucket then forms only where its copies fit it (``_fits_headroom``)."""
     if bucket not in BUCKET_MODES and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
         raise ValueError(f'bucket_collectives: bucket must be "auto", "module" or an int byte target >= 1, '
                          f"got {bucket!r}")
@@ -276,7 +285,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
         lanes = _lanes(s, kind)
         largest = _largest(lanes)
         plans += [(kind, members) for lane in lanes.values()
-                  for members in _split(lane, bucket, largest[lane[0].c.group])]
+                  for members in _split(lane, bucket, largest[lane[0].c.group], headroom)]
     notes: list[BucketNote] = []
     if plans:
         if before_rewrite is not None:
@@ -398,12 +407,14 @@ def _largest(lanes: dict[tuple, list[_Member]]) -> dict[str, int]:
     return largest
 
 
-def _split(lane: list[_Member], bucket: str | int, largest: int) -> list[list[_Member]]:
+def _split(lane: list[_Member], bucket: str | int, largest: int,
+           headroom: Headroom | None = None) -> list[list[_Member]]:
     """Consecutive members of ``lane`` cut into buckets; buckets of one dropped.
-    ``largest``: the byte target of ``bucket="auto"``."""
+    ``largest``: the byte target of ``bucket="auto"``; ``headroom``: see ``bucket_collectives``."""
     buckets: list[list[_Member]] = []
     for m in lane:
-        if buckets and _joins(buckets[-1], m, bucket, largest):
+        if buckets and _joins(buckets[-1], m, bucket, largest) and (
+                headroom is None or _fits_headroom([*buckets[-1], m], headroom)):
             buckets[-1].append(m)
         else:
             buckets.append([m])
@@ -425,6 +436,24 @@ def _joins(members: list[_Member], m: _Member, bucket: str | int, largest: int) 
         if block and bucket == "module":
             return True
     return fits
+
+
+def _fits_headroom(members: list[_Member], headroom: Headroom) -> bool:
+    """Whether a bucket of ``members`` keeps the peak of the serial order that ``headroom``
+    measured, counting what the bucket holds beyond its members gathered one at a time
+    (conservatively: none of the members' own bytes taken off). An all-gather bucket of B
+    bytes: at its copy-out the flat result and the copy (2B, less the first member's own
+    result, which the serial order holds there), then the copy until the last member's
+    consumer (B). A reduce-scatter or all-reduce bucket: from its first member's input
+    to its last, the inputs held for the pack and the packed copy (2B)."""
+    total = sum(m.nbytes for m in members)
+    if members[0].c.kind == "all_gather":
+        first = min(members, key=lambda m: m.target)
+        last_target = max(m.target for m in members)
+        return (headroom.least(first.target, first.target) >= 2 * total - first.nbytes
+                and headroom.least(first.target, last_target) >= total)
+    first_ready = max(0, min(m.ready for m in members))
+    return headroom.least(first_ready, max(first_ready, max(m.ready for m in members))) >= 2 * total
 
 
 def block_of(path: str) -> str:

@@ -13,8 +13,9 @@ or the report can read them from the graph alone:
 
 Graph notes (``gm.meta``): each rewrite appends what it did, one entry per run of
 identical collectives merged (``DUPLICATES``: tuples of start names), bucket
-(``BUCKETS``: ``BucketNote``) or chunked pattern (``CHUNKS``: ``ChunkNote``); the
-pipeline saves them before a schedule and puts them back when it rolls back.
+(``BUCKETS``: ``BucketNote``) or chunked pattern (``CHUNKS``: ``ChunkNote``), and the
+serial peak of the graph before those rewrites (``SERIAL_PEAK``); the pipeline saves
+them before a schedule and puts them back when it rolls back.
 Everything else a schedule says travels in its ``pipeline.ScheduleResult``.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ DUPLICATES = "overlapc_duplicates"
 BUCKETS = "overlapc_buckets"
 CHUNKS = "overlapc_chunks"
 REGATHER = "overlapc_regather"   # regather.RegatherChoice per block (keep_or_regather)
-REWRITE_NOTES = (DUPLICATES, BUCKETS, CHUNKS, REGATHER)
+SERIAL_PEAK = "overlapc_serial_peak"   # [bytes]: the serial peak of the graph before its rewrites
+REWRITE_NOTES = (DUPLICATES, BUCKETS, CHUNKS, REGATHER, SERIAL_PEAK)
 
 
 def reason(node: fx.Node) -> str:
@@ -67,6 +69,20 @@ def notes(gm: fx.GraphModule, key: str) -> list:
 def add_notes(gm: fx.GraphModule, key: str, found) -> None:
     """Append ``found`` to ``gm``'s notes under ``key`` (the key is created when missing)."""
     gm.meta.setdefault(key, []).extend(found)
+
+
+def serial_peak(gm: fx.GraphModule) -> int | None:
+    """The serial order's peak of ``gm`` as it was before the pipeline's rewrites (buckets,
+    chunks, dropped re-gathers) changed it, when they did (``SERIAL_PEAK``); else None.
+    The "serial-peak" budget and ``verify`` bound the peak by it."""
+    found = gm.meta.get(SERIAL_PEAK)
+    return found[0] if found else None
+
+
+def set_serial_peak(gm: fx.GraphModule, peak: int) -> None:
+    """Record ``peak`` as ``serial_peak(gm)`` unless one is recorded (the first, of the graph
+    as handed in, stays)."""
+    gm.meta.setdefault(SERIAL_PEAK, [peak])
 
 
 def save_notes(gm: fx.GraphModule) -> dict[str, list]:

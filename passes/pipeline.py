@@ -90,25 +90,39 @@ class ScheduleResult:
     structure: Structure | None = None
 
 
-def budget_for(s: Structure, config) -> Budget:
+def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget:
     """The Budget ``config`` (what ``as_options`` takes) sets for the graph of ``s``
     (its movable collectives); with the "auto" byte budget, the headroom under the
-    serial order's peak; with "serial-peak", that headroom alone (``Budget.within_peak``)."""
+    serial order's peak; with "serial-peak", that headroom alone (``Budget.within_peak``),
+    under the peak of the graph before the pipeline rewrote it where it did
+    (``meta.serial_peak``). ``headroom``: ``serial_headroom(s, config)`` when the caller has it."""
     cfg = as_options(config)
     collectives, held = s.movable, s.held
     groups = sorted({c.group for c in collectives})
-    headroom, within_peak = None, cfg.max_in_flight_bytes == "serial-peak"
+    within_peak = cfg.max_in_flight_bytes == "serial-peak"
     if cfg.max_in_flight_bytes in ("auto", "serial-peak"):
         max_bytes: dict[str, int | None] = {group: None for group in groups} if within_peak \
             else dict(auto_budget(collectives, held))
-        headroom = Headroom(s, invariants.serial_order(s, asap=True), segments=within_peak) if collectives else None
+        if headroom is None and collectives:
+            headroom = serial_headroom(s, cfg)
     else:
-        max_bytes = {group: cfg.max_in_flight_bytes for group in groups}
+        max_bytes, headroom = {group: cfg.max_in_flight_bytes for group in groups}, None
     reserve: dict[str, int] = {}
     for c in collectives:
         if c.kind != "all_gather":
             reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
     return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak)
+
+
+def serial_headroom(s: Structure, config) -> Headroom:
+    """The ``Headroom`` that the byte budget of ``config`` reads for the graph of ``s``:
+    under its serial order's peak; under "serial-peak", bundle nodes bound it too, and
+    the bound is the serial peak of the graph before the pipeline's rewrites where it
+    recorded one (``meta.serial_peak``: buckets may not raise it, pipelined pieces may
+    use what the unsplit collective held)."""
+    within_peak = as_options(config).max_in_flight_bytes == "serial-peak"
+    return Headroom(s, invariants.serial_order(s, asap=True), segments=within_peak,
+                    peak=meta.serial_peak(s.gm) if within_peak else None)
 
 
 def verify(gm: fx.GraphModule, config=None) -> Peaks:
@@ -241,15 +255,19 @@ class _Rewritten:
     regather: tuple = ()
 
 
-def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=None) -> _Rewritten:
+def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=None,
+                bucketing: bool = True) -> _Rewritten:
     """Everything ``run`` does to the graph; returns what the rewrites noted and what
     ``_reorder`` measured. ``snapshot()`` runs before a rewrite first changes the graph;
-    ``estimator``: what ``chunks="auto"`` estimates with."""
+    ``estimator``: what ``chunks="auto"`` estimates with; ``bucketing=False``: no buckets
+    although ``cfg.bucket`` asks for them (its duplicate merging stays)."""
     duplicates, buckets, chunks, regather = [], [], [], ()
+    within_peak = cfg.max_in_flight_bytes == "serial-peak"
+    s = Structure(gm) if within_peak or cfg.bucket is not None else None
+    room = serial_headroom(s, cfg) if within_peak and s.movable else None   # of the graph as handed in
     if cfg.regather == "auto":   # first: bucketing would merge the re-gathers it may drop
         from overlapc.passes.regather import keep_or_regather
         regather = keep_or_regather(gm, before_rewrite=snapshot).choices
-    regathered = any(c.kept for c in regather)
     if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
         from overlapc.passes.bucket import merge_duplicates
         duplicates = merge_duplicates(gm, before_rewrite=snapshot)
@@ -257,17 +275,51 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         from overlapc.passes.chunk import chunk_collectives
         snapshot()
         chunks = chunk_collectives(gm, cfg.chunks, estimator)
-    s = None
-    if cfg.bucket is not None:
-        from overlapc.passes.bucket import bucket_collectives
+    rewritten = any(c.kept for c in regather) or bool(duplicates) or bool(chunks)
+    if rewritten and s is not None:
         s = Structure(gm)
-        buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s)
+        room = _rewritten_room(gm, s, cfg, room)
+    if cfg.bucket is not None and bucketing:
+        from overlapc.passes.bucket import bucket_collectives
+        buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s, headroom=room)
         if buckets:
-            s = None   # the graph changed: the core needs a new one
-    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or regathered \
+            if room is not None:
+                meta.set_serial_peak(gm, room.peak)
+            s = room = None   # the graph changed: the core needs a new one
+    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or rewritten \
         else None
-    placed = _reorder(gm, lambda s: budget_for(s, cfg), s=s)
+    try:
+        placed = _reorder(gm, lambda built: budget_for(built, cfg, room if built is s else None), s=s)
+    except ScheduleError as error:
+        if not buckets or not within_peak:
+            raise
+        raise _BucketsRaisePeak(len(buckets), error) from error
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather)
+
+
+def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, before: Headroom | None):
+    """The headroom of the graph of ``s`` (rewritten: pipelined pieces, merged duplicates,
+    kept gathers) under the larger of its own serial peak and ``before``'s, the graph's as
+    handed in (recorded as ``meta.serial_peak``): pieces may hold what the unsplit
+    collective held, and their copies are what ``chunks`` costs; the schedule adds
+    nothing above. None when ``before`` is (another budget) or nothing is movable."""
+    if before is None or not s.movable:
+        return None
+    own = serial_headroom(s, cfg)
+    if own.peak >= before.peak:
+        meta.set_serial_peak(gm, own.peak)
+        return own
+    meta.set_serial_peak(gm, before.peak)
+    return serial_headroom(s, cfg)
+
+
+class _BucketsRaisePeak(Exception):
+    """Under the "serial-peak" budget the bucketed graph failed its check (the buckets' copies
+    raised the peak above the serial peak of the graph before bucketing): ``run`` schedules
+    it again without buckets."""
+
+    def __init__(self, count: int, error: ScheduleError):
+        super().__init__(f"{count} bucket(s) broke a guarantee: {error}")
 
 
 def _restore(gm: fx.GraphModule, saved: fx.Graph | None, order: list[fx.Node], notes: dict) -> None:
@@ -294,7 +346,9 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
 
     Runs the chunk and bucket passes when ``config`` (ScheduleOptions, an
     OverlapConfig or None: ``as_options``) asks for them, then the scheduling
-    core under its budget, then the invariant check.
+    core under its budget, then the invariant check. Under the "serial-peak"
+    byte budget a scheduled peak above the unbucketed graph's serial peak (the
+    buckets' copies) schedules the graph again without buckets (an INFO line).
     Deterministic: the same graph gives the same order in every process. A
     graph without movable collectives (or ``enabled`` False) comes back
     untouched. On failure the graph is restored; on_error="raise" raises
@@ -324,7 +378,12 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
     collecting = gc.isenabled()
     gc.disable()   # the pass allocates many small objects; collections would cost more than it does
     try:
-        done = _run_passes(gm, cfg, snapshot, estimator)
+        try:
+            done = _run_passes(gm, cfg, snapshot, estimator)
+        except _BucketsRaisePeak as raised:
+            _restore(gm, saved[0] if saved else None, original, notes)
+            log.info("overlapc: scheduled without buckets: %s", raised)
+            done = _run_passes(gm, cfg, snapshot, estimator, bucketing=False)
     except Exception as error:
         _restore(gm, saved[0] if saved else None, original, notes)
         if recompile:

@@ -217,7 +217,9 @@ def test_pieces_of_a_chunked_collective_stay_apart(fake_pg):
         return y @ wait(ag(a)).t() @ wait(ag(b)).t()
     gm = trace(rows_and_weights, (8, 16), (16, 16), (2, 16), (2, 16))
     original = copy.deepcopy(gm)
-    overlapc.schedule(gm, overlapc.OverlapConfig(chunks=2, bucket=1 << 20, on_error="raise"))
+    # "auto" bytes: under "serial-peak" this tiny graph has no room for the bucket's copies
+    overlapc.schedule(gm, overlapc.OverlapConfig(chunks=2, bucket=1 << 20, max_in_flight_bytes="auto",
+                                                 on_error="raise"))
     chunked = [n for n in gm.meta["overlapc_chunks"] if n.applied]
     assert [len(n.pieces) for n in chunked] == [2]
     assert [n.members for n in gm.meta["overlapc_buckets"]] == [
@@ -720,3 +722,41 @@ def test_inductor_generates_no_kernel_for_a_buckets_copies(fake_pg):
     calls = re.findall(r"torch\.ops\.(overlapc\.\w+|_c10d_functional\.\w+)\.default\(", code)
     assert calls == ["overlapc.pack", "_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor",
                      "overlapc.unpack_columns"], calls
+
+
+# ------------------------------------------------------------------ buckets under the serial peak
+
+
+def _gathers_at_the_peak(x, a, b):
+    """The gathered weights' consumers run while a large result lives (a graph output):
+    they are the graph's peak, where a bucket's copies (twice the bucket) have no room."""
+    big = x.repeat(64, 1)
+    return x @ wait(ag(a)).t() @ wait(ag(b)).t(), big
+
+
+def _gathers_after_the_peak(x, a, b):
+    """The same gathers after the large result has died: room for the bucket's copies."""
+    s = x.repeat(64, 1).sum()
+    return (x + s) @ wait(ag(a)).t() @ wait(ag(b)).t()
+
+
+@pytest.mark.parametrize("fn, forms", [(_gathers_at_the_peak, False), (_gathers_after_the_peak, True)])
+def test_serial_peak_buckets_only_where_their_copies_fit(fake_pg, fn, forms):
+    """Under the default "serial-peak" budget a bucket (here of any size: ``bucket=1 MiB``)
+    forms only where its copies keep the unbucketed graph's serial peak; the "auto" budget
+    buckets both graphs. Either way the
+    scheduled peak (counted independently) stays within the unbucketed serial order's."""
+    from test_properties import live_peak
+    from overlapc.passes.invariants import serial_order
+    shapes = (4, 16), (2, 16), (2, 16)
+    unbucketed = trace(fn, *shapes)
+    s = Structure(unbucketed)
+    reference = live_peak(serial_order(s, asap=True), overlapc.collectives(unbucketed))
+    gm = trace(fn, *shapes)
+    result = overlapc.passes.pipeline.run(gm, overlapc.OverlapConfig(bucket=1 << 20, on_error="raise"))
+    assert bool(result.buckets) is forms
+    assert live_peak(list(gm.graph.nodes), overlapc.collectives(gm)) <= reference
+    overlapc.verify(gm)
+    spent = trace(fn, *shapes)
+    assert overlapc.passes.pipeline.run(spent, overlapc.OverlapConfig(bucket=1 << 20, max_in_flight_bytes="auto",
+                                                                      on_error="raise")).buckets

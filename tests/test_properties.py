@@ -171,29 +171,96 @@ def _aliases(node):
 
 
 def _nbytes(node):
+    """Bytes the node's storage spans: per tensor, 1 + sum((size - 1) * stride) elements."""
     value = node.meta.get("val")
     values = value if isinstance(value, (list, tuple)) else [value]
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.numel():
+            total += (1 + sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride()))) * v.element_size()
+    return total
+
+
+def _is_pointwise(node):
+    """Pure elementwise (tagged pointwise, or a dtype cast): Inductor emits it as a loop body."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target._schema.is_mutable:
+        return False
+    return torch.Tag.pointwise in node.target.tags or node.target == torch.ops.aten._to_copy.default
+
+
+def _reads_in_a_loop(node):
+    """``node`` reads its inputs inside its own loop: elementwise, a reduction, a cat, or a
+    view (not a wait, not a barrier) whose users all do."""
+    if _is_pointwise(node) or node.target == torch.ops.aten.cat.default:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.reduction in node.target.tags:
+        return True
+    return node.target in _ALIASES and bool(node.users) and all(_reads_in_a_loop(u) for u in node.users)
+
+
+def _storages(nodes):
+    """(root, through): node -> the storage it writes (itself, or the input it aliases or
+    overwrites); and, for a node Inductor computes inside its readers' loops (fused away,
+    allocating nothing: an elementwise node whose readers all read in a loop; several
+    readers only if it reads <= 4 storages), the storages it reads, which its readers
+    then read."""
+    root, through = {}, {}
+    for n in _topological(nodes):
+        reads = []
+        for i in n.all_input_nodes:
+            for r in through.get(root[i], [root[i]]):
+                if r not in reads:
+                    reads.append(r)
+        if n.all_input_nodes and _aliases(n):
+            root[n] = root[n.all_input_nodes[0]]
+        elif _is_pointwise(n) and n.users and (len(n.users) == 1 or len(reads) <= 4) \
+                and all(_reads_in_a_loop(u) for u in n.users):
+            root[n], through[n] = n, reads
+        else:
+            root[n] = _overwritten(n, root, through) or n
+    return root, through
+
+
+def _overwritten(node, root, through):
+    """The input whose buffer an elementwise kernel writes its output into: a non-collective
+    compute node's own storage (not fused away, not reused), read only here, same dtype,
+    95-100% of the output's bytes."""
+    if not _is_pointwise(node) or not node.users or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    for i in node.all_input_nodes:
+        mine, theirs = node.meta["val"], i.meta.get("val")
+        own = root[i] is i and i not in through and i.op == "call_function" and i.target not in _STARTS
+        if own and len(i.users) == 1 and isinstance(theirs, torch.Tensor) and theirs.dtype == mine.dtype \
+                and 0 < 0.95 * _nbytes(i) <= _nbytes(node) <= _nbytes(i):
+            return i
+    return None
+
+
+_STARTS = {F.all_gather_into_tensor.default, F.reduce_scatter_tensor.default, F.all_reduce.default,
+           F.all_to_all_single.default}
 
 
 def live_peak(nodes, rows):
-    """Peak live bytes of ``nodes`` (an order of one graph), counted here: a node that is
-    not an alias allocates its output; a storage is freed after the last node that reads
-    it or an alias of it (the output node reads the results: they live to the end); a
-    collective's inputs (``rows``) are held until its last wait."""
+    """Peak live bytes of ``nodes`` (an order of one graph), counted here as Inductor's code
+    allocates them: a node that is not an alias allocates its output, unless it is fused
+    away or overwrites an input (``_storages``); a storage is freed after the last node that
+    reads it or an alias of it (the output node reads the results: they live to the end;
+    a graph input nothing reads lives to the end too); a collective's inputs (``rows``) are
+    held until its last wait."""
     pos = {n: i for i, n in enumerate(nodes)}
-    root = {}
-    for n in _topological(nodes):
-        root[n] = root[n.all_input_nodes[0]] if n.all_input_nodes and _aliases(n) else n
+    root, through = _storages(nodes)
     held_until = {c.start: max(pos[w] for w in c.waits) for c in rows}
-    last = {}
+    last = {n: len(nodes) - 1 for n in nodes if n.op == "placeholder" and not n.users}
     for n in nodes:
         until = held_until.get(n, pos[n])
         for i in n.all_input_nodes:
-            last[root[i]] = max(last.get(root[i], -1), until)
+            for r in through.get(root[i], [root[i]]):
+                last[r] = max(last.get(r, -1), until)
     change = [0] * (len(nodes) + 1)
     for n in nodes:
-        if root[n] is n:
+        if root[n] is n and n not in through:
             change[pos[n]] += _nbytes(n)
             change[max(last.get(n, pos[n]), pos[n]) + 1] -= _nbytes(n)
     peak = running = 0
