@@ -14,7 +14,9 @@ backward in one graph) under the fake process group, then:
   "serial-peak"``, ``regather="auto"``); the row lists what keep-or-regather
   chose per block;
 * "overlapc library defaults": the same with ``OverlapConfig``'s own defaults
-  (``max_in_flight_bytes="auto"``, ``regather="always"``);
+  (``max_in_flight_bytes="serial-peak"``, ``regather="always"``);
+* "overlapc auto bytes": the library's defaults until 2026-11-28
+  (``max_in_flight_bytes="auto"``, ``regather="always"``), which may spend memory;
 * any ``--options`` given, each as one more overlapc row (over the adapter's
   defaults).
 
@@ -165,7 +167,8 @@ def compare(batch: int, seq: int, profile_name: str, extra_options: list[dict], 
         rows = [row("as traced", copy.deepcopy(traced.gm), profile),
                 row("graph_trainer passes", run_passes(theirs, traced), profile)]
         variants = [("overlapc adapter defaults", {}),
-                    ("overlapc library defaults", {"max_in_flight_bytes": "auto", "regather": "always"})]
+                    ("overlapc library defaults", {"max_in_flight_bytes": "serial-peak", "regather": "always"}),
+                    ("overlapc auto bytes", {"max_in_flight_bytes": "auto", "regather": "always"})]
         variants += [(f"overlapc {json.dumps(options)}", options) for options in extra_options]
         for name, options in variants:
             gm = run_passes(overlapc_torchtitan.replace_bucketing(theirs, options), traced)

@@ -279,7 +279,9 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     if rewritten and s is not None:
         s = Structure(gm)
         room = _rewritten_room(gm, s, cfg, room)
-    if cfg.bucket is not None and bucketing:
+    if cfg.bucket is not None and not bucketing:
+        meta.add_notes(gm, meta.BUCKETS, [])   # bucketing ran and kept none
+    elif cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives
         buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s, headroom=room)
         if buckets:

@@ -17,6 +17,7 @@ import overlapc
 from overlapc.passes.bucket import DEFAULT_BUCKET_BYTES, BucketNote, block_of, bucket_collectives
 from overlapc.passes.structure import Structure
 from graphs import F, WORLD, Block, ag, trace, wait, random_inputs
+from test_properties import live_peak, serial_peak
 
 RANK = 3   # the rank the stand-ins pretend to be (not 0: a wrong block order shows)
 AG = F.all_gather_into_tensor.default
@@ -541,6 +542,9 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
         assert all(n.nbytes <= largest[(n.group, n.kind)] for n in notes), (notes, largest)
     overlapc.verify(gm, cfg)
     assert_same_values(original, gm, exact=False)
+    # the default budget ("serial-peak"): the bucketed schedule's peak, counted independently,
+    # at most the unbucketed graph's serial order's
+    assert live_peak(list(gm.graph.nodes), overlapc.collectives(gm)) <= serial_peak(original), notes
     inputs = random_inputs(original)
     expected, got = RankCollectives(original).run(*inputs), RankCollectives(gm).run(*inputs)
     kinds = [kind for i in p["use"] for kind in ("scatter", "out") if p[kind][i]]
@@ -746,12 +750,8 @@ def test_serial_peak_buckets_only_where_their_copies_fit(fake_pg, fn, forms):
     forms only where its copies keep the unbucketed graph's serial peak; the "auto" budget
     buckets both graphs. Either way the
     scheduled peak (counted independently) stays within the unbucketed serial order's."""
-    from test_properties import live_peak
-    from overlapc.passes.invariants import serial_order
     shapes = (4, 16), (2, 16), (2, 16)
-    unbucketed = trace(fn, *shapes)
-    s = Structure(unbucketed)
-    reference = live_peak(serial_order(s, asap=True), overlapc.collectives(unbucketed))
+    reference = serial_peak(trace(fn, *shapes))
     gm = trace(fn, *shapes)
     result = overlapc.passes.pipeline.run(gm, overlapc.OverlapConfig(bucket=1 << 20, on_error="raise"))
     assert bool(result.buckets) is forms

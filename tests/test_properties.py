@@ -11,6 +11,7 @@ the serial order's (built here, ``serial_order``: each all-gather right before
 its wait, everything else waited right after its start) + the bytes in flight;
 scheduling is deterministic.
 """
+import itertools
 import operator
 
 import torch
@@ -342,6 +343,17 @@ def _first_consumers(nodes, pos, region, region_end, c):
             else:
                 found.append(pos[u])
     return min(found + [region_end[region[pos[c.start]]]])
+
+
+def serial_peak(gm):
+    """Peak live bytes (``live_peak``) of ``gm``'s serial order (``serial_order``), built and
+    counted here; collectives whose start and wait lie on two sides of a barrier stay put."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    region = list(itertools.accumulate((n.target in _BARRIERS for n in nodes), initial=0))[:-1]
+    found = [c for c in overlapc.collectives(gm) if c.waits]
+    rows = [c for c in found if c.movable and all(region[pos[w]] == region[pos[c.start]] for w in c.waits)]
+    return live_peak(serial_order(nodes, rows), found)
 
 
 def independent_checks(gm, cfg, before=None):

@@ -57,6 +57,17 @@ GRAPHS = [(case, graph, device) for case, graphs in
           for graph in graphs for device in wrapper_replay.DEVICES]
 
 
+@pytest.mark.parametrize("device", wrapper_replay.DEVICES)
+def test_defaults_peak_at_or_under_plain_inductor(rows, device):
+    """Issue 39's bar, replayed: over the training step (the larger of the forward's and
+    the backward's peaks, each counting its inputs), the code Inductor generates for
+    overlapc's default schedule allocates no more than plain Inductor's (its own order,
+    peak-memory reordering on), for the CPU and the fake H100."""
+    step = {case: max(rows[case, graph, device]["replay"]["peak_bytes"] for graph in ("fw", "bw"))
+            for case in ("llama", "llama_plain")}
+    assert step["llama"] <= step["llama_plain"], step
+
+
 @pytest.mark.parametrize("key", GRAPHS, ids=["-".join(k) for k in GRAPHS])
 def test_model_peak_is_the_generated_codes_peak(rows, key):
     row = rows[key]

@@ -102,7 +102,10 @@ def _load(code: str) -> types.ModuleType:
 
     module = types.ModuleType("inductor_wrapper_replay")
     module.__file__ = _WRAPPER_FILE
-    with mock.patch.object(async_compile, "AsyncCompile", _NoCompile):
+    # a CUDA wrapper imports the stream getter from torch._C, which a CPU-only build lacks
+    # (torch 2.13's CPU wheel): stub it for the import, as get_raw_stream is below
+    with mock.patch.object(async_compile, "AsyncCompile", _NoCompile), \
+            mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda *args: 0, create=True):
         exec(compile(code, _WRAPPER_FILE, "exec"), module.__dict__)
     for name in [n for n in vars(module) if n.startswith("empty_strided")]:
         setattr(module, name, _meta_empty)
@@ -298,12 +301,15 @@ def retrace(gm: torch.fx.GraphModule):
         return make_fx(gm)(*inputs), inputs
 
 
-def compile_and_replay(graphs: list[tuple[str, torch.fx.GraphModule]], device: str, options: dict) -> list[dict]:
+def compile_and_replay(graphs: list[tuple[str, torch.fx.GraphModule]], device: str, options: dict,
+                       plain: bool = False) -> list[dict]:
     """Per graph ("fw" / "bw" / "joint", gm before Inductor's post-grad passes): compile it
     for ``device`` ("cpu", or "cuda": the fake H100, in a process of its own) with
     overlapc's schedule as Inductor's post-grad pass, evaluate the model on the graph
-    the pass returns and replay the wrapper. Returns per graph {"graph", "device",
-    "model": ``model_peak``, "replay": ``Replay`` fields as a dict, "code"}."""
+    the pass returns and replay the wrapper. ``plain``: Inductor alone, as it compiles
+    without overlapc (its own settings, peak-memory reordering on; the model is read on
+    the graph unscheduled). Returns per graph {"graph", "device", "model": ``model_peak``,
+    "replay": ``Replay`` fields as a dict}."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
 
@@ -311,7 +317,7 @@ def compile_and_replay(graphs: list[tuple[str, torch.fx.GraphModule]], device: s
     from overlapc.backend import SchedulePass
     from overlapc.config import OverlapConfig
 
-    cfg = OverlapConfig.from_options(options)
+    cfg = OverlapConfig.from_options({**options, "enabled": False} if plain else options)
     groups = BufferGroups()
     rows = []
     with (fake_cuda.fake_h100() if device == "cuda" else keep_cpu_wrappers()) as kept:
@@ -319,7 +325,7 @@ def compile_and_replay(graphs: list[tuple[str, torch.fx.GraphModule]], device: s
         for number, (kind, gm) in enumerate(graphs):
             models: list[dict] = []
             graph, inputs = fake_cuda.on_cuda(gm) if device == "cuda" else retrace(gm)
-            patches = {**fake_cuda._inductor_patches(),
+            patches = {**({} if plain else fake_cuda._inductor_patches()),
                        "post_grad_custom_post_pass": SchedulePass(cfg, lambda record: models.append(model_peak(record.gm)))}
             with torch._inductor.config.patch(patches), groups.recording():
                 compile_fx_inner(graph, inputs, is_backward=kind == "bw", graph_id=number, cudagraphs=BoxedBool(False))
@@ -369,24 +375,30 @@ def _example(name: str, **kwargs):
 def case_graphs(case: str) -> list[tuple[str, torch.fx.GraphModule]]:
     """The graphs of one case: "llama" (examples/llama.py), "tp_sp" (examples/tp_sp.py),
     "moe" (examples/moe.py), each one training step's forward and backward as AOTAutograd
-    hands them to Inductor; "joint" (``joint_graph``)."""
+    hands them to Inductor; "joint" (``joint_graph``); "gpu_llama": examples/llama.py at
+    benchmarks/gpu_check.py's sizes. A case ending in "_plain" has its base case's graphs,
+    compiled by Inductor alone (``main``)."""
     import fake_cuda
+    case = case.removesuffix("_plain")
     if case == "joint":
         return [("joint", joint_graph())]
-    kwargs = {"tp_sp": {"dim": 64, "heads": 8, "hidden": 256, "depth": 2, "seq": 64, "batch": 2}}.get(case, {})
-    model, inputs = _example(case, **kwargs)
+    kwargs = {"tp_sp": {"dim": 64, "heads": 8, "hidden": 256, "depth": 2, "seq": 64, "batch": 2},
+              "gpu_llama": GPU_LLAMA}.get(case, {})
+    model, inputs = _example("llama" if case == "gpu_llama" else case, **kwargs)
     return fake_cuda.capture_training_graphs(model, inputs)
 
 
-CASES = ("llama", "joint", "tp_sp", "moe")
+CASES = ("llama", "joint", "tp_sp", "moe", "llama_plain")
+GPU_LLAMA = {"vocab": 1024, "dim": 1024, "heads": 8, "hidden": 2816, "depth": 4, "batch": 1, "seq": 512}
 DEVICES = ("cpu", "cuda")
 OPTIONS = {"on_error": "raise"}   # overlapc's defaults otherwise
 
 
 def main(argv: list[str]) -> int:
     """``python tests/wrapper_replay.py CASE OUT.json``: under the fake process group of
-    world size 8, compile CASE's graphs for CPU and for the fake H100 and write the rows
-    of ``compile_and_replay`` as JSON."""
+    world size 8, compile CASE's graphs (``case_graphs``: ``CASES``, "gpu_llama",
+    "gpu_llama_plain") for CPU and for the fake H100 and write the rows of
+    ``compile_and_replay`` as JSON."""
     import json
 
     import torch.distributed as dist
@@ -397,7 +409,8 @@ def main(argv: list[str]) -> int:
     try:
         with torch._inductor.config.patch(fx_graph_cache=False):
             graphs = case_graphs(case)
-            rows = [row for device in DEVICES for row in compile_and_replay(graphs, device, OPTIONS)]
+            rows = [row for device in DEVICES
+                    for row in compile_and_replay(graphs, device, OPTIONS, plain=case.endswith("_plain"))]
     finally:
         dist.destroy_process_group()
     with open(out, "w", encoding="utf-8") as sink:
