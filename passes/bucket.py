@@ -26,9 +26,10 @@ holds consecutive members. A bucket closes before a member when
   budget (twice the largest) and the memory it allows stay as without buckets;
   what merges is the small collectives (norms, biases, the smaller projections)
   that would each take a slot of the count bound and pay a latency;
-* under the "serial-peak" byte budget (the default), the pipeline hands in the
-  graph's headroom under its serial order's peak: the member would take the
-  bucket's copies (at the copy-out twice the bucket, then the copy until the
+* ``bucket="auto"`` or a byte target under the "serial-peak" byte budget (the
+  defaults; not ``"module"``, whose buckets cost what they hold): the pipeline
+  hands in the graph's headroom under its serial order's peak, and the member
+  would take the bucket's copies (at the copy-out twice the bucket, then the copy until the
   last member's consumer; for a reduce-scatter the inputs and the packed copy)
   past that headroom (``_fits_headroom``), so that buckets never raise the
   peak the unbucketed graph would have;

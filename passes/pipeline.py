@@ -283,17 +283,21 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         meta.add_notes(gm, meta.BUCKETS, [])   # bucketing ran and kept none
     elif cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives
-        buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s, headroom=room)
-        if buckets:
-            if room is not None:
-                meta.set_serial_peak(gm, room.peak)
+        held_to_peak = cfg.bucket != "module"   # a bucket per block costs what it holds (the option says so)
+        buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s,
+                                     headroom=room if held_to_peak else None)
+        if buckets and held_to_peak and room is not None:
+            meta.set_serial_peak(gm, room.peak)
             s = room = None   # the graph changed: the core needs a new one
+        elif buckets:
+            s = Structure(gm)
+            room = _rewritten_room(gm, s, cfg, room)
     before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or rewritten \
         else None
     try:
         placed = _reorder(gm, lambda built: budget_for(built, cfg, room if built is s else None), s=s)
     except ScheduleError as error:
-        if not buckets or not within_peak:
+        if not buckets or not within_peak or cfg.bucket == "module":
             raise
         raise _BucketsRaisePeak(len(buckets), error) from error
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather)
@@ -301,10 +305,11 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
 
 def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, before: Headroom | None):
     """The headroom of the graph of ``s`` (rewritten: pipelined pieces, merged duplicates,
-    kept gathers) under the larger of its own serial peak and ``before``'s, the graph's as
-    handed in (recorded as ``meta.serial_peak``): pieces may hold what the unsplit
-    collective held, and their copies are what ``chunks`` costs; the schedule adds
-    nothing above. None when ``before`` is (another budget) or nothing is movable."""
+    kept gathers, a bucket per block) under the larger of its own serial peak and
+    ``before``'s, the graph's as handed in (recorded as ``meta.serial_peak``): pieces may
+    hold what the unsplit collective held, and the copies of pieces and of
+    ``bucket="module"`` are what those options cost; the schedule adds nothing above.
+    None when ``before`` is (another budget) or nothing is movable."""
     if before is None or not s.movable:
         return None
     own = serial_headroom(s, cfg)
@@ -349,8 +354,9 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
     Runs the chunk and bucket passes when ``config`` (ScheduleOptions, an
     OverlapConfig or None: ``as_options``) asks for them, then the scheduling
     core under its budget, then the invariant check. Under the "serial-peak"
-    byte budget a scheduled peak above the unbucketed graph's serial peak (the
-    buckets' copies) schedules the graph again without buckets (an INFO line).
+    byte budget with ``bucket`` "auto" or a byte target, a scheduled peak above the unbucketed
+    graph's serial peak (the buckets' copies) schedules the graph again without
+    buckets (an INFO line).
     Deterministic: the same graph gives the same order in every process. A
     graph without movable collectives (or ``enabled`` False) comes back
     untouched. On failure the graph is restored; on_error="raise" raises
