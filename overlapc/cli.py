@@ -201,8 +201,7 @@ _EXAMPLES = {
     "report": """examples:
   overlapc report examples/llama.py:build --world-size 8
   overlapc report examples/mlp.py:build --world-size 8 --profile cpu:ethernet --wide
-  overlapc report examples/llama.py:build --world-size 8 --profile cpu:ethernet --html schedule.html
-  overlapc report examples/llama.py:build --world-size 8 --dispatch cpu   # h100 estimates of CPU-shaped graphs""",
+  overlapc report examples/llama.py:build --world-size 8 --dispatch cpu --html schedule.html""",
     "timeline": """examples:
   overlapc timeline examples/llama.py:build --world-size 8 -o llama-trace.json
   overlapc timeline examples/mlp.py:build --world-size 8 --max-in-flight none""",

@@ -10,11 +10,12 @@ drawn here (no script; tooltips are SVG ``<title>`` elements). Per graph:
   when it starts running to when it ends, coloured by kind).
 * **Memory**: live bytes along both orders (``passes/memory.py``'s tracker),
   each node drawn at the simulated time it runs, with the order before's peak
-  and the *budget*: that peak plus the in-flight byte budget of the config
-  (summed over groups; ``passes/pipeline.budget_for``). Under "auto" more
-  may be in flight where it fits under the graph's memory peak
-  (``passes/memory.Headroom``), so the line is the plan, not a hard ceiling.
-  No budget line when the byte budget is unlimited.
+  and the *budget*: under "serial-peak" (the default) the bound itself, the
+  serial order's peak of the graph as handed in (``passes/pipeline.budget_for``'s
+  headroom); else that peak plus the in-flight byte budget of the config
+  (summed over groups). Under "auto" more may be in flight where it fits under
+  the graph's memory peak (``passes/memory.Headroom``), so the line is the plan,
+  not a hard ceiling. No budget line when the byte budget is unlimited.
 * **Table**: one row per collective (``overlapc.report.Row``), compact.
 * With a profiler trace (what ``overlapc analyze`` reads): per graph, one run
   of it (the median of the runs the trace holds) measured beside the
@@ -103,24 +104,27 @@ def graph_view(name: str, gm: fx.GraphModule, before_order: list[str], profile=N
     live = {key: liveness.live_bytes(order) for key, order in orders.items()}
     at = {key: _node_times(order, timelines[key]) for key, order in orders.items()}
     groups = sorted({t.collective.group for t in timelines["after"].collectives.values()})
-    in_flight = _in_flight_budget(gm, cfg)
-    budget = None if in_flight is None else timelines["before"].peak_bytes + in_flight
+    budget, in_flight = _budget(gm, cfg, timelines["before"].peak_bytes)
     return GraphView(name, rows, summary, timelines, live, at, groups,
                      {g: costmodel.group_label(g) for g in groups},
                      {n.name: _op_name(n) for n in gm.graph.nodes}, budget, in_flight)
 
 
-def _in_flight_budget(gm: fx.GraphModule, cfg) -> int | None:
-    """The config's in-flight byte budget for ``gm``, summed over its groups (None: no limit)."""
+def _budget(gm: fx.GraphModule, cfg, peak_before: int) -> tuple[int | None, int | None]:
+    """(the budget line's bytes, the in-flight budget summed over groups) of the config for
+    ``gm``: under "serial-peak" (the bound, None); else (``peak_before`` + the in-flight
+    budget, that budget); (None, None) when nothing bounds the bytes."""
     from overlapc.passes.pipeline import budget_for
     from overlapc.passes.structure import Structure
 
-    limits = budget_for(Structure(gm), cfg).max_bytes
-    if not limits:
-        return 0
+    budget = budget_for(Structure(gm), cfg)
+    if budget.within_peak:
+        return (budget.headroom.peak if budget.headroom is not None else peak_before), None
+    limits = budget.max_bytes
     if any(v is None for v in limits.values()):
-        return None
-    return sum(limits.values())
+        return None, None
+    in_flight = sum(limits.values())
+    return peak_before + in_flight, in_flight
 
 
 def _node_times(order: list[fx.Node], timeline: Timeline) -> list[float]:
@@ -344,9 +348,10 @@ def _memory_svg(view: GraphView) -> str:
     reference = peaks["before"]
     parts.append(_hline(y(reference), "peak-line", f"peak before {_size(reference)}", reference))
     if view.budget_bytes is not None:
-        parts.append(_hline(y(view.budget_bytes), "budget-line",
-                            f"budget {_size(view.budget_bytes)} = peak before + in-flight budget "
-                            f"{_size(view.in_flight_budget)}", view.budget_bytes))
+        said = f"budget {_size(view.budget_bytes)} = " + (
+            "the serial order's peak (serial-peak)" if view.in_flight_budget is None
+            else f"peak before + in-flight budget {_size(view.in_flight_budget)}")
+        parts.append(_hline(y(view.budget_bytes), "budget-line", said, view.budget_bytes))
     width, total = LEFT + PLOT + RIGHT, bottom + 24
     return (f'<svg class="memory" width="{width}" height="{total}" '
             f'viewBox="0 0 {width} {total}" data-graph="{_e(view.name)}">' + "".join(parts) + "</svg>")

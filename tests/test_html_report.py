@@ -126,12 +126,18 @@ def test_budget_line_is_the_peak_before_plus_the_in_flight_budget(llama):
     from overlapc.passes.pipeline import budget_for
     from overlapc.passes.structure import Structure
 
-    for record in records:
-        limits = budget_for(Structure(record.gm), OverlapConfig()).max_bytes
+    for record in records:   # the defaults: "serial-peak", whose line is the bound itself
+        bound = budget_for(Structure(record.gm), OverlapConfig()).headroom.peak
         before = peak_bytes(checked_order(record.gm, record.before_order))
         svg = [p for p in page.split('<svg class="memory"')[1:] if f'data-graph="{record.name}"' in p[:200]][0]
-        assert f'<g class="budget-line" data-bytes="{before + sum(limits.values())}"' in svg
+        assert f'<g class="budget-line" data-bytes="{bound}"' in svg and "(serial-peak)" in svg
         assert f'<g class="peak-line" data-bytes="{before}"' in svg
+    with cli._process_group(8, 0):
+        auto = html_report.graph_view("fw_0", records[0].gm, records[0].before_order, PROFILE,
+                                      {"max_in_flight_bytes": "auto"})
+        limits = budget_for(Structure(records[0].gm), OverlapConfig(max_in_flight_bytes="auto")).max_bytes
+        before = peak_bytes(checked_order(records[0].gm, records[0].before_order))
+    assert (auto.budget_bytes, auto.in_flight_budget) == (before + sum(limits.values()), sum(limits.values()))
     with cli._process_group(8, 0):
         unlimited = html_report.graph_view("fw_0", records[0].gm, records[0].before_order, PROFILE,
                                            {"max_in_flight_bytes": None})
@@ -203,7 +209,7 @@ def test_write_html_is_deterministic(llama, tmp_path):
 
 def test_html_for_target(tmp_path):
     page = html_report.html_for_target(TARGET, 8, options={"bucket": None}, profile="h100:ib")
-    assert "max_in_flight_bytes=auto, bucket=None" in page and "built-in h100:ib" in page
+    assert "max_in_flight_bytes=serial-peak, bucket=None" in page and "built-in h100:ib" in page
     assert page.count('<section class="graph"') == 2
     with pytest.raises(cli.UsageError, match="no such file"):
         html_report.html_for_target("examples/nothing.py:build", 8)
