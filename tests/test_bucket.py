@@ -542,9 +542,10 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
         assert all(n.nbytes <= largest[(n.group, n.kind)] for n in notes), (notes, largest)
     overlapc.verify(gm, cfg)
     assert_same_values(original, gm, exact=False)
-    # the default budget ("serial-peak"): the bucketed schedule's peak, counted independently,
-    # at most the unbucketed graph's serial order's
-    assert live_peak(list(gm.graph.nodes), overlapc.collectives(gm)) <= serial_peak(original), notes
+    # the default budget ("serial-peak"): the schedule's peak, counted independently, at most
+    # the unbucketed graph's serial order's ("module" buckets cost what a block holds)
+    if p["bucket"] != "module":
+        assert live_peak(list(gm.graph.nodes), overlapc.collectives(gm)) <= serial_peak(original), notes
     inputs = random_inputs(original)
     expected, got = RankCollectives(original).run(*inputs), RankCollectives(gm).run(*inputs)
     kinds = [kind for i in p["use"] for kind in ("scatter", "out") if p[kind][i]]
