@@ -345,14 +345,20 @@ def _first_consumers(nodes, pos, region, region_end, c):
     return min(found + [region_end[region[pos[c.start]]]])
 
 
-def serial_peak(gm):
-    """Peak live bytes (``live_peak``) of ``gm``'s serial order (``serial_order``), built and
-    counted here; collectives whose start and wait lie on two sides of a barrier stay put."""
-    nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
+def _placeable(gm, nodes, pos):
+    """(region per position: barriers before it; the collectives with waits; those of them
+    that may move: collectives whose start and wait lie on two sides of a barrier stay put)."""
     region = list(itertools.accumulate((n.target in _BARRIERS for n in nodes), initial=0))[:-1]
     found = [c for c in overlapc.collectives(gm) if c.waits]
     rows = [c for c in found if c.movable and all(region[pos[w]] == region[pos[c.start]] for w in c.waits)]
+    return region, found, rows
+
+
+def serial_peak(gm):
+    """Peak live bytes (``live_peak``) of ``gm``'s serial order (``serial_order``), built and
+    counted here."""
+    nodes = list(gm.graph.nodes)
+    _, found, rows = _placeable(gm, nodes, {n: i for i, n in enumerate(nodes)})
     return live_peak(serial_order(nodes, rows), found)
 
 
@@ -363,14 +369,11 @@ def independent_checks(gm, cfg, before=None):
     ``before``: the nodes in their order before scheduling, when no rewrite ran."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    is_barrier = [n.target in _BARRIERS for n in nodes]
-    region = [sum(is_barrier[:i]) for i in range(len(nodes))]
+    region, found, rows = _placeable(gm, nodes, pos)
     region_end = {}
     for i in reversed(range(len(nodes))):
-        region_end[region[i]] = i if is_barrier[i] or nodes[i].op == "output" else region_end.get(region[i], i)
-    # Collectives whose start and wait lie on two sides of a barrier stay where they are.
-    found = [c for c in overlapc.collectives(gm) if c.waits]
-    rows = [c for c in found if c.movable and all(region[pos[w]] == region[pos[c.start]] for w in c.waits)]
+        closes = nodes[i].target in _BARRIERS or nodes[i].op == "output"
+        region_end[region[i]] = i if closes else region_end.get(region[i], i)
     first = {c.start: _first_consumers(nodes, pos, region, region_end, c) for c in rows}
     # consumer order per group and region
     for group in sorted({c.group for c in rows}):

@@ -367,11 +367,6 @@ def joint_graph(dim: int = 64, depth: int = 3, batch: int = 32) -> torch.fx.Grap
         return make_fx(step, decomposition_table=select_decomp_table())(x, *shards)
 
 
-def _example(name: str, **kwargs):
-    import fake_cuda
-    return fake_cuda._example(name).build(**kwargs)
-
-
 def case_graphs(case: str) -> list[tuple[str, torch.fx.GraphModule]]:
     """The graphs of one case: "llama" (examples/llama.py), "tp_sp" (examples/tp_sp.py),
     "moe" (examples/moe.py), each one training step's forward and backward as AOTAutograd
@@ -384,7 +379,7 @@ def case_graphs(case: str) -> list[tuple[str, torch.fx.GraphModule]]:
         return [("joint", joint_graph())]
     kwargs = {"tp_sp": {"dim": 64, "heads": 8, "hidden": 256, "depth": 2, "seq": 64, "batch": 2},
               "gpu_llama": GPU_LLAMA}.get(case, {})
-    model, inputs = _example("llama" if case == "gpu_llama" else case, **kwargs)
+    model, inputs = fake_cuda._example("llama" if case == "gpu_llama" else case).build(**kwargs)
     return fake_cuda.capture_training_graphs(model, inputs)
 
 
