@@ -21,6 +21,7 @@ import warnings
 import torch.fx as fx
 
 from overlapc.passes import invariants, meta
+from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
 from overlapc.passes.memory import Headroom
@@ -148,25 +149,21 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     the caller has it (the graph unchanged since). A graph with chained
     collectives is scheduled with its headroom under the serial order's peak
     (chain points where a chain's own buffers fit it) and checked against that
-    order too; if its schedule fails the check (or the core), it is scheduled
-    again with late chain points, else placed serially (``_chains_again``). Each
-    placed start and wait gets its reason (``meta.REASON``) once
-    the check passed."""
+    order too. A schedule that fails the check (or the core) degrades locally
+    (``_degrade``): chained graphs first try late chain points, then the collectives
+    the failure names are placed serially and the rest scheduled again. Each
+    placed start and wait gets its reason (``meta.REASON``) once the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
         return _Placed(0, False, structure=s)
     budget: Budget = budget_of(s)
-    reasons: dict[fx.Node, str] = {}
     room = Headroom(s, invariants.serial_order(s)) if mode != "sink" and _has_chains(s) else None
     try:
-        order = schedule_order(s, budget, mode, kinds, reasons, chain_room=room)
-        _check_kept(s, order)
-        # starts not placed by the core (sink mode) are checked by the above only
-        peaks = None if mode == "sink" else _check(s, order, budget)
-    except (ScheduleError, AssertionError) as error:
-        if mode == "sink" or not _has_chains(s):
-            raise
-        order, reasons, peaks = _chains_again(s, budget, kinds, error)
+        order, reasons, peaks = _attempt(s, budget, kinds, mode=mode, chain_room=room)
+    except _Failed as failed:
+        if mode == "sink":
+            raise failed.error from None
+        order, reasons, peaks = _degrade(s, budget, kinds, failed, room)
     apply_order(gm, order)
     for node, reason in reasons.items():
         meta.set_reason(node, reason)
@@ -174,29 +171,89 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     return _Placed(len(s.movable), order != s.nodes, peaks, placed, s)
 
 
+class _Failed(Exception):
+    """A schedule that broke a guarantee: the error, and the order when the core built one."""
+
+    def __init__(self, error: Exception, order: list[fx.Node] | None):
+        super().__init__(str(error))
+        self.error, self.order = error, order
+
+
+def _attempt(s: Structure, budget: Budget, kinds, mode: str = "schedule", **core) -> tuple:
+    """(order, reasons, peaks) of one run of the core (``core``: ``schedule_order``'s
+    keywords) that passed the checks, else raise _Failed. Starts not placed by the
+    core (sink mode) are checked for compute order and regions only."""
+    reasons: dict[fx.Node, str] = {}
+    order = None
+    try:
+        order = schedule_order(s, budget, mode, kinds, reasons, **core)
+        _check_kept(s, order)
+        peaks = None if mode == "sink" else _check(s, order, budget)
+    except (ScheduleError, AssertionError) as error:
+        raise _Failed(error, order) from error
+    return order, reasons, peaks
+
+
+_DEGRADE_ROUNDS = 8   # rounds of placing more collectives serially before the whole graph goes serial
+
+
 def _has_chains(s: Structure) -> bool:
     """Whether a movable collective's start reads another one's result (a chain)."""
     return any(i in s.wait_of_member for c in s.movable for i in s.bundle_inputs[c.start])
 
 
-def _chains_again(s: Structure, budget: Budget, kinds, error: Exception):
-    """(order, reasons, peaks) for a chained graph whose schedule failed with ``error``:
-    the core again with late chain points (each chained start where its result is
-    due), else the serial order (``_serial_fallback``); both checked."""
-    reasons: dict[fx.Node, str] = {}
-    try:
-        order = schedule_order(s, budget, "schedule", kinds, reasons, late_chains=True)
-        _check_kept(s, order)
-        peaks = _check(s, order, budget)
-    except (ScheduleError, AssertionError) as again:
-        log.debug("overlapc: late chain points failed too: %s", again)
-    else:
-        log.info("overlapc: chained collectives issued where their results are due (less overlap): the "
-                 "schedule with earlier chain points broke a guarantee: %s", error)
-        return order, reasons, peaks
-    order, reasons = _serial_fallback(s, error)
+def _degrade(s: Structure, budget: Budget, kinds, failed: _Failed, room):
+    """(order, reasons, peaks) when the schedule failed (``failed``), losing as little
+    overlap as it can: for a chained graph the core again with late chain points
+    (an INFO line); then rounds in which the collectives the failure names
+    (``_culprits``) are placed serially and everything else scheduled again (one
+    WARNING naming them); after ``_DEGRADE_ROUNDS`` rounds, or when a failure names
+    nothing new, the whole graph in its serial order (``_serial_fallback``)."""
+    first = failed.error
+    if _has_chains(s):
+        try:
+            result = _attempt(s, budget, kinds, late_chains=True)
+        except _Failed as again:
+            log.debug("overlapc: late chain points failed too: %s", again.error)
+            failed = again
+        else:
+            log.info("overlapc: chained collectives issued where their results are due (less overlap): the "
+                     "schedule with earlier chain points broke a guarantee: %s", first)
+            return result
+    serial: dict[fx.Node, Collective] = {}
+    for _ in range(_DEGRADE_ROUNDS):
+        new = [c for c in _culprits(s, failed) if c.start not in serial]
+        if not new:
+            break
+        serial.update((c.start, c) for c in new)
+        try:
+            result = _attempt(s, budget, kinds, chain_room=room, serial=frozenset(serial))
+        except _Failed as again:
+            failed = again
+            continue
+        names = ", ".join(f"{c.start.name} ({c.kind}, group {c.group})" for c in serial.values())
+        log.warning("overlapc: %d of %d collectives placed serially (no overlap for them; the rest is "
+                    "scheduled): %s. Scheduled with overlap they broke a guarantee: %s",
+                    len(serial), len(s.movable), names, first)
+        return result
+    order, reasons = _serial_fallback(s, first)
     _check_kept(s, order)
     return order, reasons, _check(s, order, budget)
+
+
+def _culprits(s: Structure, failed: _Failed) -> list[Collective]:
+    """The movable collectives a failure names: the one whose start or wait it names,
+    and those in flight at its position of the failed order (a memory or bound error),
+    in graph order; none when the core failed before building an order."""
+    error, order = failed.error, failed.order
+    node = getattr(error, "node", None)
+    found = [c for c in (s.coll_of_start.get(node), s.coll_of_wait.get(node)) if c is not None]
+    position = getattr(error, "position", None)
+    if order is not None and position is not None:
+        pos = {n: i for i, n in enumerate(order)}
+        found += [c for c in s.movable if pos[c.start] <= position < max(pos[w] for w in c.waits)]
+    unique = {c.start: c for c in found}
+    return sorted(unique.values(), key=lambda c: s.pos[c.start])
 
 
 def _check(s: Structure, order: list[fx.Node], budget: Budget) -> invariants.Peaks:
@@ -210,11 +267,13 @@ def _check(s: Structure, order: list[fx.Node], budget: Budget) -> invariants.Pea
 
 def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dict[fx.Node, str]]:
     """The serial order (``invariants.serial_order``, starts kept in place): every
-    guarantee holds by construction, no overlap. For chained collectives the core
-    could not place within the guarantees (``error``). A WARNING: the graph loses
-    its overlap, and a user must not have to find that out from a profile."""
-    log.warning("overlapc: chained collectives this schedule could not place within the bounds; the graph "
-                "runs in its serial order (starts kept, each waited first), without overlap: %s", error)
+    guarantee holds by construction, no overlap. For a graph whose schedule broke
+    a guarantee (``error``) even with the collectives it named placed serially. A
+    WARNING: the graph loses its overlap, and a user must not have to find that out
+    from a profile."""
+    log.warning("overlapc: collectives this schedule could not place within the bounds, even with those the "
+                "failures named placed serially; the graph runs in its serial order (starts kept, each waited "
+                "first), without overlap: %s", error)
     order = invariants.serial_order(s)
     reasons: dict[fx.Node, str] = {}
     for c in s.movable:

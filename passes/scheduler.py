@@ -59,13 +59,14 @@ REASONS = {
     "before barrier": "waited before the barrier that closes its region",
     "early for room": "waited early to make room in the in-flight budget",
     "no headroom": "waited right after its start: in flight it would raise the serial order's peak",
+    "kept serial": "placed as in the serial order: scheduled with overlap it broke a guarantee (a WARNING says which)",
 }
 
 
 def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedule",
                    kinds: tuple[str, ...] | None = None,
                    reasons: dict[fx.Node, str] | None = None, late_chains: bool = False,
-                   chain_room: Headroom | None = None) -> list[fx.Node]:
+                   chain_room: Headroom | None = None, serial: frozenset[fx.Node] = frozenset()) -> list[fx.Node]:
     """A new order of ``s.nodes``: the spine in its order, collectives placed by
     ``mode`` under ``budget``. ``kinds`` limits which collectives move (default all).
     ``reasons``, when given, receives why each start and wait was placed where it is
@@ -75,17 +76,20 @@ def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedu
     when a schedule with halfway chain points fails the check). ``chain_room``: the
     headroom under the serial order's peak (``memory.Headroom``): a chain point
     moves from halfway to the first spine node where the chained start's own
-    buffers fit it (``_plan_gates``)."""
+    buffers fit it (``_plan_gates``). ``serial``: starts of collectives placed as the
+    "serial" mode places them (an all-gather issued when its result is due, any other
+    kind waited right after its start) while the rest is scheduled: the pipeline's
+    local degradation."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return _Core(s, budget, mode, kinds, reasons, late_chains, chain_room).run()
+    return _Core(s, budget, mode, kinds, reasons, late_chains, chain_room, serial).run()
 
 
 class _Core:
     def __init__(self, s: Structure, budget: Budget, mode: str, kinds: tuple[str, ...] | None,
                  reasons: dict[fx.Node, str] | None, late_chains: bool = False,
-                 chain_room: Headroom | None = None):
-        self.late_chains, self.chain_room = late_chains, chain_room
+                 chain_room: Headroom | None = None, serial: frozenset[fx.Node] = frozenset()):
+        self.late_chains, self.chain_room, self.serial = late_chains, chain_room, serial
         self.s, self.budget, self.mode = s, budget, mode
         self.reasons = reasons if reasons is not None else {}
         managed = [c for c in s.movable if kinds is None or c.kind in kinds]
@@ -111,6 +115,8 @@ class _Core:
         # the chained waits are placed right before it (their first consumer).
         self.gate: dict[fx.Node, int] = {}                   # start -> spine index
         self.chained: set[fx.Node] = set()                   # waits placed by their gated reader
+        self.readers: dict[fx.Node, list[fx.Node]] = {}      # chained wait -> the gated starts reading it
+        self.gate_open: set[fx.Node] = set()                 # gated starts whose chain point has come
         if self.move_starts:
             self._plan_gates(managed)
         self._plan_targets(managed)
@@ -242,6 +248,8 @@ class _Core:
                     gate = room.first_fitting(gate, hi, self._chain_bytes(c.start, chained))
                 self.gate[c.start] = hi if gate is None else gate
                 self.chained.update(chained)
+                for wait in chained:
+                    self.readers.setdefault(wait, []).append(c.start)
                 earliest[c.start] = self.gate[c.start]
             else:
                 for wait in chained:   # not gated: each chained wait stays at its target
@@ -313,6 +321,9 @@ class _Core:
                 self.head[lane] += 1
         if self.mode == "serial" and c.kind != "all_gather":
             self._wait(c, "serial")
+        elif c.start in self.serial and c.kind != "all_gather":
+            self.reasons[c.start] = "kept serial"
+            self._wait(c, "kept serial")
 
     def _ensure(self, node: fx.Node) -> None:
         """Place ``node`` now if it is a bundle member not yet placed (something
@@ -329,11 +340,21 @@ class _Core:
         if wait is not None:
             self._wait(c, "before chained start" if wait in self.chained else "before consumer")
 
+    def _open_gate(self, start: fx.Node) -> None:
+        """The chain point of gated ``start`` has come (once): it may issue when its inputs are placed."""
+        if start not in self.gate_open:
+            self.gate_open.add(start)
+            self._became_ready(start)
+
     def _wait_one(self, wait: fx.Node, reason: str) -> None:
         c = self.s.coll_of_wait[wait]
         self.reasons[wait] = reason
         for member in self.s.wait_bundle[wait]:
             self._place(member)
+        for reader in self.readers.get(wait, ()):
+            # a chained wait placed before its reader's chain point (for room): the reader's
+            # chain point is now, else the waited result stays live uncounted until then
+            self._open_gate(reader)
         self.waits_left[c.start] -= 1
         if self.waits_left[c.start] == 0:
             self.flight.close(c)
@@ -365,7 +386,7 @@ class _Core:
     def _gather_fits(self, c: Collective) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open
         collectives of other kinds for room if needed)?"""
-        if self.mode == "serial":
+        if self.mode == "serial" or c.start in self.serial:
             return False
         if self._count_full(c):
             self.held_back[c.start] = "count bound"
@@ -457,7 +478,7 @@ class _Core:
                         self._wait_one(wait, _wait_reason(node, s))
                 self._issue_ready()   # a wait freed room: the next all-gather goes now
             for start in gates_at.get(node, ()):
-                self._became_ready(start)
+                self._open_gate(start)
                 if start not in self.issued:
                     self._force_issue(self.managed[start], gathers=False, reason="chain point")
             for i in node._input_nodes:

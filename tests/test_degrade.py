@@ -1,0 +1,98 @@
+"""Local degradation: a collective whose overlapped placement breaks a guarantee is placed
+serially, alone, while the rest of the graph keeps its schedule; the WARNING names it.
+
+The failure is injected (``pipeline._check`` wrapped to reject any order in which the
+victim's window holds compute) so that the test controls which collective fails; the
+windows are read off the order here, independently of the scheduler's reasons."""
+import logging
+
+import pytest
+import torch
+
+import overlapc
+from overlapc.passes import pipeline
+from overlapc.passes.invariants import ScheduleError
+from graphs import F, WORLD, trace
+
+AUTO = overlapc.OverlapConfig(max_in_flight_bytes="auto", on_error="raise")
+
+
+def three_reductions(x, w):
+    """Three all-reduces, each followed by independent compute it can hide behind."""
+    outs = []
+    for _ in range(3):
+        x = torch.relu(x @ w)
+        outs.append(F.all_reduce(x, "sum", "0"))
+    y = x
+    for _ in range(3):
+        y = torch.tanh(y @ w)
+    return y + sum(F.wait_tensor(o) for o in outs)
+
+
+def windows(gm) -> dict[str, int]:
+    """Compute nodes (not collectives, waits, placeholders, output) between each
+    all-reduce and its wait, by all-reduce name."""
+    nodes = list(gm.graph.nodes)
+    result = {}
+    for index, node in enumerate(nodes):
+        if node.target is not F.all_reduce.default:
+            continue
+        wait = next(iter(node.users))
+        between = nodes[index + 1:nodes.index(wait)]
+        result[node.name] = sum(1 for n in between if n.op == "call_function"
+                                and n.target not in (F.all_reduce.default, F.wait_tensor.default))
+    return result
+
+
+@pytest.fixture
+def reject(monkeypatch):
+    """Make the check reject orders in which collective ``name`` overlaps compute,
+    as a memory error would: at a node inside its window, at that position."""
+    def install(name):
+        check = pipeline._check
+
+        def rejecting(s, order, budget):
+            start = next(n for n in order if n.name == name)
+            wait = next(iter(start.users))
+            first, last = order.index(start), order.index(wait)
+            inside = [i for i in range(first + 1, last) if order[i] in s.nodes and order[i].op == "call_function"
+                      and order[i].target not in (F.all_reduce.default, F.wait_tensor.default)]
+            if inside:
+                raise ScheduleError("injected: window holds compute", node=order[inside[0]], position=inside[0])
+            return check(s, order, budget)
+        monkeypatch.setattr(pipeline, "_check", rejecting)
+    return install
+
+
+def test_a_failing_collective_is_placed_serially_and_the_rest_keeps_its_overlap(fake_pg, reject, caplog):
+    gm = trace(three_reductions, (8, 8), (8, 8))
+    free = windows(overlapc.schedule(trace(three_reductions, (8, 8), (8, 8)), AUTO))
+    victim = "all_reduce_1"
+    assert free[victim] > 0 and sum(free.values()) > free[victim]   # the graph overlaps without the failure
+    reject(victim)
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        result = overlapc.passes.pipeline.run(gm, AUTO)
+    assert result.error is None
+    got = windows(gm)
+    assert got[victim] == 0
+    assert any(got[name] > 0 for name in got if name != victim), got
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and victim in warnings[0] and "placed serially" in warnings[0]
+    assert "injected" in warnings[0]
+    assert dict(result.reasons)[victim] == "kept serial"
+
+
+def test_a_failure_that_names_no_collective_sends_the_graph_serial_with_a_warning(fake_pg, monkeypatch, caplog):
+    gm = trace(three_reductions, (8, 8), (8, 8))
+    check = pipeline._check
+
+    def broken(s, order, budget):
+        if order != pipeline.invariants.serial_order(s):
+            raise ScheduleError("injected: names no node")
+        return check(s, order, budget)
+    monkeypatch.setattr(pipeline, "_check", broken)
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        overlapc.passes.pipeline.run(gm, AUTO)
+    assert all(count == 0 for count in windows(gm).values())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "serial order" in warnings[0] and "injected" in warnings[0]
