@@ -103,10 +103,14 @@ def _draws_random(node) -> bool:
 MESHES = {"fsdp": (1, "fully_shard", ["fsdp"]), "hsdp": (2, "hybrid_shard", ["dp_replicate", "fsdp"])}
 
 
-def trace(batch: int, seq: int, mesh: str = "fsdp"):
+def trace(batch: int, seq: int, mesh: str = "fsdp", flavor: str = "debugmodel", replicate: int | None = None):
     """(graph_trainer's TracedResult, its Config, ParallelDims) of one train step of
-    the llama3 debug model, traced by graph_trainer's tracer. Needs the fake
-    default process group (world 8) and ``cpu_stand_ins``."""
+    graph_trainer's llama3 ``flavor`` ("debugmodel", "8B", "70B", "405B"), traced by
+    its tracer. Needs the fake default process group (any world size) and
+    ``cpu_stand_ins``. ``replicate``: the replica groups of "hsdp" (default
+    ``MESHES``'); the rest of the world shards. Parameters are allocated with
+    ``to_empty`` and never written, so their pages stay unbacked: a 70B model at
+    world 64 traces in about 1 GiB."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.experiments.graph_trainer.llama3 import model_registry
     from torchtitan.experiments.graph_trainer.llama3.parallelize import annotate_llama
@@ -114,10 +118,11 @@ def trace(batch: int, seq: int, mesh: str = "fsdp"):
     from torchtitan.experiments.graph_trainer.simple_fsdp import MixedPrecisionPolicy, data_parallel
     from torchtitan.experiments.graph_trainer.trainer import GraphTrainer, make_fwd_bwd_step
 
-    replicate, mode, dim_names = MESHES[mesh]
+    default_replicate, mode, dim_names = MESHES[mesh]
+    replicate = replicate or default_replicate
     dims = ParallelDims(dp_shard=-1, dp_replicate=replicate, cp=1, tp=1, pp=1, ep=1,
                         world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
-    spec = model_registry("debugmodel", attn_backend="sdpa")
+    spec = model_registry(flavor, attn_backend="sdpa")
     with torch.device("meta"):
         model = spec.model.build()
     annotate_llama(model)
