@@ -220,6 +220,21 @@ def test_check_rejects_a_matmul_moved_with_a_start(fake_pg):
     assert f"given order mm at {s.pos[nodes['mm']]}" in str(error.value)
 
 
+def test_schedule_rejects_the_old_bundle_rule(fake_pg, monkeypatch):
+    """With the bundle rule loosened back to any compute on collectives' results
+    (the matmul a @ gathered joins its reduce-scatter's start), the check, which
+    does not read the bundles, refuses every order the pipeline tries (chain
+    points halfway, late, serial): the schedule raises, naming the matmul."""
+    from overlapc.passes import structure
+    monkeypatch.setattr(structure, "carries_compute", lambda node, is_wait: node.op == "call_function"
+                        and structure.barrier_reason(node) is None and structure.computes_on_waits(node, is_wait))
+    gm = trace(two_queue_off_path, (8, 8), (8, 8))
+    assert "mm" in {m.name for bundle in Structure(gm).start_bundle.values() for m in bundle}
+    with pytest.raises(invariants.ScheduleError, match=r"compute moved after mm_1") as error:
+        overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise", max_in_flight_bytes=None))
+    assert error.value.node.name == "mm" and error.value.op == "aten.mm.default"
+
+
 def test_check_rejects_carried_compute_moved_earlier(fake_pg):
     gm = trace(nested_intervals, (4, 4), (4, 4))
     s = Structure(gm)
