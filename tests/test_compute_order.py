@@ -31,27 +31,29 @@ ELEMENTWISE = {aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.sub.Tenso
                aten.mul.Scalar, aten.add.Scalar, aten.div.Scalar}
 
 
-def _on_results_alone(node):
-    """Every input a wait, a placeholder or a free alias/cast over those; one a wait."""
-    found = False
+def _reach(node):
+    """(whether ``node``'s inputs reach a wait, whether only through waits,
+    placeholders and free aliases/casts)."""
+    found, ok = False, True
     for i in node.all_input_nodes:
         if i.target == F.wait_tensor.default:
             found = True
-        elif i.op == "placeholder":
-            continue
         elif i.target in FREE:
-            inner = _on_results_alone(i)
-            if inner is None:
-                return None
-            found = found or inner
-        else:
-            return None
-    return found
+            inner_found, inner_ok = _reach(i)
+            found, ok = found or inner_found, ok and inner_ok
+        elif i.op != "placeholder":
+            ok = False
+    return found, ok
+
+
+def _on_results_alone(node):
+    return _reach(node) == (True, True)
 
 
 def _feeds_only_starts(node):
+    """Whether every use is a start, a "late" node, or a free node feeding only starts."""
     return bool(node.users) and all(
-        u.target in STARTS or ((u.target in FREE or u.target in ELEMENTWISE) and _feeds_only_starts(u))
+        u.target in STARTS or classify(u) == "late" or (u.target in FREE and _feeds_only_starts(u))
         for u in node.users)
 
 
