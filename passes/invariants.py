@@ -37,8 +37,9 @@
 
 Valid topological order (lint) and "nothing crossed a barrier" need the order
 before scheduling; ``pipeline.schedule`` checks those; ``verify`` on a graph
-alone has no other order to compare with, so 5 holds there trivially. Whether a start could have been issued earlier is a quality figure for
-the report, not an error.
+alone has no other order to compare with, so 5 holds there trivially. Whether
+a start could have been issued earlier is a quality figure for the report, not
+an error.
 """
 from __future__ import annotations
 
@@ -216,7 +217,7 @@ def check_compute_order(before: list[fx.Node], after: list[fx.Node]) -> None:
                 position=new[node])
 
 
-def _compute_counts(order: list[fx.Node], kinds: "_OrderClasses") -> dict[fx.Node, int]:
+def _compute_counts(order: list[fx.Node], kinds: _OrderClasses) -> dict[fx.Node, int]:
     """Per node of ``order``: how many compute nodes stand before it."""
     counts, seen = {}, 0
     for node in order:
@@ -272,7 +273,7 @@ def _on_results_alone(node: fx.Node) -> bool:
         if i in seen:
             continue
         seen.add(i)
-        start, wait, barrier = role(i)
+        _, wait, barrier = role(i)
         if wait:
             found = True
         elif i.op not in ("placeholder", "get_attr"):

@@ -110,7 +110,8 @@ class Structure:
         self.bundled = set(self.start_of_member) | set(self.wait_of_member) | set(waits)
         # What each start bundle must follow: the nodes its members read, and the
         # spine node its carried compute followed in the given order.
-        self.bundle_inputs = {start: self._must_follow(start, bundle) for start, bundle in self.start_bundle.items()}
+        self.bundle_inputs = {start: self._must_follow(start, bundle)
+                              for start, bundle in self.start_bundle.items()}
         self.held = {c.start: held_bytes(c) for c in self.movable}
         # First consumer that no start bundle carries (else the region's end): a
         # wait read by another collective's start bundle (a chain) is due by then.
@@ -284,7 +285,8 @@ def _reads_a_wait(start: fx.Node) -> bool:
         seen.add(node)
         if is_wait(node):
             return True
-        if is_cheap(node) or (carries_compute(node, is_wait) and all(u is start or u in seen for u in node.users)):
+        if is_cheap(node) or (carries_compute(node, is_wait)
+                              and all(u is start or u in seen for u in node.users)):
             frontier.extend(node._input_nodes)
     return False
 
