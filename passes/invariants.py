@@ -28,19 +28,30 @@
    (``serial_order(s, asap=True)``, the budget's headroom reference), exactly,
    with no allowance for the bytes in flight.
 
-Valid topological order (lint) and "nothing crossed a barrier / compute kept
-its order" need the order before scheduling; ``pipeline.schedule`` checks
-those. Whether a start could have been issued earlier is a quality figure for
-the report, not an error.
+5. compute order (``check_compute_order``, when ``order`` is a new order of
+   ``s.nodes``): compute keeps its relative order, except elementwise compute
+   on collectives' results alone that feeds only collective starts, which may
+   move later, never before compute it followed. Judged from the nodes alone,
+   not from ``Structure``'s bundles, so a bundle rule that lets more travel with
+   a start is caught here.
+
+Valid topological order (lint) and "nothing crossed a barrier" need the order
+before scheduling; ``pipeline.schedule`` checks those; ``verify`` on a graph
+alone has no other order to compare with, so 5 holds there trivially. Whether
+a start could have been issued earlier is a quality figure for the report, not
+an error.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
 
+import torch
 import torch.fx as fx
 
+from overlapc.passes.collectives import is_cheap, role
 from overlapc.passes.inflight import Budget, InFlight, piece_of
+from overlapc.passes.meta import in_input_chain
 from overlapc.passes.memory import Liveness
 from overlapc.passes.structure import Structure
 
@@ -121,6 +132,8 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     each all-gather right before its wait, everything else waited right after
     its start) unless ``serial`` is False; ``verify`` passes ``order`` =
     ``s.nodes`` and no reference: the serial order alone."""
+    if order is not s.nodes:
+        check_compute_order(s.nodes, order)
     o = _Order(s, order)
     _check_waits(o)
     _check_consumer_order(o)
@@ -159,6 +172,115 @@ def _memory_error(o: _Order, liveness: Liveness, live: list[int], what: str, ref
     return ScheduleError(f"peak live bytes {live[at]} exceed {bound}; largest live there: {', '.join(largest)}",
                          node=o.nodes[at],
                          group=groups[0] if len(set(groups)) == 1 else None, position=at)
+
+
+def check_compute_order(before: list[fx.Node], after: list[fx.Node]) -> None:
+    """Raise ScheduleError unless ``after``, a reordering of ``before``, keeps the
+    compute-order guarantee. Nodes fall in three classes, read off each node:
+
+    * free: collective starts and waits, cheap nodes (aliases, casts, copies)
+      and nodes a rewrite marked as a start's input chain: placed by the
+      other guarantees;
+    * late-only: elementwise ops (``torch.Tag.pointwise``) on collectives'
+      results alone (waits, through free cheap nodes, with placeholders and
+      attributes) whose every use is a start or another late-only or cheap node
+      that feeds only starts: each keeps at least the compute it followed
+      before it;
+    * compute: everything else (placeholders, barriers and the output
+      included): its relative order is exactly the order in ``before``.
+
+    The error names the node that moved, its op, and its old and new position
+    next to the compute it passed."""
+    kinds = _OrderClasses()
+    fixed_before = [n for n in before if kinds.of(n) == "compute"]
+    fixed_after = [n for n in after if kinds.of(n) == "compute"]
+    old, new = {n: i for i, n in enumerate(before)}, {n: i for i, n in enumerate(after)}
+    rank_before = {n: i for i, n in enumerate(fixed_before)}
+    rank_after = {n: i for i, n in enumerate(fixed_after)}
+    for k, (ahead, behind) in enumerate(zip(fixed_after, fixed_before)):
+        if ahead is not behind:   # the one displaced further moved; a tie blames the one now ahead
+            earlier = rank_before[ahead] - k >= rank_after[behind] - k
+            moved, passed = (ahead, behind) if earlier else (behind, ahead)
+            raise ScheduleError(
+                f"compute moved {'before' if earlier else 'after'} {passed.name} (op {passed.target}): given "
+                f"order {moved.name} at {old[moved]}, {passed.name} at {old[passed]}; new order "
+                f"{moved.name} at {new[moved]}, {passed.name} at {new[passed]}", node=moved, position=new[moved])
+    seen_before = _compute_counts(before, kinds)
+    seen_after = _compute_counts(after, kinds)
+    for node in before:
+        if kinds.of(node) == "late-only" and seen_after[node] < seen_before[node]:
+            passed = fixed_before[seen_after[node]]
+            raise ScheduleError(
+                f"elementwise compute carried with a start moved before {passed.name} (op {passed.target}), "
+                f"which it followed: given order {node.name} at {old[node]}, {passed.name} at {old[passed]}; "
+                f"new order {node.name} at {new[node]}, {passed.name} at {new[passed]}", node=node,
+                position=new[node])
+
+
+def _compute_counts(order: list[fx.Node], kinds: _OrderClasses) -> dict[fx.Node, int]:
+    """Per node of ``order``: how many compute nodes stand before it."""
+    counts, seen = {}, 0
+    for node in order:
+        counts[node] = seen
+        seen += kinds.of(node) == "compute"
+    return counts
+
+
+class _OrderClasses:
+    """``check_compute_order``'s class of each node ("free", "late-only",
+    "compute"), memoised: a pure function of the node and its neighbours."""
+
+    def __init__(self):
+        self._class: dict[fx.Node, str] = {}
+        self._feeds: dict[fx.Node, bool] = {}
+
+    def of(self, node: fx.Node) -> str:
+        if node not in self._class:
+            self._class[node] = self._classify(node)
+        return self._class[node]
+
+    def _classify(self, node: fx.Node) -> str:
+        start, wait, barrier = role(node)
+        if barrier is None and (start is not None or wait or is_cheap(node) or in_input_chain(node)):
+            return "free"
+        if (barrier is None and node.op == "call_function"
+                and torch.Tag.pointwise in getattr(node.target, "tags", ())
+                and _on_results_alone(node) and self._feeds_only_starts(node)):
+            return "late-only"
+        return "compute"
+
+    def _feeds_only_starts(self, node: fx.Node) -> bool:
+        """``node`` has uses, and each is a collective start, a late-only node, or
+        a cheap or marked node that itself feeds only starts."""
+        if node not in self._feeds:
+            self._feeds[node] = bool(node.users) and all(self._toward_starts(u) for u in node.users)
+        return self._feeds[node]
+
+    def _toward_starts(self, user: fx.Node) -> bool:
+        start, wait, _ = role(user)
+        if start is not None:
+            return True
+        kind = self.of(user)
+        return kind == "late-only" or (kind == "free" and not wait and self._feeds_only_starts(user))
+
+
+def _on_results_alone(node: fx.Node) -> bool:
+    """Whether every input of ``node`` is a wait, a placeholder, an attribute or
+    a cheap node over those, and at least one is a wait."""
+    found, frontier, seen = False, list(node.all_input_nodes), set()
+    while frontier:
+        i = frontier.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        _, wait, barrier = role(i)
+        if wait:
+            found = True
+        elif i.op not in ("placeholder", "get_attr"):
+            if not is_cheap(i) or barrier is not None:
+                return False
+            frontier.extend(i.all_input_nodes)
+    return found
 
 
 def _compute_between(o: _Order, first: int, last: int) -> fx.Node | None:

@@ -3,11 +3,17 @@
 ``Structure(gm)`` reads the graph in its current order and derives, for the
 collectives the scheduler may move:
 
-* start bundles: the start, the cheap input chain that feeds only it (casts,
-  views of a parameter, compute on another collective's result alone such as
-  an averaging div, and nodes a pass marked with
-  ``meta.INPUT_CHAIN``, such as a bucket's copy-in) and the
-  getitems of list results;
+* start bundles: the start, the input chain that feeds only it and the
+  getitems of list results. The input chain holds cheap nodes (aliases, dtype
+  casts and copies: ``collectives.is_cheap``), nodes a pass marked with
+  ``meta.INPUT_CHAIN`` (a bucket's copy-in) and *carried compute*: elementwise
+  ops (``torch.Tag.pointwise``) on collectives' results alone (waits, through
+  cheap nodes, with placeholders and attributes), such as HSDP's averaging div
+  between a reduce-scatter and the all-reduce that reads it. Nothing else: a
+  matmul, a reduction or compute that reads other compute stays on the spine.
+  Carried compute may only move later: a bundle that carries compute must
+  follow the spine node that compute followed in the given order
+  (``bundle_inputs`` names that node), so it never passes compute before it;
 * wait bundles: the wait and the aliasing views that read only through it;
 * regions: barriers (``collectives.barrier_reason``) cut the graph
   into regions; nothing moves from one region to another (an in-place write
@@ -34,6 +40,7 @@ from __future__ import annotations
 import heapq
 import operator
 
+import torch
 import torch.fx as fx
 
 from overlapc.passes.collectives import (
@@ -99,10 +106,12 @@ class Structure:
             self.start_bundle[c.start] = self._input_chain(c.start) + [c.start] + getitems
             for member in self.start_bundle[c.start]:
                 self.start_of_member[member] = c.start
-        self.bundle_inputs = {start: self._external_inputs(bundle)
-                              for start, bundle in self.start_bundle.items()}
         # Nodes that may stand between a wait and its consumer: bundle members and any wait.
         self.bundled = set(self.start_of_member) | set(self.wait_of_member) | set(waits)
+        # What each start bundle must follow: the nodes its members read, and the
+        # spine node its carried compute followed in the given order.
+        self.bundle_inputs = {start: self._must_follow(start, bundle)
+                              for start, bundle in self.start_bundle.items()}
         self.held = {c.start: held_bytes(c) for c in self.movable}
         # First consumer that no start bundle carries (else the region's end): a
         # wait read by another collective's start bundle (a chain) is due by then.
@@ -137,7 +146,8 @@ class Structure:
 
     # -- bundles -----------------------------------------------------------------
     def _input_chain(self, start: fx.Node) -> list[fx.Node]:
-        """Cheap (or marked) nodes in ``start``'s region whose every use is ``start`` or the chain."""
+        """Cheap, marked or carried-compute nodes in ``start``'s region whose every
+        use is ``start`` or the chain."""
         chain: set[fx.Node] = set()
         region = self.region_of(start)
         heap = [(-self.pos[i], i.name) for i in start._input_nodes]
@@ -152,7 +162,7 @@ class Structure:
             seen.add(node)
             if (node.op in ("placeholder", "get_attr", "output")
                     or not (is_cheap(node) or in_input_chain(node)
-                            or computes_on_waits(node, self.wait_of_member.__contains__))
+                            or carries_compute(node, self.wait_of_member.__contains__))
                     or node in self.wait_of_member or node in self.coll_of_start
                     or self.region_of(node) != region
                     or barrier_reason(node) is not None
@@ -163,6 +173,23 @@ class Structure:
                 by_name[i.name] = i
                 heapq.heappush(heap, (-self.pos[i], i.name))
         return sorted(chain, key=self.pos.__getitem__)
+
+    def _must_follow(self, start: fx.Node, bundle: list[fx.Node]) -> list[fx.Node]:
+        """In graph order: the nodes the bundle's members read that are not members
+        and, when the bundle carries compute, the last spine node before its last
+        carried member in the given order. Placing the bundle after that node keeps
+        the carried compute behind every compute it followed: it may move later,
+        never earlier."""
+        inputs = self._external_inputs(bundle)
+        carried = [m for m in bundle if m is not start and not is_cheap(m) and not in_input_chain(m)]
+        at = self.pos[carried[-1]] if carried else 0
+        while at > 0:
+            at -= 1
+            if self.nodes[at] not in self.bundled:
+                if self.nodes[at] not in inputs:
+                    inputs = sorted(inputs + [self.nodes[at]], key=self.pos.__getitem__)
+                break
+        return inputs
 
     def _external_inputs(self, members: list[fx.Node]) -> list[fx.Node]:
         """Nodes the members read that are not members themselves, in graph order."""
@@ -216,12 +243,19 @@ def held_bytes(c: Collective) -> int:
     return inputs
 
 
+def carries_compute(node: fx.Node, is_wait) -> bool:
+    """Whether ``node`` is compute a start bundle may carry: an elementwise op
+    (``torch.Tag.pointwise``), no barrier, computing on collectives' results
+    alone (``computes_on_waits``). HSDP's averaging div between a reduce-scatter
+    and the all-reduce that reads it is one; a matmul or a reduction never is."""
+    return (node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+            and barrier_reason(node) is None and computes_on_waits(node, is_wait))
+
+
 def computes_on_waits(node: fx.Node, is_wait) -> bool:
     """Whether ``node`` computes on collectives' results alone: every input is a
     wait (``is_wait``), a placeholder, an attribute or a cheap node over those, at
-    least one a wait. Such a node (HSDP's averaging between the reduce-scatter and
-    the all-reduce, a matmul of the result with a weight) may join the input
-    chain of the start it alone feeds: it adds no dependency on other compute."""
+    least one a wait: it adds no dependency on other compute."""
     found, frontier, seen = False, list(node._input_nodes), set()
     while frontier:
         i = frontier.pop()
@@ -241,8 +275,7 @@ def computes_on_waits(node: fx.Node, is_wait) -> bool:
 
 def _reads_a_wait(start: fx.Node) -> bool:
     """Whether ``start`` reads a wait's result through what may join its input
-    chain (cheap nodes; compute on collectives' results alone that feeds only
-    the chain)."""
+    chain (cheap nodes; carried compute that feeds only the chain)."""
     is_wait = lambda n: role(n)[1]   # noqa: E731
     frontier, seen = list(start._input_nodes), set()
     while frontier:
@@ -252,7 +285,7 @@ def _reads_a_wait(start: fx.Node) -> bool:
         seen.add(node)
         if is_wait(node):
             return True
-        if is_cheap(node) or (node.op == "call_function" and computes_on_waits(node, is_wait)
+        if is_cheap(node) or (carries_compute(node, is_wait)
                               and all(u is start or u in seen for u in node.users)):
             frontier.extend(node._input_nodes)
     return False

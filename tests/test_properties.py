@@ -121,12 +121,13 @@ def _over_waits(node):
 
 def _chained(start):
     """Whether a start reads another collective's result through cheap nodes, or
-    through one node computing on such results and placeholders alone."""
+    through one elementwise node computing on such results and placeholders alone
+    (a matmul or a reduction in between stays compute: the start is not chained)."""
     for i in start.all_input_nodes:
         found, ok = _over_waits(i)
         if found and ok:
             return True
-        if i.op == "call_function":
+        if i.op == "call_function" and torch.Tag.pointwise in getattr(i.target, "tags", ()):
             inner = [_over_waits(j) for j in i.all_input_nodes]
             if any(f for f, _ in inner) and all(ok for _, ok in inner):
                 return True
