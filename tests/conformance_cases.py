@@ -31,11 +31,11 @@ UNIT = "test_overlap_bucketing_unit.py"
 
 STARTS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce")
 WAIT = "wait_tensor"
-# Nodes that may move with a collective's start under overlapc's rules (README, guarantee 4):
-# views and casts on its input chain, and overlapc's own bucket copies.
+# Nodes that may move with a collective's start under overlapc's rules (DESIGN, guarantee 4):
+# views and casts on its input chain.
 MOVABLE = ("view", "_unsafe_view", "slice", "t", "transpose", "permute", "expand", "reshape", "alias",
            "getitem", "split", "split_with_sizes", "unsqueeze", "squeeze", "_to_copy", "convert_element_type",
-           "pack", "unpack_columns", "empty", "cat", "flatten", "narrow", "select", "as_strided")
+           "flatten", "narrow", "select", "as_strided")
 
 
 def group() -> str:
@@ -503,6 +503,35 @@ def two_dtype_gathers_after_mm(x, w, p0, p1):
     return y, g0, g1
 
 
+def converted_gathers_around_mm(a, b, c, d):
+    h1 = ag(a.to(torch.bfloat16))
+    h2 = ag(b.to(torch.bfloat16))
+    mm = c @ d
+    h3 = ag(c.to(torch.bfloat16))
+    h4 = ag(d.to(torch.bfloat16))
+    return wait(h1).sum() + wait(h2).sum() + wait(h3).sum() + wait(h4).sum() + mm.sum()
+
+
+def converted_gathers_around_chains(a, b, c, d):
+    h1 = ag(a.to(torch.bfloat16))
+    h2 = ag(b.to(torch.bfloat16))
+    x = (((c + 1) * 2) - 3) / 4
+    w1, w2 = wait(h1), wait(h2)
+    h3 = ag(c.to(torch.bfloat16))
+    h4 = ag(d.to(torch.bfloat16))
+    y = (d + 1) * 2
+    return w1.sum() + w2.sum() + wait(h3).sum() + wait(h4).sum() + x.sum() + y.sum()
+
+
+def early_user_of_chained_all_reduce(a, b, c, d):
+    first0 = wait(ar(a))
+    early = -first0
+    first1 = wait(ar(b + 1))
+    second0 = wait(ar(first0 + c))
+    second1 = wait(ar(first1 + d))
+    return early.sum() + second0.sum() + second1.sum()
+
+
 # ---------------------------------------------------------------- the cases
 
 SQ = ((8, 8),)
@@ -706,6 +735,19 @@ CASES = [
          "the all-gather is issued before both matmuls, waited after them",
          prefetch_across_gap, ((8, 16), (8, 16), (16, 16)),
          lambda s: s.in_order("start", "%mm", "%mm_1", WAIT, "%mm_2")),
+
+    Case("unit_no_self_dependency_cycle_with_dtype_conversion",
+         f"{UNIT}::test_no_self_dependency_cycle_with_dtype_conversion",
+         "bucketing bf16-cast all-gathers around an mm leaves a valid graph (here: all four issued, a..d)",
+         converted_gathers_around_mm, ((4, 4),) * 4, _issued_in_input_order("all_gather")),
+    Case("unit_no_cycle_with_fusion_regions_and_bucketing", f"{UNIT}::test_no_cycle_with_fusion_regions_and_bucketing",
+         "bucketing around pointwise chains leaves a valid graph (here: all four issued, a..d)",
+         converted_gathers_around_chains, ((4, 4),) * 4, _issued_in_input_order("all_gather")),
+    Case("unit_wait_user_repair_runs_once_after_all_bucket_groups",
+         f"{UNIT}::test_wait_user_repair_runs_once_after_all_bucket_groups",
+         "two all-reduce buckets (first0+first1, second0+second1); the early user of first0 after its wait",
+         early_user_of_chained_all_reduce, ((4, 4),) * 4,
+         lambda s: s.count("all_reduce") == 2 and s.in_order(WAIT, "neg")),
 
     # test/distributed/test_inductor_collectives.py
     Case("collectives_reorder_respects_wait_dep", f"{COLLECTIVES}::test_reorder_respects_wait_dep",

@@ -89,6 +89,7 @@ EXPECTED = {
     "unit_deterministic_mode_no_benchmark_error": _all(MEMORY_FIRST),
     "unit_two_queue_scheduling_off_path_nodes": _all(COMPUTE_ORDER),
     "unit_prefetch_prioritizes_larger_hidden_time": _all(PREFETCH_PRIORITY),
+    "unit_wait_user_repair_runs_once_after_all_bucket_groups": _unbucketed(CHAINED_BUCKETS),
     "unit_fusible_nodes_hide_collective": _all(BUDGET_CONSERVATIVE),
     "unit_fusion_regions_hide_collective": _all(BUDGET_CONSERVATIVE),
     "unit_no_memory_limit_prefetches_across_compute_gap": _all(BUDGET_CONSERVATIVE),
