@@ -422,13 +422,6 @@ def gather_under_pointwise(a, b):
     return (p.sum() + wait(h).sum(),)
 
 
-def two_gathers_after_mm(a, b):
-    h1 = ag(a)
-    mm1 = a @ b
-    h2 = ag(b)
-    return mm1.sum() + wait(h1).sum() + wait(h2).sum()
-
-
 def cross_group_prefetch(a, b):
     g1 = wait(ag(a))
     mm1 = g1[:4, :4] @ g1[:4, :4]

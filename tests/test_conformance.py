@@ -14,16 +14,12 @@ ranks in one launch (the fake process group returns garbage).
 ``python tests/test_conformance.py`` prints the agreement table of
 docs/conformance.md.
 """
-import os
-import sys
-
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import conformance_cases as cc  # noqa: E402
-from multiproc import init_gloo, run_ranks  # noqa: E402
+import conformance_cases as cc
+from multiproc import init_gloo, run_ranks
 
 # Why overlapc's schedule differs from upstream's expectation (docs/conformance.md says more).
 BUDGET_CONSERVATIVE = "budget-conservative"   # gap: serial-peak refuses an overlap that does not raise the peak
