@@ -1,0 +1,188 @@
+"""PyTorch's own reordering tests as a conformance suite (issue 41, item 1).
+
+Each case of ``conformance_cases.CASES`` re-creates one upstream test's graph and
+records what its asserts expect. Per case and configuration (``CONFIGS``: the
+defaults, no buckets, ``bucket="module"``) the schedule must pass
+``overlapc.verify`` (scheduled with on_error="raise"), and its agreement with
+upstream must be what ``EXPECTED`` says: a listed disagreement that now agrees
+fails too, so the list stays honest. An agreement also needs compute kept in
+its order (``Schedule.compute_order_kept``, overlapc's own guarantee 5, counted
+here independently of verify); a case that breaks it is listed as
+``COMPUTE_ORDER``. Values are compared with the unscheduled graph on 2 gloo
+ranks in one launch (the fake process group returns garbage).
+
+``python tests/test_conformance.py`` prints the agreement table of
+docs/conformance.md.
+"""
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+import conformance_cases as cc
+from multiproc import init_gloo, run_ranks
+
+# Why overlapc's schedule differs from upstream's expectation (docs/conformance.md says more).
+BUDGET_CONSERVATIVE = "budget-conservative"   # gap: serial-peak refuses an overlap that does not raise the peak
+MEMORY_FIRST = "memory-first"                 # deliberate: upstream's order raises the serial order's peak
+AUTO_CAP = "auto-cap"                         # deliberate: bucket="auto" caps a bucket at the largest member
+BUCKETS_OFF = "buckets-off"                   # deliberate: the configuration turns buckets off
+MODULE_MERGE = "module-merge"                 # deliberate: bucket="module" is one bucket per block
+BUCKET_GRANULARITY = "bucket-granularity"     # deliberate: upstream splits a block's collectives in two buckets
+DTYPE_BUCKETS = "dtype-buckets"               # gap: no bucket mixes dtypes
+CHAINED_BUCKETS = "chained-buckets"           # gap: collectives in a chain are never bucketed
+RAISE_COMMS = "raise-comms"                   # deliberate: a start's compute producer is not moved earlier
+COMPUTE_REORDER = "compute-reorder"           # deliberate: compute is not reordered to feed a collective
+PREFETCH_PRIORITY = "prefetch-priority"       # gap: prefetch order by consumer, not by estimated gain
+COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + one collective, never *_coalesced
+COMPUTE_ORDER = "compute-order"               # gap: a compute node moved with a collective's start
+
+
+def _all(category):
+    return {name: category for name in cc.CONFIGS}
+
+
+def _unbucketed(module=None):
+    """Bucket-count cases: the defaults' "auto" and bucket=None leave them unbucketed."""
+    return {"defaults": AUTO_CAP, "no-buckets": BUCKETS_OFF, **({"module": module} if module else {})}
+
+
+EXPECTED = {
+    "aten_sink_waits": _all(BUDGET_CONSERVATIVE),
+    "aten_raise_comms": _all(RAISE_COMMS),
+    "aten_sink_waits_raise_comms": _all(MEMORY_FIRST),
+    "aten_reorder_compute_for_overlap_mul": _all(BUDGET_CONSERVATIVE),
+    "aten_overlap_scheduling_via_config": _all(BUDGET_CONSERVATIVE),
+    "aten_basic_all_gather_bucketing": _unbucketed(),
+    "aten_reduce_scatter_bucketing": _unbucketed(),
+    "aten_no_bucketing_with_dependent_hiding_nodes": {"module": MODULE_MERGE},
+    "aten_no_bucketing_when_collective_depends_on_hiding_node": {"module": MODULE_MERGE},
+    "aten_bucketing_wait_sink": _unbucketed(MEMORY_FIRST),
+    "aten_bucketing_split_for_overlap_blocking_no_deps": _unbucketed(),
+    "aten_bucketing_split_for_overlap": _unbucketed(BUCKET_GRANULARITY),
+    "aten_bucket_exposed_with_hidden_single_overlap": _unbucketed(MEMORY_FIRST),
+    "aten_bucketing_split_for_overlap_blocking_deps_inductor": _unbucketed(BUCKET_GRANULARITY),
+    "aten_multidtype_bucketing": _unbucketed(DTYPE_BUCKETS),
+    "aten_basic_all_reduce_bucketing": _unbucketed(),
+    "compute_sink_waits": _all(BUDGET_CONSERVATIVE),
+    "compute_raise_comms": _all(RAISE_COMMS),
+    "compute_sink_waits_raise_comms": _all(MEMORY_FIRST),
+    "compute_reorder_compute_for_overlap": _all(COMPUTE_REORDER),
+    "compute_reorder_compute_for_overlap_custom_runtime_estimation": _all(COMPUTE_REORDER),
+    "compute_inductor_default_comms_ordering": {"defaults": MEMORY_FIRST, "no-buckets": MEMORY_FIRST},
+    "simple_no_change_when_already_optimal": _all(MEMORY_FIRST),
+    "unit_can_bucket_independent_collectives": _unbucketed(),
+    "unit_cant_bucket_nested_hiding_intervals": {"module": MODULE_MERGE},
+    "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": {"module": MODULE_MERGE},
+    "unit_cant_bucket_ag_with_rs_hiding_interval_between_exposed": _unbucketed(),
+    "unit_can_bucket_all_reduce": _unbucketed(),
+    "unit_manual_bucket_splits_dependent_all_reduce": _unbucketed(CHAINED_BUCKETS),
+    "unit_no_cross_type_bucketing_ar_and_rs": _unbucketed(),
+    "unit_reduce_scatter_coalesced_mode": _all(COALESCED_OP),
+    "unit_all_gather_coalesced_mode_falls_back": _unbucketed(),
+    "unit_can_bucket_multidtype_collectives": _unbucketed(DTYPE_BUCKETS),
+    "unit_can_bucket_with_multiple_hiding_nodes": _unbucketed(),
+    "unit_can_bucket_with_convert_dtype_as_hiding_nodes": _unbucketed(),
+    "unit_deterministic_mode_no_benchmark_error": _all(MEMORY_FIRST),
+    "unit_two_queue_scheduling_off_path_nodes": _all(COMPUTE_ORDER),
+    "unit_prefetch_prioritizes_larger_hidden_time": _all(PREFETCH_PRIORITY),
+    "unit_wait_user_repair_runs_once_after_all_bucket_groups": _unbucketed(CHAINED_BUCKETS),
+    "unit_fusible_nodes_hide_collective": _all(BUDGET_CONSERVATIVE),
+    "unit_fusion_regions_hide_collective": _all(BUDGET_CONSERVATIVE),
+    "unit_no_memory_limit_prefetches_across_compute_gap": _all(BUDGET_CONSERVATIVE),
+    "collectives_reorder_peak_memory_bucketed": _unbucketed(BUCKET_GRANULARITY),
+    "collectives_all_gather_bucket_multidtype": _unbucketed(DTYPE_BUCKETS),
+}
+
+
+def outcome(case: cc.Case, schedule: cc.Schedule) -> str:
+    """"agree", COMPUTE_ORDER (compute moved, whatever upstream expects) or "disagree"."""
+    if not schedule.compute_order_kept():
+        return COMPUTE_ORDER
+    return "agree" if case.expect(schedule) else "disagree"
+
+
+def expected_outcome(case_name: str, config: str) -> str:
+    category = EXPECTED.get(case_name, {}).get(config)
+    if category is None:
+        return "agree"
+    return COMPUTE_ORDER if category == COMPUTE_ORDER else "disagree"
+
+
+def test_every_upstream_file_is_covered_and_the_list_names_real_cases():
+    files = {case.upstream.split("::")[0] for case in cc.CASES}
+    assert files == {cc.ATEN, cc.COMPUTE, cc.COLLECTIVES, cc.SIMPLE, cc.UNIT}
+    names = [case.name for case in cc.CASES]
+    assert len(names) == len(set(names)) >= 40
+    assert set(EXPECTED) <= set(names), sorted(set(EXPECTED) - set(names))
+    assert all(set(by_config) <= set(cc.CONFIGS) for by_config in EXPECTED.values())
+
+
+@pytest.mark.parametrize("case", cc.CASES, ids=lambda case: case.name)
+def test_schedule_agrees_with_upstream_as_listed(fake_pg, case):
+    for config, options in cc.CONFIGS.items():
+        _, _, schedule = cc.schedule(case, options)   # verify passed inside, with on_error="raise"
+        got, want = outcome(case, schedule), expected_outcome(case.name, config)
+        if want == "agree":
+            assert got == "agree", (f"{case.name} [{config}]: new disagreement ({got}) with {case.upstream}: "
+                                    f"{case.says}; order {[name for name, _ in schedule.after]}")
+        else:
+            assert got == want, (f"{case.name} [{config}]: listed as {EXPECTED[case.name][config]} but now {got}: "
+                                 f"remove it from EXPECTED (and docs/conformance.md)")
+
+
+# ---------------------------------------------------------------- values on 2 gloo ranks
+
+
+def _job_values(rank, world_size, port):
+    """Every case under every configuration: scheduled outputs equal the unscheduled
+    graph's, bit for bit, on this rank's inputs. Returns the mismatches."""
+    init_gloo(rank, world_size, port)
+    from overlapc.backend import route_gloo_all_gathers
+
+    route_gloo_all_gathers()
+    mismatches = []
+    for case in cc.CASES:
+        inputs = case.inputs(seed=1 + rank)
+        for config, options in cc.CONFIGS.items():
+            before, after, _ = cc.schedule(case, options)
+            with torch.no_grad():
+                expected, got = tree_leaves(before(*inputs)), tree_leaves(after(*inputs))
+            if len(expected) != len(got):
+                mismatches.append(f"{case.name} [{config}]: {len(got)} outputs, {len(expected)} expected")
+            for i, (e, g) in enumerate(zip(expected, got)):
+                if not (e.dtype == g.dtype and torch.equal(e, g)):
+                    mismatches.append(f"{case.name} [{config}] output {i}")
+    return mismatches
+
+
+def test_scheduled_values_equal_unscheduled_on_two_gloo_ranks():
+    for rank, mismatches in enumerate(run_ranks(_job_values, world_size=2, timeout=240)):
+        assert mismatches == [], f"rank {rank}: {mismatches}"
+
+
+# ---------------------------------------------------------------- the table of docs/conformance.md
+
+
+def table() -> str:
+    """The agreement table (markdown), computed under the fake process group."""
+    rows = ["| case | upstream test | upstream expects | " + " | ".join(cc.CONFIGS) + " |",
+            "|---|---|---|" + "---|" * len(cc.CONFIGS)]
+    agreed = total = 0
+    for case in cc.CASES:
+        cells = []
+        for config, options in cc.CONFIGS.items():
+            got = outcome(case, cc.schedule(case, options)[2])
+            agreed += got == "agree"
+            total += 1
+            cells.append("agree" if got == "agree" else EXPECTED.get(case.name, {}).get(config, f"NEW {got}"))
+        file, test = case.upstream.split("::")
+        rows.append(f"| {case.name} | {file} `{test}` | {case.says} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + f"\n\nAgreement: {agreed} of {total} ({100 * agreed / total:.0f}%).\n"
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    print(table())
