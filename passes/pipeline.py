@@ -379,6 +379,12 @@ def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, befo
     return serial_headroom(s, cfg)
 
 
+def _without_rewrites(cfg: ScheduleOptions) -> ScheduleOptions:
+    """``cfg`` with the rewrites off (no buckets, no pieces, every re-gather kept): what
+    ``run`` schedules when a rewrite failed, before it leaves the graph unscheduled."""
+    return dataclasses.replace(cfg, bucket=None, chunks=1, regather="always")
+
+
 class _BucketsRaisePeak(Exception):
     """Under the "serial-peak" budget the bucketed graph failed its check (the buckets' copies
     raised the peak above the serial peak of the graph before bucketing): ``run`` schedules
@@ -415,7 +421,8 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
     core under its budget, then the invariant check. Under the "serial-peak"
     byte budget with ``bucket`` "auto" or a byte target, a scheduled peak above the unbucketed
     graph's serial peak (the buckets' copies) schedules the graph again without
-    buckets (an INFO line).
+    buckets (an INFO line); a rewrite that fails (bucketing, chunking, keep-or-regather)
+    schedules the graph again without rewrites (a WARNING).
     Deterministic: the same graph gives the same order in every process. A
     graph without movable collectives (or ``enabled`` False) comes back
     untouched. On failure the graph is restored; on_error="raise" raises
@@ -451,6 +458,15 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
             _restore(gm, saved[0] if saved else None, original, notes)
             log.info("overlapc: scheduled without buckets: %s", raised)
             done = _run_passes(gm, cfg, snapshot, estimator, bucketing=False)
+        except Exception as error:
+            plain = _without_rewrites(cfg)
+            if plain == cfg:
+                raise
+            _restore(gm, saved[0] if saved else None, original, notes)
+            log.warning("overlapc: scheduled without buckets, pipelined pieces or kept gathers (bucket=None, "
+                        "chunks=1, regather=\"always\"): with them the pass failed: %s: %s",
+                        type(error).__name__, error)
+            done = _run_passes(gm, plain, snapshot, estimator)
     except Exception as error:
         _restore(gm, saved[0] if saved else None, original, notes)
         if recompile:

@@ -96,3 +96,19 @@ def test_a_failure_that_names_no_collective_sends_the_graph_serial_with_a_warnin
     assert all(count == 0 for count in windows(gm).values())
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "serial order" in warnings[0] and "injected" in warnings[0]
+
+
+def test_a_failing_rewrite_is_dropped_and_the_graph_still_scheduled(fake_pg, monkeypatch, caplog):
+    from overlapc.passes import bucket
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: bucketing broke")
+    monkeypatch.setattr(bucket, "bucket_collectives", broken)
+    gm = trace(three_reductions, (8, 8), (8, 8))
+    config = overlapc.OverlapConfig(max_in_flight_bytes="auto", bucket="auto", on_error="raise")
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        result = overlapc.passes.pipeline.run(gm, config)
+    assert result.error is None and result.buckets == ()
+    assert sum(windows(gm).values()) > 0   # scheduled, with overlap
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "injected: bucketing broke" in warnings[0] and "bucket=None" in warnings[0]
