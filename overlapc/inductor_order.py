@@ -56,7 +56,10 @@ import ast
 import contextlib
 import dataclasses
 import re
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    import torch.fx
 
 # functional collective op (its name with the variant suffixes dropped) -> kind
 KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -440,9 +443,10 @@ def fx_windows(gm: torch.fx.GraphModule) -> list[Window]:
 
     nodes = list(gm.graph.nodes)
     position = {node: index for index, node in enumerate(nodes)}
-    edges = {n for c in found.collectives(gm) for n in (c.start, *c.waits)}
+    placed = sorted(found.collectives(gm), key=lambda c: position[c.start])
+    edges = {n for c in placed for n in (c.start, *c.waits)}      # membership only
     windows = []
-    for collective in sorted(found.collectives(gm), key=lambda c: position[c.start]):
+    for collective in placed:
         end = min((position[w] for w in collective.waits), default=len(nodes))
         inside = [n for n in nodes[position[collective.start] + 1:end]
                   if n.op == "call_function" and n not in edges and not found.is_alias(n)]
@@ -517,27 +521,36 @@ def window_breaks(events: list[Event], windows: list[Window], buffers: Mapping[s
     if len(found) != len(windows):
         return [f"{len(found)} collective starts in the code, {len(windows)} in the FX graph"]
     closing = _waited(events)
+    computed = None if buffers is None else [(e, [buffers[b] for b in e.writes if b in buffers])
+                                             for e in events if e.kind == "compute"]
     breaks = []
     for window, start in zip(windows, found):
         span = _span(events, start, closing)
         label = f"{window.kind} {window.start} (line {start.line})"
         empty = not any(events[i].kind == "compute" for i in span)
-        if buffers is None:
-            if empty and window.matmuls:
-                breaks.append(f"{label}: lost: no compute before its wait, where the FX graph ran {list(window.matmuls)}")
+        if computed is not None:
+            breaks += [f"{label}: {b}" for b in _buffer_breaks(window, start, span, empty, computed)]
+        elif empty and window.matmuls:
+            breaks.append(f"{label}: lost: no compute before its wait, where the FX graph ran {list(window.matmuls)}")
+    return breaks
+
+
+def _buffer_breaks(window: Window, start: Event, span: range, empty: bool,
+                   computed: list[tuple[Event, list[str]]]) -> list[str]:
+    """``window_breaks``' rules with buffers, for one window; ``computed``: each compute
+    event with the FX nodes its written buffers materialise."""
+    inside, deferrable = set(window.nodes), set(window.deferrable)     # membership only
+    breaks = []
+    kept = sorted({h for _, homes in computed for h in homes if h in inside and h not in deferrable})
+    if empty and kept:
+        breaks.append(f"lost: no compute before its wait, where the FX graph ran {kept}")
+    for event, homes in computed:
+        if not homes or not inside.issuperset(homes) or event.index in span:
             continue
-        inside, deferrable = set(window.nodes), set(window.deferrable)
-        computed = [(e, [buffers[b] for b in e.writes if b in buffers]) for e in events if e.kind == "compute"]
-        kept = sorted({h for _, homes in computed for h in homes if h in inside and h not in deferrable})
-        if empty and kept:
-            breaks.append(f"{label}: lost: no compute before its wait, where the FX graph ran {kept}")
-        for event, homes in computed:
-            if not homes or not inside.issuperset(homes) or event.index in span:
-                continue
-            if event.index > span.stop and deferrable.issuperset(homes):
-                continue
-            side = "before its start" if event.index < start.index else "after its wait"
-            breaks.append(f"{label}: moved: {event.op} (line {event.line}, computing {homes}) runs {side}")
+        if event.index > span.stop and deferrable.issuperset(homes):
+            continue
+        side = "before its start" if event.index < start.index else "after its wait"
+        breaks.append(f"moved: {event.op} (line {event.line}, computing {homes}) runs {side}")
     return breaks
 
 
@@ -562,3 +575,17 @@ def fused_out(events: list[Event], windows: list[Window], buffers: Mapping[str, 
             if inlined:
                 said.append(f"{window.kind} {window.start}: {inlined} inlined into kernels outside; none in the window")
     return said
+
+
+def window_summary(events: list[Event], lowered: Lowered) -> dict:
+    """JSON-able account of one wrapper's compute windows (``lowered``: what ``capture``
+    recorded for the same compile): how many collectives have FX compute in their window,
+    how many of those still have compute between start and wait in the code, the
+    ``window_breaks`` and the ``fused_out`` notes."""
+    closing = _waited(events)
+    windows = list(lowered.windows)
+    with_compute = [(w, s) for w, s in zip(windows, starts(events)) if w.nodes]
+    kept = sum(any(events[i].kind == "compute" for i in _span(events, s, closing)) for _, s in with_compute)
+    return {"with_compute": len(with_compute), "kept": kept,
+            "breaks": window_breaks(events, windows, lowered.buffers),
+            "fused_out": fused_out(events, windows, lowered.buffers)}

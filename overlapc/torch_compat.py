@@ -65,8 +65,8 @@ TESTED_TORCH = ("2.13.0", "2.14.1")
 # Left as they are, checked not to move a window (2.13.0, 2.14.1):
 # reorder_for_locality (and reorder_for_locality_in_training) reorders the
 # post-grad graph before the custom post-grad pass that schedules it;
-# triton.reorder_for_reducing_graph_partitions (with cudagraph partitions) and
-# combo_kernels moved no window in the random graphs of that test.
+# triton.reorder_for_reducing_graph_partitions (cudagraph partitions only)
+# moved no window in that test's CUDA graphs.
 _ORDER_MOVING_PASSES = {
     "reorder_for_peak_memory": False,
     "reorder_for_compute_comm_overlap": False,

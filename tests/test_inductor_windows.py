@@ -9,10 +9,12 @@ with all-gathers, all-reduces and reduce-scatters on the fake process group. Eac
 scheduled by overlapc as Inductor's post-grad pass under overlapc's Inductor patches; the
 windows Inductor lowered must be the ones overlapc scheduled, and none may break. A control
 shows the check catching Inductor's peak-memory reordering (which overlapc turns off)
-moving a window's kernels out.
+moving a window's kernels out; small hand-written wrappers pin down each of the check's
+rules.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -50,9 +52,9 @@ def upstream(a):
 def hoisted_gather(x, w1, w2):
     """Two layers whose weights are all-gathered: overlapc issues the second gather before
     the first layer's compute, so that compute is the gather's window."""
-    h = torch.relu(x @ F.wait_tensor(F.all_gather_into_tensor(w1, WORLD, "0")))
+    h = torch.relu(x @ F.wait_tensor(F.all_gather_into_tensor(w1[: N // WORLD], WORLD, "0")))
     h = torch.relu(h @ h + h)
-    return (h @ F.wait_tensor(F.all_gather_into_tensor(w2, WORLD, "0")),)
+    return (h @ F.wait_tensor(F.all_gather_into_tensor(w2[: N // WORLD], WORLD, "0")),)
 
 
 @st.composite
@@ -84,7 +86,7 @@ def dag(steps):
             else:
                 out = F.wait_tensor(F.reduce_scatter_tensor(a, "sum", WORLD, "0")).repeat(WORLD, 1)
             values.append(out)
-        read = {i for _, i, j in steps for i in (i, j)}
+        read = {k for _, i, j in steps for k in (i, j)}
         return tuple(v for k, v in enumerate(values) if k >= 2 and k not in read)
     return fn
 
@@ -95,8 +97,7 @@ def traced(fn, inputs: int):
     return make_fx(fn)(*[torch.randn(N, N) for _ in range(inputs)])
 
 
-CASES = {"upstream": (upstream, 1), "hoisted_gather": (lambda x, w1, w2: hoisted_gather(x, w1[: N // WORLD],
-                                                                                        w2[: N // WORLD]), 3)}
+CASES = {"upstream": (upstream, 1), "hoisted_gather": (hoisted_gather, 3)}    # function, inputs
 
 
 def graph_of(spec):
@@ -138,16 +139,14 @@ def compile_and_read(gm, options: dict, extra_patches: dict | None = None, fake=
             compile_fx_inner(gm, inputs)
             codes = fake.codes
     (scheduled,), (lowered,) = scheduled, lowered
-    return {"code": codes[-1], "scheduled": [list(_plain(w)) for w in scheduled],
-            "lowered": [list(_plain(w)) for w in lowered.windows], "buffers": dict(lowered.buffers)}
+    return {"code": codes[-1], "scheduled": [dataclasses.asdict(w) for w in scheduled],
+            "lowered": [dataclasses.asdict(w) for w in lowered.windows], "buffers": dict(lowered.buffers)}
 
 
-def _plain(window: inductor_order.Window) -> tuple:
-    return window.start, window.kind, list(window.nodes), list(window.matmuls), list(window.deferrable)
-
-
-def windows(result: dict, which: str = "lowered") -> list[inductor_order.Window]:
-    return [inductor_order.Window(start, kind, *map(tuple, names)) for start, kind, *names in result[which]]
+def windows(result: dict) -> list[inductor_order.Window]:
+    """The windows Inductor lowered, from ``compile_and_read``'s result (JSON or not)."""
+    return [inductor_order.Window(**{key: tuple(v) if isinstance(v, list) else v for key, v in fields.items()})
+            for fields in result["lowered"]]
 
 
 def breaks(result: dict) -> list[str]:
@@ -282,6 +281,9 @@ def test_random_graphs_keep_their_windows_on_cpu(fake_pg, steps, max_in_flight, 
 
 # ---------------------------------------------------------------- CUDA (fake H100, own process)
 
+CUDA_VARIANTS = {"plain": {}, "partitions": {"graph_partition": True, "triton.cudagraphs": True}}
+
+
 def _run_cuda(specs: list, tmp_path: Path) -> list[dict]:
     pytest.importorskip("triton", reason="Inductor's CUDA code generation needs the triton package")
     specs_file, out = tmp_path / "specs.json", tmp_path / "out.json"
@@ -296,18 +298,22 @@ def _run_cuda(specs: list, tmp_path: Path) -> list[dict]:
 @given(random_specs=st.lists(dags(), min_size=4, max_size=4))
 def test_windows_hold_in_cuda_code(tmp_path, random_specs):
     """The upstream graph, the hoisted gather and random DAGs (drawn here, compiled in one
-    process for a fake H100: Triton kernels and cuBLAS matmuls)."""
+    process for a fake H100: Triton kernels and cuBLAS matmuls), each also with cudagraph
+    partitions (Inductor's triton.reorder_for_reducing_graph_partitions on, as by default)."""
     specs = ["upstream", "hoisted_gather", *random_specs]
     results = _run_cuda(specs, tmp_path)
-    for spec, result in zip(specs, results):
-        assert result["lowered"] == result["scheduled"], spec
-        assert breaks(result) == [], (spec, result["code"])
+    assert len(results) == 2 * len(specs)
+    for (spec, variant), result in zip([(s, v) for s in specs for v in CUDA_VARIANTS], results):
+        assert result["lowered"] == result["scheduled"], (spec, variant)
+        assert breaks(result) == [], (spec, variant, result["code"])
     assert any(w.matmuls for result in results for w in windows(result))
+    assert all("def partition_0(" in r["code"] for r in results[1::2])
 
 
 def main(argv: list[str]) -> int:
     """``python tests/test_inductor_windows.py SPECS.json OUT.json``: compile each spec for
-    a fake H100 under the fake process group and write ``compile_and_read``'s results."""
+    a fake H100 under the fake process group, once per ``CUDA_VARIANTS``, and write
+    ``compile_and_read``'s results in that order."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -317,8 +323,8 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         with fake_h100() as fake:
-            results = [compile_and_read(graph_of(spec), OPTIONS, fake=fake)
-                       for spec in json.loads(Path(specs_file).read_text())]
+            results = [compile_and_read(graph_of(spec), OPTIONS, patches, fake=fake)
+                       for spec in json.loads(Path(specs_file).read_text()) for patches in CUDA_VARIANTS.values()]
     finally:
         dist.destroy_process_group()
     Path(out).write_text(json.dumps(results))
