@@ -472,8 +472,11 @@ def _materialised(lowering) -> dict[str, str]:
 def capture():
     """While active, every graph Inductor generates code for appends a ``Lowered`` to the
     list this yields, in compile order (the order ``run_and_get_code`` returns codes).
-    Patches ``GraphLowering.codegen`` for the duration; an FX graph cache hit generates
-    no code and records nothing (turn the cache off to see every graph)."""
+    Patches ``GraphLowering.codegen`` for the duration (process-wide) and reads Inductor
+    internals after it ran: ``GraphLowering.module`` (the post-grad graph) and
+    ``name_to_buffer`` with each IR buffer's ``origins`` (the same in torch 2.13 and
+    2.14.1). An FX graph cache hit generates no code and records nothing (turn the cache
+    off to see every graph)."""
     from torch._inductor.graph import GraphLowering
 
     seen: list[Lowered] = []

@@ -223,6 +223,15 @@ def test_without_buffers_only_a_matmul_window_left_empty_is_lost():
         "1 collective starts in the code, 2 in the FX graph"]
 
 
+def test_window_summary_counts_kept_windows_for_gpu_check():
+    lowered = inductor_order.Lowered(tuple(HAND_WINDOWS), HAND_BUFFERS)
+    kept = inductor_order.window_summary(inductor_order.events(WRAPPER), lowered)
+    assert kept == {"with_compute": 1, "kept": 1, "breaks": [], "fused_out": []}
+    emptied = _move(_move(WRAPPER, "out=buf1", "wait_tensor"), "cpp_fused_relu_0", "out=buf1")
+    lost = inductor_order.window_summary(inductor_order.events(emptied), lowered)
+    assert (lost["with_compute"], lost["kept"], len(lost["breaks"]), len(lost["fused_out"])) == (1, 0, 2, 2)
+
+
 # ---------------------------------------------------------------- CPU
 
 OPTIONS = {"max_in_flight": 2, "max_in_flight_bytes": None, "on_error": "raise"}
