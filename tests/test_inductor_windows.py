@@ -109,12 +109,13 @@ def graph_of(spec):
 
 # ---------------------------------------------------------------- compiling and reading
 
-def compile_and_read(gm, options: dict, extra_patches: dict | None = None, fake=None) -> dict:
+def compile_and_read(gm, options: dict, extra_patches: dict | None = None, fake=None, inference: bool = False) -> dict:
     """Compile ``gm`` with Inductor (overlapc's schedule as its post-grad pass, under
     overlapc's Inductor patches and ``extra_patches``) and return the wrapper code, the
     windows overlapc scheduled and what ``inductor_order.capture`` recorded, as JSON-able
     lists. ``fake``: the ``fake_h100()`` this runs inside (own process only): compiled for
-    CUDA, its wrapper read from ``fake.codes``."""
+    CUDA, its wrapper read from ``fake.codes``. ``inference``: compiled as an inference
+    graph (Inductor's post-grad passes differ)."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import run_and_get_code
 
@@ -134,9 +135,9 @@ def compile_and_read(gm, options: dict, extra_patches: dict | None = None, fake=
         inputs = [torch.randn(n.meta["val"].shape) for n in gm.graph.find_nodes(op="placeholder")]
     with inductor_order.capture() as lowered, torch._inductor.config.patch(patches):
         if fake is None:
-            _, codes = run_and_get_code(lambda: compile_fx_inner(gm, inputs))
+            _, codes = run_and_get_code(lambda: compile_fx_inner(gm, inputs, is_inference=inference))
         else:
-            compile_fx_inner(gm, inputs)
+            compile_fx_inner(gm, inputs, is_inference=inference)
             codes = fake.codes
     (scheduled,), (lowered,) = scheduled, lowered
     return {"code": codes[-1], "scheduled": [dataclasses.asdict(w) for w in scheduled],
@@ -253,18 +254,18 @@ def test_upstream_graph_keeps_its_matmul_window_on_cpu(fake_pg):
 
 
 def test_reorder_for_locality_runs_before_overlapcs_pass(fake_pg):
-    """Inductor's reorder_for_locality (on by default; on training graphs too with
-    reorder_for_locality_in_training) reorders the post-grad graph before the custom
-    post-grad pass that schedules: it changes the order overlapc starts from, never the
-    windows overlapc placed, so overlapc leaves it as it is."""
+    """Inductor's reorder_for_locality (on by default, for inference graphs; on 2.14 for
+    training graphs too with reorder_for_locality_in_training) reorders the post-grad graph
+    before the custom post-grad pass that schedules: it changes the order overlapc starts
+    from, never the windows overlapc placed, so overlapc leaves it as it is."""
     from torch._inductor import config
     training = "reorder_for_locality_in_training" in config.get_config_copy()     # new in 2.14
     for on in (True, False):
-        result = compile_and_read(graph_of("upstream"), OPTIONS, {"reorder_for_locality": on,
-                                                                  **({"reorder_for_locality_in_training": on}
-                                                                     if training else {})})
-        assert_windows_hold(result)
-        assert any(w.matmuls for w in windows(result))
+        patches = {"reorder_for_locality": on, **({"reorder_for_locality_in_training": on} if training else {})}
+        for inference in (True, False):
+            result = compile_and_read(graph_of("upstream"), OPTIONS, patches, inference=inference)
+            assert_windows_hold(result)
+            assert any(w.matmuls for w in windows(result))
 
 
 def test_peak_memory_reorder_control_moves_a_window_and_is_caught(fake_pg):
