@@ -279,6 +279,17 @@ def test_peak_memory_reorder_control_moves_a_window_and_is_caught(fake_pg):
     assert found and all(": moved: " in b or ": lost: " in b for b in found), found
 
 
+def test_fx_bucketing_after_overlapcs_pass_is_pinned_off_and_would_be_caught(fake_pg):
+    """Inductor's FX all-gather bucketing runs after the custom post-grad pass: left on, it
+    merges the two gathers overlapc placed, and the windows lowered differ from those
+    scheduled. overlapc's patches pin it (and its reduce-scatter and all-reduce kin) off."""
+    from overlapc.torch_compat import inductor_patches
+    assert {inductor_patches()[f"bucket_{kind}_fx"] for kind in ("all_gathers", "reduce_scatters", "all_reduces")} \
+        == {"none"}
+    bucketed = compile_and_read(graph_of("hoisted_gather"), OPTIONS, {"bucket_all_gathers_fx": "all"})
+    assert len(bucketed["scheduled"]) == 2 and len(bucketed["lowered"]) == 1
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=dags(), max_in_flight=st.sampled_from([1, 2, 3]), budget=st.sampled_from([None, "serial-peak"]))
 def test_random_graphs_keep_their_windows_on_cpu(fake_pg, steps, max_in_flight, budget):
