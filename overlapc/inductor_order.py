@@ -144,13 +144,13 @@ def _find_functions(tree: ast.Module) -> tuple[ast.FunctionDef, dict[str, ast.Fu
 class _Walker:
     """Walks ``call`` (and the partitions it calls) and collects the events."""
 
-    def __init__(self, partitions: dict[str, ast.FunctionDef]):
+    def __init__(self, partitions: dict[str, ast.FunctionDef], lines: list[str]):
         self.partitions = partitions
         self.events: list[Event] = []
         self.root: dict[str, int] = {}      # buffer name -> index of the start whose output it is
         self.outputs: dict[int, int] = {}   # start index -> outputs not yet waited
         self.used: set[str] = set()         # names some earlier statement assigned or passed (membership only)
-        self.lines: list[str] = []          # the source's lines, to read ``# reuse`` comments
+        self.lines = lines                  # the source's lines, to read ``# reuse`` comments
 
     def walk(self, body: list[ast.stmt], where: str) -> None:
         for stmt in body:
@@ -292,8 +292,7 @@ def events(code: str) -> list[Event]:
         raise ValueError(f"not Python wrapper code ({error.msg} at line {error.lineno}); C++ wrappers "
                          f"(cpp_wrapper=True) are not read") from None
     call, partitions = _find_functions(tree)
-    walker = _Walker(partitions)
-    walker.lines = code.splitlines()
+    walker = _Walker(partitions, code.splitlines())
     walker.walk(call.body, "call")
     return walker.events
 

@@ -83,8 +83,9 @@ _warned = {"version": False}
 def inductor_patches() -> dict[str, object]:
     """Inductor config patches (``torch._inductor.config.patch`` keys, dotted
     for nested sections) that turn off every pass of the installed Inductor
-    that would move collectives, waits or the compute between them. Keys the installed torch does not
-    have are left out, so the dict is valid for ``config.patch`` as it is."""
+    that would move collectives, waits or the compute between them. Keys the
+    installed torch does not have are left out, so the dict is valid for
+    ``config.patch`` as it is."""
     from torch._inductor import config
     known = config.get_config_copy()
     return {key: value for key, value in _ORDER_MOVING_PASSES.items() if key in known}
