@@ -13,7 +13,9 @@ time is recorded with its error and the next one runs:
    generated wrapper code of the forward and backward is read with
    ``overlapc.inductor_order``: consumer order of the all-gathers, most
    collectives in flight per kind (<= max_in_flight), every start waited,
-   starts with no compute before their wait.
+   starts with no compute before their wait, and each collective's compute
+   window (``window_breaks``: the compute overlapc placed between a start and
+   its wait is still between them; what fusion runs outside is listed, not failed).
 2. ``memory``: ``torch.cuda.max_memory_allocated`` over a training step (forward,
    loss, backward) of that scheduled model, of the same model scheduled with
    overlapc's defaults and with the ``max_in_flight_bytes="auto"`` budget, and
@@ -266,14 +268,20 @@ def part_order(ctx: dict) -> dict:
     torch._dynamo.reset()
     compiled = overlapc_compile(model, max_in_flight=MAX_IN_FLIGHT, on_error="raise")
     begin = time.monotonic()
-    _, codes = run_and_get_code(lambda: train_step(compiled, tokens))
+    with inductor_order.capture() as lowered, torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(lambda: train_step(compiled, tokens))
     _sync(device)
     compile_s = time.monotonic() - begin
     ctx["scheduled"] = (model, compiled, tokens)
     graphs, problems = [], []
+    if len(lowered) != len(codes):
+        problems.append(f"{len(codes)} wrappers but {len(lowered)} lowered graphs recorded: windows not checked")
     for number, code in enumerate(codes):
         found = inductor_order.events(code)
         summary = inductor_order.summary(found)
+        if len(lowered) == len(codes):
+            summary["windows"] = inductor_order.window_summary(found, lowered[number])
+            problems += [f"graph {number}: window {b}" for b in summary["windows"]["breaks"]]
         graphs.append({"graph": number, "wrapper_lines": code.count("\n"), **summary})
         for kind, count in summary["max_in_flight"].items():
             if kind != "all" and count > MAX_IN_FLIGHT:
@@ -503,7 +511,8 @@ def summary_lines(doc: dict) -> list[str]:
         detail = ""
         if name == "order" and "graphs" in part:
             detail = "; ".join(f"graph {g['graph']}: starts {g['starts']} in flight {g['max_in_flight']}"
-                               for g in part["graphs"])
+                               + (f", windows kept {g['windows']['kept']}/{g['windows']['with_compute']}"
+                                  if "windows" in g else "") for g in part["graphs"])
         elif name == "memory" and part.get("ratio") is not None:
             detail = "peak above start: " + ", ".join(
                 f"{name} {nbytes / 2**20:.1f} MiB ({part['ratio_to_inductor'][name]:.3f}x inductor)"

@@ -17,8 +17,8 @@ cpu:ethernet for CPU tensors over gloo, else h100:nvlink: ``costmodel.default_fo
 With ``inner="inductor"`` (default) the schedule runs as Inductor's
 ``post_grad_custom_post_pass`` on the forward and backward graphs, after
 Inductor's own FX rewrites, and the compile is patched, for this compile only,
-to turn off every Inductor pass that would move collectives or waits
-(``overlapc.torch_compat.inductor_patches()``: ``reorder_for_peak_memory``,
+to turn off every Inductor pass that would move collectives, waits or the
+compute between them (``overlapc.torch_compat.inductor_patches()``: ``reorder_for_peak_memory``,
 which moves each all-gather back next to its wait, 2.14's
 ``enable_simple_overlap``, ...). Everything else in Inductor is unchanged. The pass's ``uuid()`` carries the config, so
 Inductor's FX graph cache keys on it.

@@ -37,13 +37,29 @@ Contract of ``events``:
   output: a member's first use is the first read of its copy, as it was when
   Inductor fused the copy into that reader. A coalesced collective is open until
   every one of its outputs has been waited.
+- Buffer writes: a compute event writes the names it assigns and every name it
+  passes that no earlier statement used (Inductor allocates a buffer, then the
+  first kernel that takes it writes it); ``bufB = bufA; del bufA  # reuse``
+  makes ``bufB`` a new buffer in ``bufA``'s memory; any other alias (the
+  arguments unpacked, a view, an output of a multi-output op) is not written.
+  A kernel that mutates a buffer an earlier kernel wrote is not seen writing it.
+
+``capture()`` records, per graph Inductor generates code for, what the code
+alone does not say: the post-grad FX graph it lowered (as collective windows,
+``fx_windows``) and which FX nodes each buffer computes; ``window_breaks`` then
+checks that compute overlapc placed between a collective's start and its wait
+is still there in the code (its docstring says exactly what it guarantees).
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import re
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    import torch.fx
 
 # functional collective op (its name with the variant suffixes dropped) -> kind
 KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -65,8 +81,9 @@ class Event:
     output buffer, a wait's argument. start: index (in the event list) of the
     start a wait belongs to, or of the start itself; None for a wait whose
     buffer no start produced. reads: indices of the starts whose outputs an
-    event's arguments name (through aliases). line: the line in the source;
-    where: "call" or the partition function it sits in."""
+    event's arguments name (through aliases). writes: for a compute event, the
+    buffers it writes (see ``Buffer writes`` in the module docstring). line: the
+    line in the source; where: "call" or the partition function it sits in."""
 
     index: int
     kind: str
@@ -78,6 +95,7 @@ class Event:
     buffer: str | None = None
     start: int | None = None
     reads: tuple[int, ...] = ()
+    writes: tuple[str, ...] = ()
 
 
 def collective_kind(op: str) -> str | None:
@@ -103,6 +121,11 @@ def _names(node: ast.AST) -> list[str]:
     return [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
 
 
+def _arguments(call: ast.Call) -> list[str]:
+    """Every variable name a call's arguments read (the called function's name left out)."""
+    return [n for arg in (*call.args, *(k.value for k in call.keywords)) for n in _names(arg)]
+
+
 def _find_functions(tree: ast.Module) -> tuple[ast.FunctionDef, dict[str, ast.FunctionDef]]:
     """(``call``, {"partition_0": def, ...}) of a wrapper module."""
     partitions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("partition_")}
@@ -121,11 +144,13 @@ def _find_functions(tree: ast.Module) -> tuple[ast.FunctionDef, dict[str, ast.Fu
 class _Walker:
     """Walks ``call`` (and the partitions it calls) and collects the events."""
 
-    def __init__(self, partitions: dict[str, ast.FunctionDef]):
+    def __init__(self, partitions: dict[str, ast.FunctionDef], lines: list[str]):
         self.partitions = partitions
         self.events: list[Event] = []
         self.root: dict[str, int] = {}      # buffer name -> index of the start whose output it is
         self.outputs: dict[int, int] = {}   # start index -> outputs not yet waited
+        self.used: set[str] = set()         # names some earlier statement assigned or passed (membership only)
+        self.lines = lines                  # the source's lines, to read ``# reuse`` comments
 
     def walk(self, body: list[ast.stmt], where: str) -> None:
         for stmt in body:
@@ -147,6 +172,8 @@ class _Walker:
             return
         if not isinstance(value, ast.Call) or _dotted(value.func) == "reinterpret_tensor":
             source = _names(value)   # an alias: buf2 = buf1, buf2 = buf1[0], reinterpret_tensor(buf1, ...)
+            if not self._reuses(stmt):
+                self.used.update(targets)
             for target in targets:
                 if len(source) >= 1 and source[0] in self.root:
                     self.root[target] = self.root[source[0]]
@@ -160,8 +187,21 @@ class _Walker:
             if source is not None:
                 self._add("compute", "overlapc.unpack_columns", stmt, where)   # a copy, not a use
                 self.root.update((target, source) for target in targets)
+                self.used.update(targets)
                 return
         self._call(value, targets, stmt, where)
+
+    def _reuses(self, stmt: ast.stmt) -> bool:
+        """Whether ``stmt`` is Inductor's ``bufB = bufA; del bufA  # reuse`` (a new buffer)."""
+        return 0 < stmt.lineno <= len(self.lines) and self.lines[stmt.lineno - 1].rstrip().endswith("# reuse")
+
+    def _writes(self, call: ast.Call, targets: list[str]) -> tuple[str, ...]:
+        """The names a compute call writes: its targets and the names no earlier statement used."""
+        written = [*targets, *(n for n in _arguments(call) if n not in self.used)]
+        return tuple(dict.fromkeys(written))
+
+    def _compute(self, op: str, call: ast.Call, targets: list[str], stmt: ast.stmt, where: str) -> None:
+        self._add("compute", op, stmt, where, reads=self._reads(call), writes=self._writes(call, targets))
 
     def _partition(self, value: ast.expr) -> str | None:
         """"partition_<i>" when ``value`` calls ``self.partitions[i](...)`` (or ``partitions[i]``)."""
@@ -181,13 +221,17 @@ class _Walker:
         if len(parts) >= 4 and parts[:2] == ["torch", "ops"] and parts[2] in _NAMESPACES:
             self._collective_call(parts[3], call, targets, stmt, where)
         elif dotted.startswith("extern_kernels."):
-            self._add("compute", dotted, stmt, where, reads=self._reads(call))
+            self._compute(dotted, call, targets, stmt, where)
         elif len(parts) == 2 and parts[1] == "run" and parts[0].startswith("triton_"):
-            self._add("compute", parts[0], stmt, where, reads=self._reads(call))
+            self._compute(parts[0], call, targets, stmt, where)
         elif len(parts) == 1 and parts[0].startswith(("cpp_fused", "triton_")):
-            self._add("compute", parts[0], stmt, where, reads=self._reads(call))
+            self._compute(parts[0], call, targets, stmt, where)
         elif len(parts) >= 4 and parts[:2] == ["torch", "ops"]:
-            self._add("compute", f"{parts[2]}.{parts[3]}", stmt, where, reads=self._reads(call))
+            self._compute(f"{parts[2]}.{parts[3]}", call, targets, stmt, where)
+        else:
+            return                          # an allocation or a helper: neither an event nor a use
+        self.used.update(targets)
+        self.used.update(_arguments(call))
 
     def _collective_call(self, op: str, call: ast.Call, targets: list[str], stmt: ast.stmt, where: str) -> None:
         if op == "wait_tensor":
@@ -201,7 +245,7 @@ class _Walker:
             return
         kind = collective_kind(op)
         if kind is None:
-            self._add("compute", f"_c10d_functional.{op}", stmt, where, reads=self._reads(call))
+            self._compute(f"_c10d_functional.{op}", call, targets, stmt, where)
             return
         out = [k.value for k in call.keywords if k.arg == "out"]
         if out:
@@ -248,7 +292,7 @@ def events(code: str) -> list[Event]:
         raise ValueError(f"not Python wrapper code ({error.msg} at line {error.lineno}); C++ wrappers "
                          f"(cpp_wrapper=True) are not read") from None
     call, partitions = _find_functions(tree)
-    walker = _Walker(partitions)
+    walker = _Walker(partitions, code.splitlines())
     walker.walk(call.body, "call")
     return walker.events
 
@@ -357,3 +401,193 @@ def summary(events: list[Event]) -> dict:
             "never_waited": [e.buffer for e in never_waited(events)],
             "no_compute_before_wait": [f"{events[i].op} {events[i].buffer} (line {events[i].line})"
                                        for i, n in between.items() if n == 0]}
+
+
+# ---------------------------------------------------------------- compute windows
+
+_MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.convolution.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One collective's window in a post-grad FX graph: the compute nodes between its start
+    and its first wait, in graph order. start: the start node's name; kind: "all_gather", ...;
+    nodes: names of the call_function nodes in between that are neither a collective's start
+    or wait nor an alias (view, getitem); matmuls: those that are matmuls or convolutions
+    (Inductor lowers them where they stand and never inlines them); deferrable: the others
+    whose readers all come after the wait (Inductor computes such an op when it lowers its
+    first reader, so after the wait)."""
+
+    start: str
+    kind: str
+    nodes: tuple[str, ...]
+    matmuls: tuple[str, ...] = ()
+    deferrable: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """What ``capture`` records for one graph Inductor generated code for: its collectives'
+    windows (``fx_windows`` of the graph it lowered) and, per buffer Inductor allocated, the
+    FX node that buffer materialises (its origin latest in graph order; the other origins
+    are nodes Inductor inlined into it)."""
+
+    windows: tuple[Window, ...]
+    buffers: Mapping[str, str]
+
+
+def fx_windows(gm: torch.fx.GraphModule) -> list[Window]:
+    """The window of every collective of ``gm``, in the order of their starts."""
+    from overlapc.passes import collectives as found
+
+    nodes = list(gm.graph.nodes)
+    position = {node: index for index, node in enumerate(nodes)}
+    placed = sorted(found.collectives(gm), key=lambda c: position[c.start])
+    edges = {n for c in placed for n in (c.start, *c.waits)}      # membership only
+    windows = []
+    for collective in placed:
+        end = min((position[w] for w in collective.waits), default=len(nodes))
+        inside = [n for n in nodes[position[collective.start] + 1:end]
+                  if n.op == "call_function" and n not in edges and not found.is_alias(n)]
+        matmuls = [n for n in inside if str(n.target).startswith(_MATMULS)]
+        deferrable = [n for n in inside if n not in matmuls and all(position[u] > end for u in n.users)]
+        windows.append(Window(collective.start.name, collective.kind, *(tuple(n.name for n in group)
+                                                                       for group in (inside, matmuls, deferrable))))
+    return windows
+
+
+def _materialised(lowering) -> dict[str, str]:
+    """buffer name -> the FX node it materialises, for one GraphLowering after codegen."""
+    position = {node: index for index, node in enumerate(lowering.module.graph.nodes)}
+    homes = {}
+    for name, buffer in lowering.name_to_buffer.items():
+        origins = [o for o in getattr(buffer, "origins", ()) if o in position]
+        if origins:
+            homes[name] = max(origins, key=position.__getitem__).name
+    return homes
+
+
+@contextlib.contextmanager
+def capture():
+    """While active, every graph Inductor generates code for appends a ``Lowered`` to the
+    list this yields, in compile order (the order ``run_and_get_code`` returns codes).
+    Patches ``GraphLowering.codegen`` for the duration (process-wide) and reads Inductor
+    internals after it ran: ``GraphLowering.module`` (the post-grad graph) and
+    ``name_to_buffer`` with each IR buffer's ``origins`` (the same in torch 2.13 and
+    2.14.1). An FX graph cache hit generates no code and records nothing (turn the cache
+    off to see every graph)."""
+    from torch._inductor.graph import GraphLowering
+
+    seen: list[Lowered] = []
+    codegen = GraphLowering.codegen
+
+    def recording(self, *args, **kwargs):
+        result = codegen(self, *args, **kwargs)
+        seen.append(Lowered(tuple(fx_windows(self.module)), _materialised(self)))
+        return result
+
+    GraphLowering.codegen = recording
+    try:
+        yield seen
+    finally:
+        GraphLowering.codegen = codegen
+
+
+def _span(events: list[Event], start: Event, closing: dict[int, int]) -> range:
+    """Indices of the events between a start and the wait that closes it (the end when none does)."""
+    return range(start.index + 1, closing.get(start.index, len(events)))
+
+
+def window_breaks(events: list[Event], windows: list[Window], buffers: Mapping[str, str] | None = None) -> list[str]:
+    """Where compute that the FX graph ran between a collective's start and its wait is no
+    longer between them in the wrapper code ``events`` came from. ``windows``: the graph's
+    ``fx_windows``, matched to the code's starts in order. Empty when every window holds.
+
+    With ``buffers`` (``Lowered.buffers`` of the same compile), per window, a "kernel of
+    the window" is a compute event whose written buffers all materialise window nodes:
+    - moved: a kernel of the window runs outside it, unless all it computes is deferrable
+      (``Window.deferrable``) and it runs after the wait (Inductor computes those at
+      their reader; not a reordering);
+    - lost: no compute event runs between the start and the wait, while some compute
+      event materialises a window node that is not deferrable.
+    So every window that holds a matmul, or an op read inside the window, keeps compute,
+    and no reordering moves its kernels out. Not checked (``fused_out`` names them): a
+    kernel that materialises window nodes together with nodes outside the window (Inductor
+    fused them; it runs where its other nodes allow), window nodes inlined into a kernel of
+    a node outside, deferrable nodes computed after the wait, and buffers no compute event
+    is seen writing (a kernel that mutates an earlier buffer).
+    Without ``buffers`` (the code alone): a window holding a matmul or convolution
+    (``Window.matmuls``) is lost when no compute event runs in it.
+    A start count that differs from the windows' is one break."""
+    found = starts(events)
+    if len(found) != len(windows):
+        return [f"{len(found)} collective starts in the code, {len(windows)} in the FX graph"]
+    closing = _waited(events)
+    computed = None if buffers is None else [(e, [buffers[b] for b in e.writes if b in buffers])
+                                             for e in events if e.kind == "compute"]
+    breaks = []
+    for window, start in zip(windows, found):
+        span = _span(events, start, closing)
+        label = f"{window.kind} {window.start} (line {start.line})"
+        empty = not any(events[i].kind == "compute" for i in span)
+        if computed is not None:
+            breaks += [f"{label}: {b}" for b in _buffer_breaks(window, start, span, empty, computed)]
+        elif empty and window.matmuls:
+            breaks.append(f"{label}: lost: no compute before its wait, where the FX graph ran {list(window.matmuls)}")
+    return breaks
+
+
+def _buffer_breaks(window: Window, start: Event, span: range, empty: bool,
+                   computed: list[tuple[Event, list[str]]]) -> list[str]:
+    """``window_breaks``' rules with buffers, for one window; ``computed``: each compute
+    event with the FX nodes its written buffers materialise."""
+    inside, deferrable = set(window.nodes), set(window.deferrable)     # membership only
+    breaks = []
+    kept = sorted({h for _, homes in computed for h in homes if h in inside and h not in deferrable})
+    if empty and kept:
+        breaks.append(f"lost: no compute before its wait, where the FX graph ran {kept}")
+    for event, homes in computed:
+        if not homes or not inside.issuperset(homes) or event.index in span:
+            continue
+        if event.index > span.stop and deferrable.issuperset(homes):
+            continue
+        side = "before its start" if event.index < start.index else "after its wait"
+        breaks.append(f"moved: {event.op} (line {event.line}, computing {homes}) runs {side}")
+    return breaks
+
+
+def fused_out(events: list[Event], windows: list[Window], buffers: Mapping[str, str]) -> list[str]:
+    """Window compute Inductor runs outside the window without a reordering pass, which
+    ``window_breaks`` does not count (see there): per window, the kernels outside it that
+    materialise window nodes (fused with other nodes, or deferrable ones computed at their
+    reader), and, for a window left without compute, the window nodes no kernel
+    materialises (inlined into a reader outside). Same matching as ``window_breaks``."""
+    closing = _waited(events)
+    homes = set(buffers.values())
+    said = []
+    for window, start in zip(windows, starts(events)):
+        span = _span(events, start, closing)
+        inside = set(window.nodes)
+        for event in (e for e in events if e.kind == "compute" and e.index not in span):
+            mine = [buffers[b] for b in event.writes if buffers.get(b) in inside]
+            if mine:
+                said.append(f"{window.kind} {window.start}: {mine} computed by {event.op} (line {event.line})")
+        if not any(events[i].kind == "compute" for i in span):
+            inlined = [n for n in window.nodes if n not in homes]
+            if inlined:
+                said.append(f"{window.kind} {window.start}: {inlined} inlined into kernels outside; none in the window")
+    return said
+
+
+def window_summary(events: list[Event], lowered: Lowered) -> dict:
+    """JSON-able account of one wrapper's compute windows (``lowered``: what ``capture``
+    recorded for the same compile): how many collectives have FX compute in their window,
+    how many of those still have compute between start and wait in the code, the
+    ``window_breaks`` and the ``fused_out`` notes."""
+    closing = _waited(events)
+    windows = list(lowered.windows)
+    with_compute = [(w, s) for w, s in zip(windows, starts(events)) if w.nodes]
+    kept = sum(any(events[i].kind == "compute" for i in _span(events, s, closing)) for _, s in with_compute)
+    return {"with_compute": len(with_compute), "kept": kept,
+            "breaks": window_breaks(events, windows, lowered.buffers),
+            "fused_out": fused_out(events, windows, lowered.buffers)}

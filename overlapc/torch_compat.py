@@ -9,7 +9,8 @@ never on version strings.
 Every workaround of a torch behaviour lives here, each with the check that
 decides whether the installed torch needs it and the behaviour it works around:
 
-- ``inductor_patches``: Inductor passes that move collectives or waits, off
+- ``inductor_patches``: Inductor passes that move collectives, waits or the
+  compute between them, off
   (keyed on the config keys the installed Inductor has; per compile, through
   ``config_patches``, never process-wide).
 - ``inductor_keeps_order``: the same, for a caller that turns Inductor's
@@ -48,20 +49,32 @@ log = logging.getLogger("overlapc")
 # Releases the suite runs on (CI: one clean virtual environment each).
 TESTED_TORCH = ("2.13.0", "2.14.1")
 
-# Inductor passes that move collective starts or waits, and the value that
-# turns each off. Inductor must keep the order overlapc placed:
+# Inductor passes that move collective starts or waits, or the compute between
+# them, and the value that turns each off. Inductor must keep the order overlapc
+# placed (tests/test_inductor_windows.py reads the compute windows in its code):
 # - reorder_for_peak_memory puts each hoisted all-gather back next to its wait;
 # - reorder_for_compute_comm_overlap runs Inductor's own comm reordering;
 # - aten_distributed_optimizations.enable_simple_overlap (new in 2.14, on by
 #   default, CPU and CUDA) swaps starts earlier and waits later, which raised
 #   overlapc's 2 all-gathers in flight to 4;
 # - aten_distributed_optimizations.enable_overlap_scheduling (off by default)
-#   is Inductor's whole overlap scheduler.
+#   is Inductor's whole overlap scheduler;
+# - bucket_{all_gathers,reduce_scatters,all_reduces}_fx (off by default) run
+#   after the custom post-grad pass and merge overlapc's placed collectives into
+#   buckets placed by their own rule.
+# Left as they are, checked not to move a window (2.13.0, 2.14.1):
+# reorder_for_locality (and reorder_for_locality_in_training) reorders the
+# post-grad graph before the custom post-grad pass that schedules it;
+# triton.reorder_for_reducing_graph_partitions (cudagraph partitions only)
+# moved no window in that test's CUDA graphs.
 _ORDER_MOVING_PASSES = {
     "reorder_for_peak_memory": False,
     "reorder_for_compute_comm_overlap": False,
     "aten_distributed_optimizations.enable_simple_overlap": False,
     "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "bucket_all_gathers_fx": "none",
+    "bucket_reduce_scatters_fx": "none",
+    "bucket_all_reduces_fx": "none",
 }
 
 _warned = {"version": False}
@@ -70,8 +83,9 @@ _warned = {"version": False}
 def inductor_patches() -> dict[str, object]:
     """Inductor config patches (``torch._inductor.config.patch`` keys, dotted
     for nested sections) that turn off every pass of the installed Inductor
-    that would move collectives or waits. Keys the installed torch does not
-    have are left out, so the dict is valid for ``config.patch`` as it is."""
+    that would move collectives, waits or the compute between them. Keys the
+    installed torch does not have are left out, so the dict is valid for
+    ``config.patch`` as it is."""
     from torch._inductor import config
     known = config.get_config_copy()
     return {key: value for key, value in _ORDER_MOVING_PASSES.items() if key in known}

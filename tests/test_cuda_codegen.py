@@ -14,7 +14,9 @@ Triton kernels, cuBLAS matmuls and the collectives) is read with
 - never more than ``max_in_flight`` collectives of one kind and group in flight;
 - every start overlapc placed before a matmul that precedes its wait still has
   compute between it and its wait in the code (a start put back next to its wait,
-  as Inductor's own reorderings do, fails this);
+  as Inductor's own reorderings do, fails this): ``inductor_order.window_breaks``
+  from the code alone; tests/test_inductor_windows.py checks whole windows, node by
+  node, on small graphs;
 
 with and without cudagraph partitions. Controls show the checks can fail: on
 torch >= 2.14, Inductor's simple_overlap pass (which overlapc turns off) breaks
@@ -56,11 +58,12 @@ def _graphs(cases, case, variant):
 
 def lost_overlap(graph: dict, events: list) -> list[str]:
     """Starts overlapc placed before a matmul ahead of their wait that have no compute
-    between start and wait in the code."""
-    between = inductor_order.compute_between(events)
-    starts = inductor_order.starts(events)
-    return [f"{row['start']} (over {row['over_matmuls'][:3]}) at line {start.line}"
-            for row, start in zip(graph["scheduled"], starts) if row["over_matmuls"] and between[start.index] == 0]
+    between start and wait in the code: ``inductor_order.window_breaks`` on the code alone,
+    with each scheduled window's matmuls (tests/test_inductor_windows.py checks every
+    node of the windows, through the buffers Inductor materialises)."""
+    windows = [inductor_order.Window(row["start"], row["kind"], tuple(row["over_matmuls"]),
+                                     tuple(row["over_matmuls"])) for row in graph["scheduled"]]
+    return inductor_order.window_breaks(events, windows)
 
 
 def check_order_and_bound(name: str, graph: dict, events: list) -> None:

@@ -49,6 +49,8 @@ def test_dry_run_checks_order_memory_and_trace_on_cpu(tmp_path):
     for graph in order["graphs"]:
         assert all(n <= order["max_in_flight"] for kind, n in graph["max_in_flight"].items() if kind != "all")
         assert graph["consumer_order_breaks"] == [] and graph["never_waited"] == []
+        windows = graph["windows"]          # the compute overlapc placed in each window is still there
+        assert windows["breaks"] == [] and windows["kept"] == windows["with_compute"] >= 1
     assert max(forward["max_in_flight"]["all_gather"], backward["max_in_flight"]["reduce_scatter"]) == 2
     memory = doc["parts"]["memory"]
     assert memory["ok"] and len(memory["rounds"]["overlapc"]["step_ms"]) == len(memory["rounds"]["inductor"]["step_ms"])
