@@ -446,6 +446,21 @@ class _Core:
                 self._make_room(c, gathers=False)
                 self._issue(c)
 
+    def _lane_ready(self, c: Collective) -> bool:
+        """Whether ``c`` can be issued now with what must go before it: its inputs placed
+        and, for an all-gather, those of every all-gather ahead of it in its lane (a gated
+        all-gather whose lane is not ready issues through its lane later, at the latest
+        when its result is due)."""
+        if c.kind != "all_gather":
+            return True
+        lane, starts = self._lane(c), self.lanes[self._lane(c)]
+        for start in starts[self.head[lane]:]:
+            if self.missing[start] and start not in self.issued:
+                return False
+            if start is c.start:
+                return True
+        return True
+
     def _force_issue(self, c: Collective, gathers: bool = True, reason: str = "forced by consumer") -> None:
         """Issue ``c`` now (all-gathers before it in its lane first): its wait is
         due, or (``gathers`` False) its chain point came; open all-gathers are
@@ -479,7 +494,7 @@ class _Core:
                 self._issue_ready()   # a wait freed room: the next all-gather goes now
             for start in gates_at.get(node, ()):
                 self._open_gate(start)
-                if start not in self.issued:
+                if start not in self.issued and self._lane_ready(self.managed[start]):
                     self._force_issue(self.managed[start], gathers=False, reason="chain point")
             for i in node._input_nodes:
                 if i not in placed:

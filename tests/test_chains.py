@@ -289,3 +289,27 @@ def test_a_chain_point_ahead_of_an_earlier_all_gathers_input_still_schedules(fak
                  chain_at_top=True)
         for limit, byte_limit in ((1, None), (2, 512), (None, "auto")):
             cp.run_example(groups, p, limit, byte_limit, None)
+
+
+def test_a_gated_all_gather_behind_an_unready_all_gather_of_its_lane_waits_for_its_lane(fake_pg, caplog):
+    """An all-reduce's result gathered (a chained all-gather, its chain point near the
+    top) while another all-gather of the group, consumed first, reads a matmul placed
+    later: forcing the chained one at its chain point would issue the other before its
+    input (the core once failed with "mm is read before it is placed", found by
+    tests/test_inductor_windows.py's random graphs). It now issues through its lane:
+    no retry, no warning, every guarantee kept."""
+    def fn(x, y):
+        reduced = wait(F.all_reduce(y, "sum", "0"))
+        F.wait_tensor(F.all_gather_into_tensor(reduced[:1], WORLD, "0"))
+        gathered = wait(F.all_gather_into_tensor((y @ y)[:1], WORLD, "0"))
+        scattered = wait(F.reduce_scatter_tensor(reduced, "sum", WORLD, "0"))
+        return gathered, torch.relu(reduced), scattered.repeat(WORLD, 1)
+    for limit, byte_limit in ((1, None), (2, "auto"), (None, None)):
+        gm = trace(fn, (8, 8), (8, 8))
+        cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, bucket=None,
+                                     on_error="raise")
+        with caplog.at_level(logging.INFO, logger="overlapc"):
+            caplog.clear()
+            overlapc.schedule(gm, cfg)
+        assert not [r.getMessage() for r in caplog.records if "chain" in r.getMessage() or r.levelno >= logging.WARNING]
+        independent_checks(gm, cfg)
