@@ -35,6 +35,11 @@ class LlamaConfig:
     def llama2_7b(cls, n_layers: int = 32) -> "LlamaConfig":
         return cls(dim=4096, n_layers=n_layers, n_heads=32, ffn_dim=11008, vocab_size=32000)
 
+    @classmethod
+    def llama3_70b(cls, n_layers: int = 80) -> "LlamaConfig":
+        """Llama-3-70B's sizes (without its grouped-query attention: this model's heads all have keys)."""
+        return cls(dim=8192, n_layers=n_layers, n_heads=64, ffn_dim=28672, vocab_size=128256, rope_theta=500000.0)
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads

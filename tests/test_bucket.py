@@ -560,10 +560,10 @@ def test_a_failure_after_bucketing_restores_names_notes_and_order(fake_pg, monke
     names = [n.name for n in gm.graph.nodes]
     code = gm.code
 
-    def broken_core(*args, **kwargs):   # fails after bucket_collectives rewrote the graph
+    def broken_core(*args, **kwargs):   # fails after bucket_collectives rewrote the graph, past degrading
         raise overlapc.ScheduleError("injected after bucketing")
 
-    monkeypatch.setattr(pipeline, "schedule_order", broken_core)
+    monkeypatch.setattr(pipeline, "_reorder", broken_core)
     with pytest.warns(UserWarning, match="injected after bucketing"):
         overlapc.schedule(gm, overlapc.OverlapConfig(bucket="module"))
     assert [n.name for n in gm.graph.nodes] == names and gm.code == code
