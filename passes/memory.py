@@ -296,10 +296,11 @@ class Headroom:
         if segments:   # what ``fits_collective`` reads: the serial order node by node
             self._index = {node: i for i, node in enumerate(serial)}
             self._last = self.liveness._last_use(serial, self._index)
-            self._below = RangeTable([peak - nbytes for nbytes in live], min)
+            self._below = RangeTable([peak - nbytes for nbytes in live], min)   # per serial index
             freed = [0] * len(serial)
             for r, nbytes in self.liveness.size.items():
                 freed[self._last[r]] += nbytes
+            # headroom right after serial[i] ran and freed what it read last (an issue point)
             self._gap = [peak - nbytes + f for nbytes, f in zip(live, freed)]
 
     def least(self, first: int, last: int) -> int:
