@@ -40,9 +40,10 @@ class Budget:
         its wait's target (``fits_headroom``); None: ``max_bytes`` alone.
     within_peak: the "serial-peak" byte budget: the headroom alone bounds the
         bytes in flight (``max_bytes`` holds no number): a collective goes ahead only
-        where everything in flight fits it; one other than an all-gather that
-        does not fit is waited right after its start, an all-gather that does
-        not fit is issued right before its wait; the invariant check compares
+        where the others in flight and what it holds beyond the serial order's
+        live bytes fit it (``Headroom.fits_collective``); one other than an
+        all-gather that does not fit is waited right after its start, an
+        all-gather that does not fit is issued right before its wait; the invariant check compares
         the peak with the serial order's peak exactly (``Headroom.peak``).
     """
 

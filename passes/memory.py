@@ -272,7 +272,9 @@ class Headroom:
     bundle nodes (collectives' starts and waits, their input chains) the
     reference runs after it, up to the next spine node: a collective in flight
     at a spine node is in flight until the next one too, so it must fit there
-    as well ("serial-peak" asks this; without it bundle nodes do not constrain)."""
+    as well ("serial-peak" asks this; without it bundle nodes do not constrain).
+    "serial-peak" issues by ``fits_collective``, which counts a collective's own
+    buffers only where the reference does not hold them live already."""
 
     def __init__(self, s: Structure, serial: list[fx.Node], segments: bool = False, peak: int | None = None):
         """``peak``: the bound instead of ``serial``'s own peak (the serial peak of the
@@ -291,10 +293,42 @@ class Headroom:
                 level[spine] = min(level[spine], peak - nbytes)
         self.peak = peak
         self._least = RangeTable(level, min)
+        if segments:   # what ``fits_collective`` reads: the serial order node by node
+            self._index = {node: i for i, node in enumerate(serial)}
+            self._last = self.liveness._last_use(serial, self._index)
+            self._below = RangeTable([peak - nbytes for nbytes in live], min)   # per serial index
+            freed = [0] * len(serial)
+            for r, nbytes in self.liveness.size.items():
+                freed[self._last[r]] += nbytes
+            # headroom right after serial[i] ran and freed what it read last (an issue point)
+            self._gap = [peak - nbytes + f for nbytes, f in zip(live, freed)]
 
     def least(self, first: int, last: int) -> int:
         """Smallest headroom at positions first..last (inclusive, first <= last)."""
         return self._least.query(first, last)
+
+    def fits_collective(self, start: fx.Node, others: int, after: fx.Node, due: fx.Node) -> bool:
+        """Whether the collective of ``start``, issued right after spine node ``after`` and
+        waited before spine node ``due``, with ``others`` bytes of other collectives in
+        flight, keeps the peak: at its issue (after ``after`` frees what it last reads) and
+        at every node the reference runs between ``after`` and ``due``, ``others`` plus the
+        storages it holds (its inputs until its wait, its output) that the reference does
+        not keep live there (an input it has freed, an output or input chain it has not
+        yet allocated) fit below the peak. Storages the reference holds live there anyway
+        are counted once. Needs ``segments``."""
+        first = self._index[after]   # issued in the gap after ``first``
+        end = max(self._index[due], first + 1)
+        size, index, last = self.liveness.size, self._index, self._last
+        held = [(index[r], last[r], size[r]) for r in dict.fromkeys([*self.liveness.reads[start], start])
+                if size.get(r)]
+        if others + sum(n for a, z, n in held if not a <= first < z) > self._gap[first]:
+            return False
+        cuts = sorted({first + 1, end, *(min(max(k, first + 1), end) for a, z, _ in held for k in (a, z + 1))})
+        for lo, hi in zip(cuts, cuts[1:]):   # which storages the reference holds is fixed in lo..hi-1
+            extra = sum(n for a, z, n in held if not a <= lo <= z)
+            if others + extra > self._below.query(lo, hi - 1):
+                return False
+        return True
 
 
 class RangeTable:

@@ -379,8 +379,13 @@ class _Core:
             and not self._in_headroom(c)
 
     def _in_headroom(self, c: Collective) -> bool:
-        """Whether ``c`` issued now keeps everything in flight within the headroom until its wait is due."""
+        """Whether ``c`` issued now keeps everything in flight within the headroom until its
+        wait is due; under "serial-peak", counting only what ``c`` holds beyond the serial
+        order's live bytes (``Headroom.fits_collective``)."""
         due = max(self.s.due(c), self.here)
+        if self.budget.within_peak:
+            nodes = self.s.nodes
+            return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])
         return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
 
     def _gather_fits(self, c: Collective) -> bool:

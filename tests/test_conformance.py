@@ -22,7 +22,6 @@ import conformance_cases as cc
 from multiproc import init_gloo, run_ranks
 
 # Why overlapc's schedule differs from upstream's expectation (docs/conformance.md says more).
-BUDGET_CONSERVATIVE = "budget-conservative"   # gap: serial-peak refuses an overlap that does not raise the peak
 MEMORY_FIRST = "memory-first"                 # deliberate: upstream's order raises the serial order's peak
 AUTO_CAP = "auto-cap"                         # deliberate: bucket="auto" caps a bucket at the largest member
 BUCKETS_OFF = "buckets-off"                   # deliberate: the configuration turns buckets off
@@ -47,23 +46,19 @@ def _unbucketed(module=None):
 
 
 EXPECTED = {
-    "aten_sink_waits": _all(BUDGET_CONSERVATIVE),
     "aten_raise_comms": _all(RAISE_COMMS),
     "aten_sink_waits_raise_comms": _all(MEMORY_FIRST),
-    "aten_reorder_compute_for_overlap_mul": _all(BUDGET_CONSERVATIVE),
-    "aten_overlap_scheduling_via_config": _all(BUDGET_CONSERVATIVE),
     "aten_basic_all_gather_bucketing": _unbucketed(),
     "aten_reduce_scatter_bucketing": _unbucketed(),
     "aten_no_bucketing_with_dependent_hiding_nodes": {"module": MODULE_MERGE},
     "aten_no_bucketing_when_collective_depends_on_hiding_node": {"module": MODULE_MERGE},
-    "aten_bucketing_wait_sink": _unbucketed(MEMORY_FIRST),
+    "aten_bucketing_wait_sink": _unbucketed(),
     "aten_bucketing_split_for_overlap_blocking_no_deps": _unbucketed(),
     "aten_bucketing_split_for_overlap": _unbucketed(BUCKET_GRANULARITY),
-    "aten_bucket_exposed_with_hidden_single_overlap": _unbucketed(MEMORY_FIRST),
+    "aten_bucket_exposed_with_hidden_single_overlap": _unbucketed(),
     "aten_bucketing_split_for_overlap_blocking_deps_inductor": _unbucketed(BUCKET_GRANULARITY),
     "aten_multidtype_bucketing": _unbucketed(DTYPE_BUCKETS),
     "aten_basic_all_reduce_bucketing": _unbucketed(),
-    "compute_sink_waits": _all(BUDGET_CONSERVATIVE),
     "compute_raise_comms": _all(RAISE_COMMS),
     "compute_sink_waits_raise_comms": _all(MEMORY_FIRST),
     "compute_reorder_compute_for_overlap": _all(COMPUTE_REORDER),
@@ -85,9 +80,6 @@ EXPECTED = {
     "unit_deterministic_mode_no_benchmark_error": _all(MEMORY_FIRST),
     "unit_prefetch_prioritizes_larger_hidden_time": _all(PREFETCH_PRIORITY),
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": _unbucketed(CHAINED_BUCKETS),
-    "unit_fusible_nodes_hide_collective": _all(BUDGET_CONSERVATIVE),
-    "unit_fusion_regions_hide_collective": _all(BUDGET_CONSERVATIVE),
-    "unit_no_memory_limit_prefetches_across_compute_gap": _all(BUDGET_CONSERVATIVE),
     "collectives_reorder_peak_memory_bucketed": _unbucketed(BUCKET_GRANULARITY),
     "collectives_all_gather_bucket_multidtype": _unbucketed(DTYPE_BUCKETS),
 }

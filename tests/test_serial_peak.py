@@ -12,7 +12,7 @@ issues a chained all-gather where its result is due); a second trace gives the s
 rank issues the same collectives in the same order). Unit tests: ``verify``
 refuses an order above the serial peak and names the node; a reduce-scatter
 that would raise the peak in flight is waited right after its start; the
-option's validation.
+option's validation; an overlap that keeps the serial peak is taken.
 """
 import os
 
@@ -160,6 +160,39 @@ def test_a_reduce_scatter_that_would_raise_the_peak_is_waited_at_once(fake_pg):
     assert_within_serial_peak(gm)
     for a, b in zip(expected, LocalCollectives(gm).run(*inputs)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def reduce_then_square(x):
+    """upstream's sink_waits: the all-reduce's input x is read by x @ x anyway."""
+    return wait(F.all_reduce(x, "sum", "0")) @ (x @ x)
+
+
+def sum_then_gathered_mm(x, w):
+    """The peak is at the consumer of the gather; the sum before it has room for it."""
+    s = x.sum()
+    return x @ wait(ag(w)) + s
+
+
+@pytest.mark.parametrize("fn, shapes, start", [
+    (reduce_then_square, [(8, 8)], F.all_reduce.default),
+    (sum_then_gathered_mm, [(8, 8), (1, 8)], F.all_gather_into_tensor.default),
+])
+def test_an_overlap_within_the_serial_peak_is_taken(fake_pg, fn, shapes, start):
+    """The headroom once counted what the serial order already holds live (the all-reduce's
+    input, read by x @ x; the gather's own output at its serial place) on top of it, and
+    kept these collectives serial although in flight they leave the peak where it was."""
+    gm = trace(fn, *shapes)
+    nodes = list(gm.graph.nodes)
+    found, rows = _rows(nodes)
+    peak_serial = live_peak(serial_order(nodes, rows), found)
+    overlapc.schedule(gm, cfg_of(None))
+    nodes = list(gm.graph.nodes)
+    issued = next(n for n in nodes if n.target == start)
+    waited = next(n for n in nodes if n.target == F.wait_tensor.default)
+    between = nodes[nodes.index(issued) + 1:nodes.index(waited)]
+    assert any(n.op == "call_function" for n in between), [n.name for n in nodes]   # compute hides it
+    assert waited.meta["overlapc_reason"] == "before consumer"
+    assert live_peak(nodes, _rows(nodes)[0]) == peak_serial
 
 
 @pytest.mark.parametrize("bad", ["serial_peak", "peak", "", 0, -5, 1.5, True])
