@@ -25,7 +25,9 @@ replays that code and ``tests/test_wrapper_replay.py`` holds the two within 3%):
   (the wrapper deletes them there), an input nothing reads until the end.
 
 Every decision above reads the graph, never the order: one ``Liveness`` serves any
-order. Deterministic, O(nodes + edges).
+order. Deterministic, O(nodes + edges). ``EditedPeak`` keeps the peak of one order
+while a pass drops nodes and re-points readers (keep-or-regather's trials),
+recounting only what each edit touches.
 """
 from __future__ import annotations
 
@@ -67,9 +69,9 @@ class Liveness:
         facts = _facts(node)
         if inputs and (facts.waits or facts.aliases):
             root[node] = root[next(iter(inputs))]
-        elif _fuses_away(node, facts, self._fusable, read):
+        elif facts.pointwise and _fuses_away(node, facts, self._fusable, read):
             root[node], size[node], self.inlined[node] = node, 0, read
-        elif (reused := _reused_input(node, facts, size, self._extents)) is not None:
+        elif facts.pointwise and (reused := _reused_input(node, facts, size, self._extents)) is not None:
             root[node] = reused   # Inductor writes the output into that input's buffer
         else:
             root[node] = node
@@ -124,7 +126,7 @@ class Liveness:
 
 def _expand(roots: list[fx.Node], inlined: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
     """``roots`` with each fused-away node replaced by the storages it reads (no repeats)."""
-    if not any(r in inlined for r in roots):
+    if inlined.keys().isdisjoint(roots):
         return roots
     out: dict[fx.Node, None] = {}
     for r in roots:
@@ -311,6 +313,7 @@ class EditedPeak:
         self.pos = {node: index for index, node in enumerate(nodes)}
         self.end = len(nodes) - 1
         self.dropped: set[fx.Node] = set()
+        self.unread = set(self.liveness.unread)
         self.last = self.liveness._last_use(nodes, self.pos)
         self.readers: dict[fx.Node, dict[fx.Node, None]] = {}   # storage -> nodes that read it
         for node in nodes:
@@ -380,7 +383,7 @@ class EditedPeak:
             self._move(r, after, before)
             self.last[r] = before[1]
 
-    def _recount(self, saved, touched) -> dict:
+    def _recount(self, saved: dict[fx.Node, tuple], touched: dict[fx.Node, None]) -> dict:
         """Update the readers index of the nodes in ``saved`` and the live intervals of the
         storages ``touched``; return storage -> (interval before, after) for ``undo``."""
         lv = self.liveness
@@ -397,7 +400,8 @@ class EditedPeak:
                 self.last[r] = after[1]
         return intervals
 
-    def _reindex(self, node, old_reads, new_reads) -> None:
+    def _reindex(self, node: fx.Node, old_reads, new_reads) -> None:
+        """``node`` reads ``new_reads`` now, not ``old_reads`` (the readers index)."""
         for r in old_reads:
             self.readers.get(r, {}).pop(node, None)
         for r in new_reads:
@@ -406,7 +410,7 @@ class EditedPeak:
     def _last_of(self, r: fx.Node) -> int:
         """The position after which storage ``r`` is freed (``Liveness._last_use``)."""
         pos, held = self.pos, self.liveness.held_until
-        last = self.end if r in self.liveness.unread else pos[r]
+        last = self.end if r in self.unread else pos[r]
         for node in self.readers.get(r, ()):
             waits = held.get(node)
             last = max(last, pos[node] if waits is None else max(pos[w] for w in waits))
