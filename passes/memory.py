@@ -489,11 +489,13 @@ class Headroom:
     at a spine node is in flight until the next one too, so it must fit there
     as well ("serial-peak" asks this; without it bundle nodes do not constrain)."""
 
-    def __init__(self, s: Structure, serial: list[fx.Node], segments: bool = False, peak: int | None = None):
+    def __init__(self, s: Structure, serial: list[fx.Node], segments: bool = False, peak: int | None = None,
+                 liveness: Liveness | None = None):
         """``peak``: the bound instead of ``serial``'s own peak (the serial peak of the
-        graph before a rewrite changed it: a headroom below 0 fits nothing)."""
+        graph before a rewrite changed it: a headroom below 0 fits nothing).
+        ``liveness``: ``Liveness(s.nodes)`` when the caller has it (one per graph)."""
         self.serial = serial
-        self.liveness = Liveness(s.nodes)   # kept: the invariant check reuses both
+        self.liveness = liveness or Liveness(s.nodes)   # kept: the invariant check reuses both
         live = self.liveness.live_bytes(self.serial)
         peak = max(live, default=0) if peak is None else peak
         level = [peak] * len(s.nodes)

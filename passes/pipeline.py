@@ -157,7 +157,8 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
         return _Placed(0, False, structure=s)
     budget: Budget = budget_of(s)
     reasons: dict[fx.Node, str] = {}
-    room = Headroom(s, invariants.serial_order(s)) if mode != "sink" and _has_chains(s) else None
+    shared = budget.headroom.liveness if budget.headroom is not None else None   # the same graph's
+    room = Headroom(s, invariants.serial_order(s), liveness=shared) if mode != "sink" and _has_chains(s) else None
     try:
         order = schedule_order(s, budget, mode, kinds, reasons, chain_room=room)
         _check_kept(s, order)
@@ -317,7 +318,8 @@ def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, befo
         meta.set_serial_peak(gm, own.peak)
         return own
     meta.set_serial_peak(gm, before.peak)
-    return serial_headroom(s, cfg)
+    # serial_headroom(s, cfg) now (a "before" exists only under "serial-peak"), its serial order and liveness shared
+    return Headroom(s, own.serial, segments=True, peak=before.peak, liveness=own.liveness)
 
 
 class _BucketsRaisePeak(Exception):
