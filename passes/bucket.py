@@ -100,7 +100,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import Collective, module_path, node_value, real_consumers, source_of
+from overlapc.passes.collectives import Collective, module_path, node_value, source_of
 from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
 from overlapc.passes.memory import Headroom
 from overlapc.passes.rewrite import FakeValues, new_node
@@ -158,22 +158,37 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
     merges the same collectives. Returns the merged starts' names, each group
     first-kept, in graph order (also appended to ``gm.meta["overlapc_duplicates"]``).
     ``before_rewrite``: as for ``bucket_collectives``."""
-    names = _drop_unread_repeats(gm, before_rewrite)
-    names += _merge_identical_runs(gm, before_rewrite)
+    marks = _starts_and_barriers(gm)
+    names = _drop_unread_repeats(gm, [node for node, start, _ in marks if start], before_rewrite)
+    if names:   # a write that the erased collectives read may be no barrier now
+        marks = _starts_and_barriers(gm)
+    names += _merge_identical_runs(gm, marks, before_rewrite)
     if names:
         gm.graph.lint()
     meta.add_notes(gm, meta.DUPLICATES, names)
     return names
 
 
-def _drop_unread_repeats(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
+def _starts_and_barriers(gm: fx.GraphModule) -> list[tuple[fx.Node, bool, bool]]:
+    """(node, starts a collective, is a barrier) for each node of ``gm`` that does either,
+    in graph order: what both merging steps read, from one ``role`` lookup a node."""
+    from overlapc.passes.collectives import role
+    marks = []
+    for node in gm.graph.nodes:
+        start, _, barrier = role(node)
+        if start is not None or barrier is not None:
+            marks.append((node, start is not None, barrier is not None))
+    return marks
+
+
+def _drop_unread_repeats(gm: fx.GraphModule, starts: list[fx.Node],
+                         before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
     """Erase every collective whose waits nobody reads when a later collective
     with the same op and arguments exists (the same result is computed again
-    where it is read). Values are unchanged, and every rank traces the same
-    graph, so every rank erases the same collectives. Returns (kept, erased)
-    name pairs in graph order."""
-    from overlapc.passes.collectives import collective_op, wait_nodes
-    starts = [node for node in gm.graph.nodes if collective_op(node) is not None]
+    where it is read). ``starts``: every collective start of ``gm``, in graph order.
+    Values are unchanged, and every rank traces the same graph, so every rank
+    erases the same collectives. Returns (kept, erased) name pairs in graph order."""
+    from overlapc.passes.collectives import wait_nodes
     if not any(_unread(start) for start in starts):   # the common case: no arguments hashed
         return []
     seen: dict[tuple, list[fx.Node]] = {}
@@ -209,19 +224,19 @@ def _unread(start: fx.Node) -> bool:
     return bool(waits) and only_waits and not any(w.users for w in waits)
 
 
-def _merge_identical_runs(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
+def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, bool, bool]],
+                          before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
     """Merge runs of identical, adjacent-in-their-group collectives (see
-    ``merge_duplicates``); returns the merged starts' names, first-kept."""
-    from overlapc.passes.collectives import collective_op, group_of, role, wait_nodes
+    ``merge_duplicates``); ``marks``: ``_starts_and_barriers`` of ``gm``. Returns the
+    merged starts' names, first-kept."""
+    from overlapc.passes.collectives import group_of, wait_nodes
     runs: list[list[fx.Node]] = []
     open_run: dict[tuple, list[fx.Node]] = {}   # identical starts so far, by their arguments
     last: dict[str, fx.Node] = {}                # the latest start of each group
-    for node in gm.graph.nodes:
-        if role(node)[2] is not None:
+    for node, _, barrier in marks:
+        if barrier:
             open_run.clear()
             last.clear()
-            continue
-        if collective_op(node) is None:
             continue
         group = group_of(node)
         waits = wait_nodes(node)
@@ -235,7 +250,9 @@ def _merge_identical_runs(gm: fx.GraphModule, before_rewrite: Callable[[], None]
                 runs.append(run)
         last[group] = node
     merged = [run for run in runs if len(run) > 1]   # graph order of their first start
-    if merged and before_rewrite is not None:
+    if not merged:
+        return []
+    if before_rewrite is not None:
         before_rewrite()
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for kept, *others in merged:
@@ -249,9 +266,8 @@ def _merge_identical_runs(gm: fx.GraphModule, before_rewrite: Callable[[], None]
             gm.graph.erase_node(other_wait)
             gm.graph.erase_node(other)
     names = [tuple(n.name for n in run) for run in merged]
-    if merged:
-        log.info("overlapc: merged %d identical collectives into %d: %s",
-                 sum(len(n) - 1 for n in names), len(names), "; ".join(", ".join(n) for n in names))
+    log.info("overlapc: merged %d identical collectives into %d: %s",
+             sum(len(n) - 1 for n in names), len(names), "; ".join(", ".join(n) for n in names))
     return names
 
 
@@ -367,7 +383,7 @@ def _member(s: Structure, c: Collective) -> _Member | None:
     target = s.target[wait]
     inputs = s.bundle_inputs[start]
     if target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
-            u in s.start_of_member for u in real_consumers(wait, s.wait_bundle[wait][1:])):
+            u in s.start_of_member for u in s.consumers[wait]):
         return None   # tied to another collective's bundle: moving one would move the other
     gathered = c.kind == "all_gather"
     return _Member(
@@ -411,50 +427,72 @@ def _largest(lanes: dict[tuple, list[_Member]]) -> dict[str, int]:
 def _split(lane: list[_Member], bucket: str | int, largest: int,
            headroom: Headroom | None = None) -> list[list[_Member]]:
     """Consecutive members of ``lane`` cut into buckets; buckets of one dropped.
-    ``largest``: the byte target of ``bucket="auto"``; ``headroom``: see ``bucket_collectives``."""
-    buckets: list[list[_Member]] = []
+    ``largest``: the byte target of ``bucket="auto"``; ``headroom``: see ``bucket_collectives``.
+    O(1) a member (``_Bucket`` keeps what the rules read)."""
+    buckets: list[_Bucket] = []
     for m in lane:
         if buckets and _joins(buckets[-1], m, bucket, largest) and (
-                headroom is None or _fits_headroom([*buckets[-1], m], headroom)):
-            buckets[-1].append(m)
+                headroom is None or _fits_headroom(buckets[-1], m, headroom)):
+            buckets[-1].add(m)
         else:
-            buckets.append([m])
-    return [b for b in buckets if len(b) > 1]
+            buckets.append(_Bucket([m], m.ready, m.target, m.nbytes, m, m.target, m.ready))
+    return [b.members for b in buckets if len(b.members) > 1]
 
 
-def _joins(members: list[_Member], m: _Member, bucket: str | int, largest: int) -> bool:
-    """Whether ``m`` may join the open bucket ``members``."""
-    if max(m.ready, *(x.ready for x in members)) >= min(m.target, *(x.target for x in members)):
+@dataclasses.dataclass
+class _Bucket:
+    """A bucket ``_split`` is filling: its members and what ``_joins`` and
+    ``_fits_headroom`` read of them, updated as each member joins."""
+
+    members: list[_Member]
+    ready: int          # the latest member's ready position
+    target: int         # the earliest member's target position
+    nbytes: int         # the members' bytes
+    soonest: _Member    # the (first) member with the earliest target
+    last_target: int    # the latest target
+    first_ready: int    # the earliest ready position
+
+    def add(self, m: _Member) -> None:
+        self.members.append(m)
+        self.ready, self.target = max(self.ready, m.ready), min(self.target, m.target)
+        self.nbytes += m.nbytes
+        self.soonest = m if m.target < self.soonest.target else self.soonest
+        self.last_target, self.first_ready = max(self.last_target, m.target), min(self.first_ready, m.ready)
+
+
+def _joins(open_bucket: _Bucket, m: _Member, bucket: str | int, largest: int) -> bool:
+    """Whether ``m`` may join ``open_bucket``."""
+    if max(m.ready, open_bucket.ready) >= min(m.target, open_bucket.target):
         return False   # one member's input is ready only after another's result is needed
     limit = {"auto": largest, "module": DEFAULT_BUCKET_BYTES}.get(bucket, bucket)
-    fits = sum(x.nbytes for x in members) + m.nbytes <= limit
+    fits = open_bucket.nbytes + m.nbytes <= limit
     if bucket != "module" and not fits:
         return False   # (before the module lookup: bytes are cheap to compare)
     if bucket in BUCKET_MODES:
         block = block_of(m.module)
-        if block != block_of(members[0].module):
+        if block != block_of(open_bucket.members[0].module):
             return False
         if block and bucket == "module":
             return True
     return fits
 
 
-def _fits_headroom(members: list[_Member], headroom: Headroom) -> bool:
-    """Whether a bucket of ``members`` keeps the peak of the serial order that ``headroom``
-    measured, counting what the bucket holds beyond its members gathered one at a time
-    (conservatively: none of the members' own bytes taken off). An all-gather bucket of B
-    bytes: at its copy-out the flat result and the copy (2B, less the first member's own
-    result, which the serial order holds there), then the copy until the last member's
-    consumer (B). A reduce-scatter or all-reduce bucket: from its first member's input
-    to its last, the inputs held for the pack and the packed copy (2B)."""
-    total = sum(m.nbytes for m in members)
-    if members[0].c.kind == "all_gather":
-        first = min(members, key=lambda m: m.target)
-        last_target = max(m.target for m in members)
+def _fits_headroom(open_bucket: _Bucket, m: _Member, headroom: Headroom) -> bool:
+    """Whether a bucket of ``open_bucket``'s members and ``m`` keeps the peak of the serial
+    order that ``headroom`` measured, counting what the bucket holds beyond its members
+    gathered one at a time (conservatively: none of the members' own bytes taken off). An
+    all-gather bucket of B bytes: at its copy-out the flat result and the copy (2B, less the
+    first member's own result, which the serial order holds there), then the copy until the
+    last member's consumer (B). A reduce-scatter or all-reduce bucket: from its first
+    member's input to its last, the inputs held for the pack and the packed copy (2B)."""
+    total = open_bucket.nbytes + m.nbytes
+    if m.c.kind == "all_gather":
+        first = open_bucket.soonest if open_bucket.soonest.target <= m.target else m
+        last_target = max(open_bucket.last_target, m.target)
         return (headroom.least(first.target, first.target) >= 2 * total - first.nbytes
                 and headroom.least(first.target, last_target) >= total)
-    first_ready = max(0, min(m.ready for m in members))
-    return headroom.least(first_ready, max(first_ready, max(m.ready for m in members))) >= 2 * total
+    first_ready = max(0, min(open_bucket.first_ready, m.ready))
+    return headroom.least(first_ready, max(first_ready, open_bucket.ready, m.ready)) >= 2 * total
 
 
 def block_of(path: str) -> str:

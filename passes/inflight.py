@@ -94,6 +94,7 @@ class InFlight:
     def __init__(self, held: dict[fx.Node, int]):
         self.held = held
         self.queue: dict[str, deque[Collective]] = {}
+        self.closed_queued: dict[str, int] = {}   # closed collectives still in a group's queue
         self.is_open: set[fx.Node] = set()
         self.counts: dict[tuple[str, str], int] = {}
         self.pieces_open: dict[tuple[str, str], int] = {}   # (group, piece_of) -> open pieces
@@ -120,6 +121,7 @@ class InFlight:
 
     def close(self, c: Collective) -> None:
         self.is_open.discard(c.start)
+        self._forget_closed(c.group)
         whole = (c.group, piece_of(c))
         self.pieces_open[whole] -= 1
         if self.pieces_open[whole] == 0:
@@ -127,6 +129,16 @@ class InFlight:
         size = self.held[c.start]
         self.bytes[c.group] -= size
         self.total -= size
+
+    def _forget_closed(self, group: str) -> None:
+        """Drop the closed collectives from ``group``'s queue once they are half of it
+        (one closed out of order stays there until then): ``open_in`` reads the queue,
+        so it must not grow with everything ever issued. O(1) amortized a close."""
+        queue = self.queue[group]
+        self.closed_queued[group] = self.closed_queued.get(group, 0) + 1
+        if 2 * self.closed_queued[group] > len(queue):
+            self.queue[group] = deque(x for x in queue if x.start in self.is_open)
+            self.closed_queued[group] = 0
 
     def count(self, group: str, kind: str) -> int:
         return self.counts.get((group, kind), 0)

@@ -464,9 +464,12 @@ class _Serial:
             c = self.members.get(i)
             if c is not None and i not in self.placed:
                 found[c.start] = None
-        for wait in sorted(self.due_at.get(node, ()), key=s.wait_key):
-            if wait not in self.placed:
-                found[s.coll_of_wait[wait].start] = None
+        if node in self.due_at:
+            for wait in sorted(self.due_at[node], key=s.wait_key):
+                if wait not in self.placed:
+                    found[s.coll_of_wait[wait].start] = None
+        if not found:   # most spine nodes
+            return []
         gathers = [st for st in found if s.coll_of_start[st].kind == "all_gather"]
         return [st for st in found if s.coll_of_start[st].kind != "all_gather"] + gathers
 

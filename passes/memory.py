@@ -25,9 +25,16 @@ replays that code and ``tests/test_wrapper_replay.py`` holds the two within 3%):
   (the wrapper deletes them there), an input nothing reads until the end.
 
 Every decision above reads the graph, never the order: one ``Liveness`` serves any
-order. Deterministic, O(nodes + edges).
+order. Deterministic, O(nodes + edges). ``EditedPeak`` keeps the peak of one order
+while a pass drops nodes and re-points readers (keep-or-regather's trials),
+recounting only what each edit touches.
 """
 from __future__ import annotations
+
+import heapq
+import math
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -47,29 +54,35 @@ class Liveness:
         self.reads: dict[fx.Node, list[fx.Node]] = {}       # node -> storages it reads
         self.held_until: dict[fx.Node, tuple] = {}          # start -> its waits
         self.unread: list[fx.Node] = []                     # inputs nothing reads: live to the end
-        root, size, reads = self.root, self.size, self.reads
-        inlined: dict[fx.Node, list[fx.Node]] = {}          # fused-away node -> storages it reads
-        fusable: dict[fx.Node, bool] = {}
+        self.inlined: dict[fx.Node, list[fx.Node]] = {}     # fused-away node -> storages it reads
+        self._fusable: dict[fx.Node, bool] = {}
+        self._extents: dict[tuple, int] = {}                # (sizes, strides, dtype) -> bytes
         for node in nodes:
-            start, wait, _ = role(node)
-            inputs = node._input_nodes
-            read = _expand([root[i] for i in inputs], inlined)
-            if inputs and (wait or _aliases(node)):
-                root[node] = root[next(iter(inputs))]
-            elif _fuses_away(node, fusable, read):
-                root[node], size[node], inlined[node] = node, 0, read
-            elif (reused := _reused_input(node, size)) is not None:
-                root[node] = reused   # Inductor writes the output into that input's buffer
-            else:
-                root[node] = node
-                size[node] = 0 if node.op == "output" else _nbytes(node)
-                if node.op == "placeholder" and not node.users:
-                    self.unread.append(node)
-            reads[node] = read
-            if start is not None:
-                waits = wait_nodes(node)
-                if waits:
-                    self.held_until[node] = waits
+            self._add(node)
+
+    def _add(self, node: fx.Node) -> None:
+        """Decide where ``node``'s output lives (its root storage, the bytes it allocates)
+        and which storages it reads, from its inputs' decisions (made before)."""
+        root, size = self.root, self.size
+        inputs = node._input_nodes
+        read = _expand([root[i] for i in inputs], self.inlined)
+        facts = _facts(node)
+        if inputs and (facts.waits or facts.aliases):
+            root[node] = root[next(iter(inputs))]
+        elif facts.pointwise and _fuses_away(node, facts, self._fusable, read):
+            root[node], size[node], self.inlined[node] = node, 0, read
+        elif facts.pointwise and (reused := _reused_input(node, facts, size, self._extents)) is not None:
+            root[node] = reused   # Inductor writes the output into that input's buffer
+        else:
+            root[node] = node
+            size[node] = 0 if node.op == "output" else _nbytes(node, self._extents)
+            if node.op == "placeholder" and not node.users:
+                self.unread.append(node)
+        self.reads[node] = read
+        if facts.starts:
+            waits = wait_nodes(node)
+            if waits:
+                self.held_until[node] = waits
 
     def live_bytes(self, order: list[fx.Node]) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
@@ -81,24 +94,19 @@ class Liveness:
             if nbytes:
                 change[pos[r]] += nbytes
                 change[last[r] + 1] -= nbytes
-        live, running = [], 0
-        for delta in change[:-1]:
-            running += delta
-            live.append(running)
-        return live
+        return list(accumulate(change[:-1]))
 
     def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
         """Storage -> the position in ``order`` after which it is freed."""
         last = {root: pos[root] for root in self.size}
         for r in self.unread:
             last[r] = len(order) - 1
-        held_until = self.held_until
-        for node in order:
-            until = pos[node]
+        held_until, reads = self.held_until, self.reads
+        for until, node in enumerate(order):
             waits = held_until.get(node)
             if waits is not None:
                 until = max(pos[w] for w in waits)
-            for r in self.reads[node]:
+            for r in reads[node]:
                 if last[r] < until:
                     last[r] = until
         return last
@@ -116,22 +124,9 @@ class Liveness:
         return max(self.live_bytes(order), default=0)
 
 
-_ALIAS_BY_TARGET: dict[int, tuple[object, bool]] = {}
-
-
-def _aliases(node: fx.Node) -> bool:
-    """``is_alias(node)``, cached per call target (the entry keeps the target alive)."""
-    if node.op != "call_function":
-        return is_alias(node)
-    entry = _ALIAS_BY_TARGET.get(id(node.target))
-    if entry is None or entry[0] is not node.target:
-        entry = _ALIAS_BY_TARGET[id(node.target)] = (node.target, is_alias(node))
-    return entry[1]
-
-
 def _expand(roots: list[fx.Node], inlined: dict[fx.Node, list[fx.Node]]) -> list[fx.Node]:
     """``roots`` with each fused-away node replaced by the storages it reads (no repeats)."""
-    if not any(r in inlined for r in roots):
+    if inlined.keys().isdisjoint(roots):
         return roots
     out: dict[fx.Node, None] = {}
     for r in roots:
@@ -153,18 +148,43 @@ _FUSED_READERS = {"aten.index_put.default", "aten.scatter.src", "aten.scatter.va
 _MAX_REUSE_READS = 4   # torch._inductor.config.realize_reads_threshold
 
 
-def _tags(node: fx.Node) -> tuple:
-    return getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+class _OpFacts(NamedTuple):
+    """What the memory model reads of a node's call target (the same for every node
+    that calls it)."""
+
+    aliases: bool        # ``is_alias``
+    starts: bool         # starts a collective (``role``)
+    waits: bool          # a wait (``role``)
+    pointwise: bool      # a functional pointwise op (Inductor lowers it to a loop body it can inline)
+    fused_reader: bool   # reads its inputs from inside its own loop: pointwise, a reduction, a scatter, cat
 
 
-def _pointwise(node: fx.Node) -> bool:
-    """A functional pointwise op (Inductor lowers it to a loop body it can inline)."""
+_FACTS_BY_TARGET: dict[int, tuple[object, _OpFacts]] = {}
+_OTHER_FACTS = {(aliases, fused): _OpFacts(aliases, False, False, False, fused)
+                for aliases in (False, True) for fused in (False, True)}
+
+
+def _facts(node: fx.Node) -> _OpFacts:
+    """``node``'s ``_OpFacts``; for a call_function cached per call target (the entry
+    keeps the target alive: ids are not reused while it lives)."""
     if node.op != "call_function":
-        return False
-    tags = _tags(node)
-    if torch.Tag.inplace in tags or getattr(getattr(node.target, "_schema", None), "is_mutable", True):
-        return False
-    return torch.Tag.pointwise in tags or str(node.target) in _EXTRA_POINTWISE
+        return _OTHER_FACTS[is_alias(node), str(node.target) in _FUSED_READERS]
+    entry = _FACTS_BY_TARGET.get(id(node.target))
+    if entry is None or entry[0] is not node.target:
+        entry = _FACTS_BY_TARGET[id(node.target)] = (node.target, _call_facts(node))
+    return entry[1]
+
+
+def _call_facts(node: fx.Node) -> _OpFacts:
+    """``_OpFacts`` of a call_function node, read off its target (its tags, schema and name)."""
+    target = node.target
+    tags = getattr(target, "tags", ())
+    name = str(target)
+    mutable = torch.Tag.inplace in tags or getattr(getattr(target, "_schema", None), "is_mutable", True)
+    pointwise = not mutable and (torch.Tag.pointwise in tags or name in _EXTRA_POINTWISE)
+    start, wait, _ = role(node)   # what it starts or waits depends on the target alone
+    return _OpFacts(is_alias(node), start is not None, wait, pointwise,
+                    pointwise or torch.Tag.reduction in tags or name in _FUSED_READERS)
 
 
 def _fusable_reader(node: fx.Node, fusable: dict[fx.Node, bool]) -> bool:
@@ -172,9 +192,10 @@ def _fusable_reader(node: fx.Node, fusable: dict[fx.Node, bool]) -> bool:
     alias (not a wait) whose own readers all are."""
     known = fusable.get(node)
     if known is None:
-        if _pointwise(node) or torch.Tag.reduction in _tags(node) or str(node.target) in _FUSED_READERS:
+        facts = _facts(node)
+        if facts.fused_reader:
             known = True
-        elif node.op == "call_function" and _aliases(node) and role(node)[1] is False and node.users:
+        elif node.op == "call_function" and facts.aliases and not facts.waits and node.users:
             known = all(_fusable_reader(user, fusable) for user in node.users)
         else:
             known = False
@@ -182,47 +203,69 @@ def _fusable_reader(node: fx.Node, fusable: dict[fx.Node, bool]) -> bool:
     return known
 
 
-def _fuses_away(node: fx.Node, fusable: dict[fx.Node, bool], reads: list[fx.Node]) -> bool:
-    """Inductor computes ``node`` inside its readers' kernels and never allocates it: a
-    pointwise op all of whose readers read from fused loops (several readers only when it
-    reads few storages, as Inductor realizes a reused node that reads many)."""
-    if not node.users or not _pointwise(node):
+def _fuses_away(node: fx.Node, facts: _OpFacts, fusable: dict[fx.Node, bool], reads: list[fx.Node]) -> bool:
+    """Inductor computes ``node`` (of ``_OpFacts`` ``facts``) inside its readers' kernels
+    and never allocates it: a pointwise op all of whose readers read from fused loops
+    (several readers only when it reads few storages, as Inductor realizes a reused node
+    that reads many)."""
+    if not node.users or not facts.pointwise:
         return False
     if len(node.users) > 1 and len(reads) > _MAX_REUSE_READS:
         return False
     return all(_fusable_reader(user, fusable) for user in node.users)
 
 
-def _reused_input(node: fx.Node, size: dict[fx.Node, int]) -> fx.Node | None:
+def _reused_input(node: fx.Node, facts: _OpFacts, size: dict[fx.Node, int],
+                  extents: dict[tuple, int]) -> fx.Node | None:
     """The input whose buffer Inductor reuses for ``node``'s output (its in-place update,
     ``buf7 = buf6; del buf6  # reuse``): ``node`` is a pointwise kernel that is not fused
     away, the input is a buffer of its own (allocated by a compute node, not an input, an
     alias or a collective) read by ``node`` alone, of the same dtype and 95-100% of the
-    bytes of ``node``'s output. None when there is none."""
-    if not _pointwise(node) or not node.users:
+    bytes of ``node``'s output. None when there is none. ``extents``: ``_nbytes``' cache."""
+    if not facts.pointwise or not node.users:
         return None
     value = node_value(node)
     if not isinstance(value, torch.Tensor):
         return None
-    nbytes = _nbytes(node)
+    nbytes = None
     for x in node._input_nodes:
-        if size.get(x, 0) <= 0 or x.op != "call_function" or len(x.users) != 1 or role(x)[0] is not None:
+        if size.get(x, 0) <= 0 or x.op != "call_function" or len(x.users) != 1 or _facts(x).starts:
             continue
         other = node_value(x)
-        if isinstance(other, torch.Tensor) and other.dtype == value.dtype and 0.95 * size[x] <= nbytes <= size[x]:
+        if not isinstance(other, torch.Tensor) or other.dtype != value.dtype:
+            continue
+        nbytes = _nbytes(node, extents) if nbytes is None else nbytes
+        if 0.95 * size[x] <= nbytes <= size[x]:
             return x
     return None
 
 
-def _nbytes(node: fx.Node) -> int:
+def _nbytes(node: fx.Node, extents: dict[tuple, int]) -> int:
     """Bytes of ``node``'s output storage: the extent its sizes and strides span (what
     ``empty_strided`` allocates; a strided input's storage holds at least that), with
     size hints for symbolic sizes (no guard), 0 for data-dependent (unbacked) sizes and
-    non-tensors; a tuple or list sums its tensors."""
+    non-tensors; a tuple or list sums its tensors. ``extents``: a cache of the bytes of
+    each (sizes, strides, dtype) seen, for one graph's tensors."""
     value = node_value(node)
     if isinstance(value, (list, tuple)):
-        return sum(_extent_bytes(v) for v in value if isinstance(v, torch.Tensor))
-    return _extent_bytes(value) if isinstance(value, torch.Tensor) else 0
+        return sum(_cached_extent(v, extents) for v in value if isinstance(v, torch.Tensor))
+    return _cached_extent(value, extents) if isinstance(value, torch.Tensor) else 0
+
+
+def _cached_extent(tensor: torch.Tensor, extents: dict[tuple, int]) -> int:
+    """``_extent_bytes(tensor)``, looked up in ``extents`` by (sizes, strides, dtype) when
+    those are plain ints (a symbolic size is not hashable: computed each time; a nested
+    tensor's nested int is, but comparing two could guard)."""
+    if tensor.is_nested:
+        return _extent_bytes(tensor)
+    try:
+        key = (tensor.shape, tensor.stride(), tensor.dtype)
+        found = extents.get(key)
+    except (RuntimeError, NotImplementedError, TypeError):   # no strides (sparse, nested), or symbolic
+        return _extent_bytes(tensor)
+    if found is None:
+        found = extents[key] = _extent_bytes(tensor)
+    return found
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:
@@ -255,6 +298,178 @@ def peak_bytes(order: list[fx.Node]) -> int:
     return Liveness(_topological(order)).peak_bytes(order)
 
 
+class EditedPeak:
+    """The peak live bytes of one graph's node order (``Liveness``'s model) while the
+    caller edits the graph: nodes leave the order (they stay in the graph, read by
+    nothing that stays) and readers of a wait are re-pointed to another wait. Each
+    ``edit`` recounts the nodes it touches and the storages they read, O((those) x
+    log n), instead of the whole graph; ``undo`` takes the last edit back. The
+    peak is always the one ``peak_bytes`` gives for the order without the dropped
+    nodes, on the graph as edited."""
+
+    def __init__(self, nodes: list[fx.Node]):
+        """``nodes``: the graph's nodes in graph order (positions stay theirs)."""
+        self.liveness = Liveness(nodes)
+        self.pos = {node: index for index, node in enumerate(nodes)}
+        self.end = len(nodes) - 1
+        self.dropped: set[fx.Node] = set()
+        self.unread = set(self.liveness.unread)
+        self.last = self.liveness._last_use(nodes, self.pos)
+        self.readers: dict[fx.Node, dict[fx.Node, None]] = {}   # storage -> nodes that read it
+        for node in nodes:
+            for r in self.liveness.reads[node]:
+                self.readers.setdefault(r, {})[node] = None
+        self._live = _MaxAfterAdds(self.liveness.live_bytes(nodes))
+        self._undo: list = []
+
+    @property
+    def peak(self) -> int:
+        """Most bytes live at any point of the order as it stands (0 when empty)."""
+        return self._live.peak
+
+    def edit(self, drop: set[fx.Node], repointed: list[fx.Node]) -> int:
+        """Drop the nodes ``drop`` and recount ``repointed`` (nodes the caller made read
+        another wait, in place of one) and what reads them through aliases and fused-away
+        ops; return the new peak. Kept until ``undo``."""
+        lv = self.liveness
+        saved = {}   # node -> (root, size, inlined, reads) before, None: absent
+        touched: dict[fx.Node, None] = {}   # storages whose bytes or readers may have changed
+        drop = drop - self.dropped
+
+        def save(node):
+            if node not in saved:
+                saved[node] = (lv.root.get(node), lv.size.get(node), lv.inlined.get(node), lv.reads.get(node))
+        for node in sorted(drop, key=self.pos.__getitem__):
+            save(node)
+            touched.update(dict.fromkeys(lv.reads[node]))
+            touched[lv.root[node]] = None
+        self.dropped |= drop
+        heap = [(self.pos[n], n.name, n) for n in dict.fromkeys(repointed) if n not in self.dropped]
+        heapq.heapify(heap)
+        done: set[fx.Node] = set()
+        while heap:
+            node = heapq.heappop(heap)[2]
+            if node in done:
+                continue
+            done.add(node)
+            save(node)
+            root, nbytes, inlined, reads = saved[node]
+            lv.size.pop(node, None)
+            lv.inlined.pop(node, None)
+            lv._add(node)
+            touched.update(dict.fromkeys(reads))
+            touched.update(dict.fromkeys(lv.reads[node]))
+            touched[node] = None
+            if lv.root[node] is not root or lv.inlined.get(node) != inlined:
+                for user in node.users:
+                    if user not in self.dropped:
+                        heapq.heappush(heap, (self.pos[user], user.name, user))
+        self._undo.append((drop, saved, self._recount(saved, touched)))
+        return self.peak
+
+    def undo(self) -> None:
+        """Take the last ``edit`` back (the caller restores the graph's edges)."""
+        drop, saved, intervals = self._undo.pop()
+        lv = self.liveness
+        for node, (root, nbytes, inlined, reads) in saved.items():
+            self._reindex(node, () if node in drop else lv.reads[node], reads)
+            for table, value in ((lv.root, root), (lv.size, nbytes), (lv.inlined, inlined), (lv.reads, reads)):
+                if value is None:
+                    table.pop(node, None)
+                else:
+                    table[node] = value
+        self.dropped -= drop
+        for r, (before, after) in intervals.items():
+            self._move(r, after, before)
+            self.last[r] = before[1]
+
+    def _recount(self, saved: dict[fx.Node, tuple], touched: dict[fx.Node, None]) -> dict:
+        """Update the readers index of the nodes in ``saved`` and the live intervals of the
+        storages ``touched``; return storage -> (interval before, after) for ``undo``."""
+        lv = self.liveness
+        for node, (root, nbytes, inlined, reads) in saved.items():
+            self._reindex(node, reads, () if node in self.dropped else lv.reads[node])
+        intervals = {}
+        for r in sorted(touched, key=self.pos.__getitem__):
+            before = (saved[r][1] if r in saved else lv.size.get(r)) or 0, self.last.get(r, self.pos[r])
+            alive = r not in self.dropped and lv.size.get(r)
+            after = (lv.size[r] if alive else 0), self._last_of(r)
+            if before != after:
+                self._move(r, before, after)
+                intervals[r] = (before, after)
+                self.last[r] = after[1]
+        return intervals
+
+    def _reindex(self, node: fx.Node, old_reads, new_reads) -> None:
+        """``node`` reads ``new_reads`` now, not ``old_reads`` (the readers index)."""
+        for r in old_reads:
+            self.readers.get(r, {}).pop(node, None)
+        for r in new_reads:
+            self.readers.setdefault(r, {})[node] = None
+
+    def _last_of(self, r: fx.Node) -> int:
+        """The position after which storage ``r`` is freed (``Liveness._last_use``)."""
+        pos, held = self.pos, self.liveness.held_until
+        last = self.end if r in self.unread else pos[r]
+        for node in self.readers.get(r, ()):
+            waits = held.get(node)
+            last = max(last, pos[node] if waits is None else max(pos[w] for w in waits))
+        return last
+
+    def _move(self, r: fx.Node, before: tuple[int, int], after: tuple[int, int]) -> None:
+        """Storage ``r``'s (bytes, last position) from ``before`` to ``after``."""
+        first = self.pos[r]
+        if before[0]:
+            self._live.add(first, before[1], -before[0])
+        if after[0]:
+            self._live.add(first, after[1], after[0])
+
+
+class _MaxAfterAdds:
+    """The largest of a list of numbers under range additions: a segment tree (each
+    node the largest below it plus what was added to all of it), O(log n) an add."""
+
+    def __init__(self, values: list[int]):
+        size = 1
+        while size < len(values):
+            size *= 2
+        self.size, self.empty = size, not values
+        self.top = [0] * size + values + [-math.inf] * (size - len(values))
+        self.added = [0] * size
+        for p in range(size - 1, 0, -1):
+            self.top[p] = max(self.top[2 * p], self.top[2 * p + 1])
+
+    @property
+    def peak(self) -> int:
+        """The largest value (0 for none)."""
+        return 0 if self.empty else self.top[1]
+
+    def add(self, first: int, last: int, delta: int) -> None:
+        """Add ``delta`` to positions first..last (inclusive)."""
+        top, added, size = self.top, self.added, self.size
+        left, right = first + size, last + size + 1
+        while left < right:   # the O(log n) subtrees that cover first..last
+            if left & 1:
+                self._add_below(left, delta)
+                left += 1
+            if right & 1:
+                right -= 1
+                self._add_below(right, delta)
+            left >>= 1
+            right >>= 1
+        for p in (first + size, last + size):   # their ancestors: the largest below plus what was added
+            p >>= 1
+            while p:
+                top[p] = max(top[2 * p], top[2 * p + 1]) + added[p]
+                p >>= 1
+
+    def _add_below(self, p: int, delta: int) -> None:
+        """Add ``delta`` to every position under tree node ``p``."""
+        self.top[p] += delta
+        if p < self.size:
+            self.added[p] += delta
+
+
 class Headroom:
     """How far a graph's memory stays below its peak, along its spine.
 
@@ -276,11 +491,13 @@ class Headroom:
     "serial-peak" issues by ``fits_collective``, which counts a collective's own
     buffers only where the reference does not hold them live already."""
 
-    def __init__(self, s: Structure, serial: list[fx.Node], segments: bool = False, peak: int | None = None):
+    def __init__(self, s: Structure, serial: list[fx.Node], segments: bool = False, peak: int | None = None,
+                 liveness: Liveness | None = None):
         """``peak``: the bound instead of ``serial``'s own peak (the serial peak of the
-        graph before a rewrite changed it: a headroom below 0 fits nothing)."""
+        graph before a rewrite changed it: a headroom below 0 fits nothing).
+        ``liveness``: ``Liveness(s.nodes)`` when the caller has it (one per graph)."""
         self.serial = serial
-        self.liveness = Liveness(s.nodes)   # kept: the invariant check reuses both
+        self.liveness = liveness or Liveness(s.nodes)   # kept: the invariant check reuses both
         live = self.liveness.live_bytes(self.serial)
         peak = max(live, default=0) if peak is None else peak
         level = [peak] * len(s.nodes)
@@ -332,23 +549,35 @@ class Headroom:
 
 
 class RangeTable:
-    """``combine`` (min or max) of ``values[first..last]`` in O(1): a sparse table of
-    plain lists (no torch: the backend runs the passes under a fake tensor mode)."""
+    """``combine`` (min or max) of ``values[first..last]``: a sparse table over blocks of
+    ``_BLOCK`` values, so that building it is O(n) and a query reads two table entries
+    plus fewer than ``2 * _BLOCK`` values at each end. Plain lists (no torch: the backend
+    runs the passes under a fake tensor mode)."""
 
     def __init__(self, values: list[int], combine):
-        self.combine = combine
-        self.table = [values]
+        self.combine, self.values = combine, values
+        blocks = [combine(values[i:i + _BLOCK]) for i in range(0, len(values), _BLOCK)]
+        self.table = [blocks]
         width = 1
-        while 2 * width <= len(values):
+        while 2 * width <= len(blocks):
             below = self.table[-1]
             self.table.append(list(map(combine, below, below[width:])))
             width *= 2
 
     def query(self, first: int, last: int) -> int:
         """``combine`` over positions first..last (inclusive, first <= last)."""
-        k = (last - first + 1).bit_length() - 1
+        values, combine = self.values, self.combine
+        if last - first < 2 * _BLOCK:
+            return combine(values[first:last + 1])
+        low, high = -(-first // _BLOCK), (last + 1) // _BLOCK - 1   # the whole blocks inside: at least one
+        k = (high - low + 1).bit_length() - 1
         row = self.table[k]
-        return self.combine(row[first], row[last - (1 << k) + 1])
+        return combine(row[low], row[high - (1 << k) + 1],
+                       combine(values[first:low * _BLOCK], default=row[low]),
+                       combine(values[(high + 1) * _BLOCK:last + 1], default=row[low]))
+
+
+_BLOCK = 16   # values per block of a RangeTable
 
 
 class SpineRoom:

@@ -157,7 +157,8 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     if not s.movable:
         return _Placed(0, False, structure=s)
     budget: Budget = budget_of(s)
-    room = Headroom(s, invariants.serial_order(s)) if mode != "sink" and _has_chains(s) else None
+    shared = budget.headroom.liveness if budget.headroom is not None else None   # the same graph's
+    room = Headroom(s, invariants.serial_order(s), liveness=shared) if mode != "sink" and _has_chains(s) else None
     try:
         order, reasons, peaks = _attempt(s, budget, kinds, mode=mode, chain_room=room)
     except _Failed as failed:
@@ -326,7 +327,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     room = serial_headroom(s, cfg) if within_peak and s.movable else None   # of the graph as handed in
     if cfg.regather == "auto":   # first: bucketing would merge the re-gathers it may drop
         from overlapc.passes.regather import keep_or_regather
-        regather = keep_or_regather(gm, before_rewrite=snapshot).choices
+        regather = keep_or_regather(gm, before_rewrite=snapshot, recompile=False).choices
     if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
         from overlapc.passes.bucket import merge_duplicates
         duplicates = merge_duplicates(gm, before_rewrite=snapshot)
@@ -376,7 +377,8 @@ def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, befo
         meta.set_serial_peak(gm, own.peak)
         return own
     meta.set_serial_peak(gm, before.peak)
-    return serial_headroom(s, cfg)
+    # serial_headroom(s, cfg) now (a "before" exists only under "serial-peak"), its serial order and liveness shared
+    return Headroom(s, own.serial, segments=True, peak=before.peak, liveness=own.liveness)
 
 
 def _without_rewrites(cfg: ScheduleOptions) -> ScheduleOptions:

@@ -35,7 +35,7 @@ import torch.fx as fx
 from overlapc.passes.collectives import collectives, is_cheap, module_path, role
 from overlapc.passes import meta
 from overlapc.passes.bucket import block_of
-from overlapc.passes.memory import peak_bytes
+from overlapc.passes.memory import EditedPeak, peak_bytes
 
 log = logging.getLogger("overlapc")
 
@@ -72,42 +72,45 @@ class _Pair:
 
 
 def keep_or_regather(gm: fx.GraphModule, budget: int | None = None,
-                     before_rewrite: Callable[[], None] | None = None) -> RegatherResult:
+                     before_rewrite: Callable[[], None] | None = None, recompile: bool = True) -> RegatherResult:
     """Drop the re-gathers of every block whose forward gathers fit the memory
     budget kept alive (module docstring). ``budget``: peak live bytes allowed,
     None for the graph's own peak. ``before_rewrite``: called once before the
-    graph is first changed (the pipeline's snapshot for a rollback). Returns the
-    choices, last block first (also appended to ``gm.meta["overlapc_regather"]``)."""
+    graph is first changed (the pipeline's snapshot for a rollback).
+    ``recompile=False``: ``gm.forward`` is not regenerated after re-gathers are
+    erased (the pipeline recompiles once, at its end). Returns the choices, last
+    block first (also appended to ``gm.meta["overlapc_regather"]``). Each block's
+    trial recounts only what it changes (``memory.EditedPeak``)."""
     nodes = list(gm.graph.nodes)
     blocks = _pairs_by_block(gm, nodes)
     if not blocks:
         return RegatherResult((), budget or 0, 0, 0)
     if before_rewrite is not None:
         before_rewrite()
-    peak_before = peak_bytes(nodes)
+    tracker = EditedPeak(nodes)   # counts each block's change, not the whole graph again
+    peak_before = tracker.peak
     budget = peak_before if budget is None else budget
-    dead: set[fx.Node] = set()
     choices = []
     for block, pairs in blocks:
         saved = [(user, user.args, user.kwargs) for p in pairs for user in p.late_wait.users]
         for p in pairs:
             p.late_wait.replace_all_uses_with(p.early_wait)
-        trial = dead | _dead_after(pairs)
-        peak = peak_bytes([n for n in nodes if n not in trial])
+        peak = tracker.edit(_dead_after(pairs), [user for user, _, _ in saved])
         kept = peak <= budget
-        if kept:
-            dead = trial
-        else:
+        if not kept:
+            tracker.undo()
             for user, args, kwargs in saved:
                 user.args, user.kwargs = args, kwargs
         choices.append(RegatherChoice(block, kept, tuple(p.late_start.name for p in pairs),
                                       sum(p.nbytes for p in pairs), peak))
+    dead = tracker.dropped
     for node in reversed(nodes):
         if node in dead:
             gm.graph.erase_node(node)
     if dead:
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     result = RegatherResult(tuple(choices), budget, peak_before, peak_bytes(list(gm.graph.nodes)))
     meta.add_notes(gm, meta.REGATHER, choices)
     log.info("overlapc: %s", summary_text(result))
@@ -134,6 +137,7 @@ def _pairs_by_block(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[tuple[str,
     first: dict[tuple, object] = {}
     blocks: dict[str, list[_Pair]] = {}
     position: dict[str, int] = {}
+    index = {node: i for i, node in enumerate(nodes)}
     for c in collectives(gm):
         if c.kind != "all_gather" or not c.movable or len(c.waits) != 1:
             continue
@@ -146,7 +150,7 @@ def _pairs_by_block(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[tuple[str,
             continue
         block = block_of(module_path(earlier.start)) or earlier.start.name
         blocks.setdefault(block, []).append(_Pair(earlier.waits[0], c.start, c.waits[0], c.nbytes or 0))
-        position.setdefault(block, nodes.index(earlier.start))
+        position.setdefault(block, index[earlier.start])
     order = sorted(blocks, key=position.__getitem__, reverse=True)
     return [(block, blocks[block]) for block in order]
 
