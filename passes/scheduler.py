@@ -381,9 +381,12 @@ class _Core:
     def _in_headroom(self, c: Collective) -> bool:
         """Whether ``c`` issued now keeps everything in flight within the headroom until its
         wait is due; under "serial-peak", counting only what ``c`` holds beyond the serial
-        order's live bytes (``Headroom.fits_collective``)."""
+        order's live bytes (``Headroom.fits_collective``), unless ``c`` is part of a chain
+        (gated, or its result read at a chain point): a chain's buffers outlive the
+        collective's own wait, so all it holds is counted, as under "auto"."""
         due = max(self.s.due(c), self.here)
-        if self.budget.within_peak:
+        chained = c.start in self.gate or any(w in self.chained for w in c.waits)
+        if self.budget.within_peak and not chained:
             nodes = self.s.nodes
             return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])
         return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
