@@ -15,6 +15,7 @@ from overlapc.passes.invariants import ScheduleError
 from graphs import F, WORLD, trace
 
 AUTO = overlapc.OverlapConfig(max_in_flight_bytes="auto", on_error="raise")
+pytestmark = pytest.mark.degrades
 
 
 def three_reductions(x, w):
