@@ -143,7 +143,7 @@ def verify(gm: fx.GraphModule, config=None) -> Peaks:
 
 
 def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
-             kinds: tuple[str, ...] | None = None, s: Structure | None = None) -> _Placed:
+             kinds: tuple[str, ...] | None = None, s: Structure | None = None, degrade: bool = True) -> _Placed:
     """Schedule ``gm.graph`` in place with the core and check the result.
     ``budget_of(structure)`` gives the Budget; ``s``: the graph's Structure when
     the caller has it (the graph unchanged since). A graph with chained
@@ -151,7 +151,8 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     (chain points where a chain's own buffers fit it) and checked against that
     order too. A schedule that fails the check (or the core) degrades locally
     (``_degrade``): chained graphs first try late chain points, then the collectives
-    the failure names are placed serially and the rest scheduled again. Each
+    the failure names are placed serially and the rest scheduled again
+    (``degrade=False``: the failure raises, for a caller with a better retry). Each
     placed start and wait gets its reason (``meta.REASON``) once the check passed."""
     s = s if s is not None else Structure(gm)
     if not s.movable:
@@ -162,7 +163,7 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
     try:
         order, reasons, peaks = _attempt(s, budget, kinds, mode=mode, chain_room=room)
     except _Failed as failed:
-        if mode == "sink":
+        if mode == "sink" or not degrade:
             raise failed.error from None
         order, reasons, peaks = _degrade(s, budget, kinds, failed, room)
     apply_order(gm, order)
@@ -354,10 +355,12 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
             room = _rewritten_room(gm, s, cfg, room)
     before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or rewritten \
         else None
+    retry_unbucketed = bool(buckets) and within_peak and cfg.bucket != "module"
     try:
-        placed = _reorder(gm, lambda built: budget_for(built, cfg, room if built is s else None), s=s)
+        placed = _reorder(gm, lambda built: budget_for(built, cfg, room if built is s else None), s=s,
+                          degrade=not retry_unbucketed)
     except ScheduleError as error:
-        if not buckets or not within_peak or cfg.bucket == "module":
+        if not retry_unbucketed:
             raise
         raise _BucketsRaisePeak(len(buckets), error) from error
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather)

@@ -111,7 +111,8 @@ def keep_or_regather(gm: fx.GraphModule, budget: int | None = None,
         gm.graph.lint()
         if recompile:
             gm.recompile()
-    result = RegatherResult(tuple(choices), budget, peak_before, peak_bytes(list(gm.graph.nodes)))
+    peak_after = peak_bytes(list(gm.graph.nodes)) if dead else peak_before   # nothing dropped: the graph is as it was
+    result = RegatherResult(tuple(choices), budget, peak_before, peak_after)
     meta.add_notes(gm, meta.REGATHER, choices)
     log.info("overlapc: %s", summary_text(result))
     return result

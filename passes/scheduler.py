@@ -37,7 +37,7 @@ import heapq
 import torch.fx as fx
 
 from overlapc.passes.collectives import Collective
-from overlapc.passes.inflight import Budget, InFlight
+from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.memory import Headroom, SpineRoom
 from overlapc.passes.structure import Structure
 
@@ -382,11 +382,13 @@ class _Core:
         """Whether ``c`` issued now keeps everything in flight within the headroom until its
         wait is due; under "serial-peak", counting only what ``c`` holds beyond the serial
         order's live bytes (``Headroom.fits_collective``), unless ``c`` is part of a chain
-        (gated, or its result read at a chain point): a chain's buffers outlive the
-        collective's own wait, so all it holds is counted, as under "auto"."""
+        (gated, or its result read at a chain point: a chain's buffers outlive the
+        collective's own wait) or a pipelined piece (pieces read and write slices whose
+        storage the count per buffer does not follow): then all it holds is counted, as
+        under "auto"."""
         due = max(self.s.due(c), self.here)
-        chained = c.start in self.gate or any(w in self.chained for w in c.waits)
-        if self.budget.within_peak and not chained:
+        whole = c.start in self.gate or any(w in self.chained for w in c.waits) or piece_of(c) != c.start.name
+        if self.budget.within_peak and not whole:
             nodes = self.s.nodes
             return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])
         return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)

@@ -149,6 +149,7 @@ def test_one_info_summary_per_graph_and_config_logged(fake_pg, caplog):
     assert sum("moved" in m and "collectives" in m for m in messages) == 2   # forward and backward
 
 
+@pytest.mark.degrades   # the failure it injects degrades the schedule before anything else
 def test_failure_falls_back_to_the_unscheduled_graph(fake_pg, monkeypatch):
     import overlapc.passes.pipeline as pipeline
 
@@ -161,6 +162,7 @@ def test_failure_falls_back_to_the_unscheduled_graph(fake_pg, monkeypatch):
     assert len(serial_pairs(collective_events(forward))) == 4   # Inductor's own serial order
 
 
+@pytest.mark.degrades   # the failure it injects degrades the schedule before anything else
 def test_raise_mode_raises_schedule_error(fake_pg, monkeypatch):
     import overlapc.passes.pipeline as pipeline
     monkeypatch.setattr(pipeline, "_run_passes", lambda *a, **k: 1 / 0)

@@ -222,6 +222,7 @@ def test_check_rejects_a_matmul_moved_with_a_start(fake_pg):
     assert f"given order mm at {s.pos[nodes['mm']]}" in str(error.value)
 
 
+@pytest.mark.degrades   # the failure it injects degrades the schedule before anything else
 def test_schedule_rejects_the_old_bundle_rule(fake_pg, monkeypatch):
     """With the bundle rule loosened back to any compute on collectives' results
     (the matmul a @ gathered joins its reduce-scatter's start), the check, which

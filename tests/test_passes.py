@@ -248,6 +248,7 @@ def test_verify_names_the_wait_that_sits_too_early(fake_pg):
     assert "position 4" in message and "tanh" in message
 
 
+@pytest.mark.degrades   # the failure it injects degrades the schedule before anything else
 def test_failure_falls_back_with_a_warning_and_restores_the_order(fake_pg, monkeypatch):
     import overlapc.passes.pipeline as pipeline
     gm = trace(thunder, (4, 16), *[(2, 16)] * 4)

@@ -151,6 +151,7 @@ def test_regather_always_is_the_default_and_changes_nothing(fake_pg):
     assert sorted(_gathers(gm)) == ["w0_1", "w0_1", "w1_1", "w1_1"] and "overlapc_regather" not in gm.meta
 
 
+@pytest.mark.degrades   # the failure it injects degrades the schedule before anything else
 def test_a_failed_schedule_rolls_the_dropped_regather_back(fake_pg, monkeypatch):
     import overlapc
     from overlapc.passes import pipeline
