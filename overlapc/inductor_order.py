@@ -515,7 +515,9 @@ def window_breaks(events: list[Event], windows: list[Window], buffers: Mapping[s
     kernel that materialises window nodes together with nodes outside the window (Inductor
     fused them; it runs where its other nodes allow), window nodes inlined into a kernel of
     a node outside, deferrable nodes computed after the wait, and buffers no compute event
-    is seen writing (a kernel that mutates an earlier buffer).
+    is seen writing (a kernel that mutates an earlier buffer), and window kernels that run
+    before a start whose input copy, or an earlier start's, Inductor fused with compute
+    outside that window (the fused kernel, and the starts after it, wait for them).
     Without ``buffers`` (the code alone): a window holding a matmul or convolution
     (``Window.matmuls``) is lost when no compute event runs in it.
     A start count that differs from the windows' is one break."""
@@ -526,21 +528,36 @@ def window_breaks(events: list[Event], windows: list[Window], buffers: Mapping[s
     computed = None if buffers is None else [(e, [buffers[b] for b in e.writes if b in buffers])
                                              for e in events if e.kind == "compute"]
     breaks = []
+    delayed_by = None   # the latest fused input copy of this start or an earlier one (starts keep their order)
     for window, start in zip(windows, found):
         span = _span(events, start, closing)
         label = f"{window.kind} {window.start} (line {start.line})"
         empty = not any(events[i].kind == "compute" for i in span)
         if computed is not None:
-            breaks += [f"{label}: {b}" for b in _buffer_breaks(window, start, span, empty, computed)]
+            fill = _input_fill(start, computed)
+            if fill is not None and fill[1] and not set(window.nodes).issuperset(fill[1]):
+                delayed_by = fill[0].index
+            breaks += [f"{label}: {b}" for b in _buffer_breaks(window, start, span, empty, computed, delayed_by)]
         elif empty and window.matmuls:
             breaks.append(f"{label}: lost: no compute before its wait, where the FX graph ran {list(window.matmuls)}")
     return breaks
 
 
+def _input_fill(start: Event, computed: list[tuple[Event, list[str]]]):
+    """(event, FX nodes it materialises) of the last compute event before ``start`` that
+    writes the start's buffer (an in-place collective's input copy), or None."""
+    before = [(e, homes) for e, homes in computed if e.index < start.index and start.buffer in e.writes]
+    return before[-1] if before else None
+
+
 def _buffer_breaks(window: Window, start: Event, span: range, empty: bool,
-                   computed: list[tuple[Event, list[str]]]) -> list[str]:
+                   computed: list[tuple[Event, list[str]]], delayed_by: int | None = None) -> list[str]:
     """``window_breaks``' rules with buffers, for one window; ``computed``: each compute
-    event with the FX nodes its written buffers materialise."""
+    event with the FX nodes its written buffers materialise. ``delayed_by``: the index of
+    the kernel that fills the start's buffer when Inductor fused that copy with compute
+    outside the window: kernels of the window before it ran before the start because the
+    fusion delayed the start, which no setting prevents (listed by ``fused_out``, not
+    counted)."""
     inside, deferrable = set(window.nodes), set(window.deferrable)     # membership only
     breaks = []
     kept = sorted({h for _, homes in computed for h in homes if h in inside and h not in deferrable})
@@ -550,6 +567,8 @@ def _buffer_breaks(window: Window, start: Event, span: range, empty: bool,
         if not homes or not inside.issuperset(homes) or event.index in span:
             continue
         if event.index > span.stop and deferrable.issuperset(homes):
+            continue
+        if delayed_by is not None and event.index < delayed_by:
             continue
         side = "before its start" if event.index < start.index else "after its wait"
         breaks.append(f"moved: {event.op} (line {event.line}, computing {homes}) runs {side}")

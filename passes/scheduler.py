@@ -383,11 +383,14 @@ class _Core:
         wait is due; under "serial-peak", counting only what ``c`` holds beyond the serial
         order's live bytes (``Headroom.fits_collective``), unless ``c`` is part of a chain
         (gated, or its result read at a chain point: a chain's buffers outlive the
-        collective's own wait) or a pipelined piece (pieces read and write slices whose
-        storage the count per buffer does not follow): then all it holds is counted, as
-        under "auto"."""
+        collective's own wait), a pipelined piece (pieces read and write slices whose
+        storage the count per buffer does not follow) or an all-gather (issued one node
+        ahead of its consumer, its window is a lone pointwise op that Inductor fuses
+        into the consumer, past the wait: gpu_check's window check): then all it holds
+        is counted, as under "auto"."""
         due = max(self.s.due(c), self.here)
-        whole = c.start in self.gate or any(w in self.chained for w in c.waits) or piece_of(c) != c.start.name
+        whole = c.start in self.gate or any(w in self.chained for w in c.waits) or piece_of(c) != c.start.name \
+            or c.kind == "all_gather"
         if self.budget.within_peak and not whole:
             nodes = self.s.nodes
             return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])

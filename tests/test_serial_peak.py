@@ -175,7 +175,8 @@ def sum_then_gathered_mm(x, w):
 
 @pytest.mark.parametrize("fn, shapes, start", [
     (reduce_then_square, [(8, 8)], F.all_reduce.default),
-    (sum_then_gathered_mm, [(8, 8), (1, 8)], F.all_gather_into_tensor.default),
+    pytest.param(sum_then_gathered_mm, [(8, 8), (1, 8)], F.all_gather_into_tensor.default, marks=pytest.mark.xfail(
+        strict=True, reason="all-gathers keep the whole-held budget (scheduler._in_headroom says why)")),
 ])
 def test_an_overlap_within_the_serial_peak_is_taken(fake_pg, fn, shapes, start):
     """The headroom once counted what the serial order already holds live (the all-reduce's
