@@ -49,14 +49,23 @@ F = torch.ops._c10d_functional
 aten = torch.ops.aten
 
 
-def synthetic(n_nodes: int, world: int = 8) -> fx.GraphModule:
-    graph = fx.Graph()
-    meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+def meta(*shape, dtype=torch.float32) -> torch.Tensor:
+    """A meta tensor: the value of a node (nothing is allocated)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
+
+def _adder(graph: fx.Graph):
+    """``node(target, args, val, kwargs=None)``: a call_function node of ``graph`` with ``val`` as its value."""
     def node(target, args, val, kwargs=None):
         n = graph.call_function(target, args, kwargs or {})
         n.meta["val"] = val
         return n
+    return node
+
+
+def synthetic(n_nodes: int, world: int = 8) -> fx.GraphModule:
+    graph = fx.Graph()
+    node = _adder(graph)
 
     x = graph.placeholder("x")
     x.meta["val"] = meta(16, 64)
@@ -86,12 +95,7 @@ def mixed(n_nodes: int, world: int = 8, dim: int = 64) -> fx.GraphModule:
     36 nodes a block, ``n_nodes // 30`` blocks as issue 40's reproducer counted them
     (100000 gives its 119,990-node graph)."""
     graph = fx.Graph()
-    meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
-
-    def node(target, args, val, kwargs=None):
-        n = graph.call_function(target, args, kwargs or {})
-        n.meta["val"] = val
-        return n
+    node = _adder(graph)
 
     x = graph.placeholder("x")
     x.meta["val"] = meta(16, dim)
