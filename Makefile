@@ -29,8 +29,10 @@ install-torchtitan:
 demo: install
 	$(PYTHON) -m overlapc.cli demo
 
+# TEST_WORKERS: pytest-xdist processes (2 fits CI's 2 cores; 1 runs the suite in-process).
+TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 
 # make bench: reruns the cheap, CPU-only benchmarks whose results are committed,
 # each writing its JSON (with benchmarks/provenance.py's record: commit, torch,
