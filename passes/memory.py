@@ -60,6 +60,15 @@ class Liveness:
         for node in nodes:
             self._add(node)
 
+    def fork(self) -> Liveness:
+        """A copy of these decisions that ``EditedPeak`` may edit, leaving this one as it is
+        (what ``Liveness`` of the same nodes builds, without deciding every node again)."""
+        twin = object.__new__(Liveness)
+        twin.root, twin.size, twin.reads = dict(self.root), dict(self.size), dict(self.reads)
+        twin.held_until, twin.unread, twin.inlined = dict(self.held_until), list(self.unread), dict(self.inlined)
+        twin._fusable, twin._extents = dict(self._fusable), self._extents   # extents: by shape alone
+        return twin
+
     def _add(self, node: fx.Node) -> None:
         """Decide where ``node``'s output lives (its root storage, the bytes it allocates)
         and which storages it reads, from its inputs' decisions (made before)."""
@@ -307,9 +316,10 @@ class EditedPeak:
     peak is always the one ``peak_bytes`` gives for the order without the dropped
     nodes, on the graph as edited."""
 
-    def __init__(self, nodes: list[fx.Node]):
-        """``nodes``: the graph's nodes in graph order (positions stay theirs)."""
-        self.liveness = Liveness(nodes)
+    def __init__(self, nodes: list[fx.Node], liveness: Liveness | None = None):
+        """``nodes``: the graph's nodes in graph order (positions stay theirs); ``liveness``:
+        ``Liveness(nodes)`` when the caller has it (forked: this one is left as it is)."""
+        self.liveness = liveness.fork() if liveness is not None else Liveness(nodes)
         self.pos = {node: index for index, node in enumerate(nodes)}
         self.end = len(nodes) - 1
         self.dropped: set[fx.Node] = set()

@@ -327,7 +327,8 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     room = serial_headroom(s, cfg) if within_peak and s.movable else None   # of the graph as handed in
     if cfg.regather == "auto":   # first: bucketing would merge the re-gathers it may drop
         from overlapc.passes.regather import keep_or_regather
-        regather = keep_or_regather(gm, before_rewrite=snapshot, recompile=False).choices
+        regather = keep_or_regather(gm, before_rewrite=snapshot, recompile=False,
+                                    liveness=room.liveness if room is not None else None).choices
     if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
         from overlapc.passes.bucket import merge_duplicates
         duplicates = merge_duplicates(gm, before_rewrite=snapshot)
