@@ -96,6 +96,10 @@ class Liveness:
     def live_bytes(self, order: list[fx.Node]) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
         inputs not yet freed)."""
+        return self._live_along(order)[0]
+
+    def _live_along(self, order: list[fx.Node]) -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
+        """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
         pos = {node: index for index, node in enumerate(order)}
         last = self._last_use(order, pos)
         change = [0] * (len(order) + 1)
@@ -103,7 +107,7 @@ class Liveness:
             if nbytes:
                 change[pos[r]] += nbytes
                 change[last[r] + 1] -= nbytes
-        return list(accumulate(change[:-1]))
+        return list(accumulate(change[:-1])), pos, last
 
     def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
         """Storage -> the position in ``order`` after which it is freed."""
@@ -508,7 +512,7 @@ class Headroom:
         ``liveness``: ``Liveness(s.nodes)`` when the caller has it (one per graph)."""
         self.serial = serial
         self.liveness = liveness or Liveness(s.nodes)   # kept: the invariant check reuses both
-        live = self.liveness.live_bytes(self.serial)
+        live, index, last = self.liveness._live_along(self.serial)
         peak = max(live, default=0) if peak is None else peak
         level = [peak] * len(s.nodes)
         spine = None   # s.pos of the spine node the reference ran last
@@ -521,8 +525,7 @@ class Headroom:
         self.peak = peak
         self._least = RangeTable(level, min)
         if segments:   # what ``fits_collective`` reads: the serial order node by node
-            self._index = {node: i for i, node in enumerate(serial)}
-            self._last = self.liveness._last_use(serial, self._index)
+            self._index, self._last = index, last
             self._below = RangeTable([peak - nbytes for nbytes in live], min)   # per serial index
             freed = [0] * len(serial)
             for r, nbytes in self.liveness.size.items():
