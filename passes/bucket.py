@@ -308,11 +308,12 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
         if before_rewrite is not None:
             before_rewrite()
         rewrite = _Rewrite(gm, s)
-        for kind, members in plans:
-            note = getattr(rewrite, kind)(members)
-            log.debug("overlapc: bucket %s (%s, group %s, %d bytes): %s", note.start, kind, note.group,
-                      note.nbytes, ", ".join(note.members))
-            notes.append(note)
+        with rewrite.fake.mode:   # entered once for every new node's fake value
+            for kind, members in plans:
+                note = getattr(rewrite, kind)(members)
+                log.debug("overlapc: bucket %s (%s, group %s, %d bytes): %s", note.start, kind, note.group,
+                          note.nbytes, ", ".join(note.members))
+                notes.append(note)
         rewrite.finish()
         gm.graph.lint()
     meta.add_notes(gm, meta.BUCKETS, notes)

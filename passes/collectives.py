@@ -155,13 +155,7 @@ def is_wait(node: fx.Node) -> bool:
 def is_alias(node: fx.Node) -> bool:
     """True for ops whose output aliases their first input (no compute)."""
     if node.op == "call_function":
-        if node.target is operator.getitem:
-            return True
-        parts = _target_parts(node.target)
-        if parts is not None:
-            return parts[0] == "aten" and parts[1] in _ALIAS_PACKETS
-        return getattr(node.target, "__name__", None) in _ALIAS_METHODS and \
-            getattr(node.target, "__module__", "") in ("torch", "torch.functional")
+        return _call_kind(node.target)[0]
     if node.op == "call_method":
         return node.target in _ALIAS_METHODS
     return False
@@ -169,14 +163,38 @@ def is_alias(node: fx.Node) -> bool:
 
 def is_cheap(node: fx.Node) -> bool:
     """Aliasing ops plus dtype casts and copies: may travel with a collective start."""
-    if is_alias(node):
-        return True
     if node.op == "call_function":
-        parts = _target_parts(node.target)
-        return parts is not None and parts[0] in ("aten", "prims") and parts[1] in _CAST_PACKETS
+        return _call_kind(node.target)[1]
     if node.op == "call_method":
-        return node.target in _CAST_METHODS
+        return node.target in _ALIAS_METHODS or node.target in _CAST_METHODS
     return False
+
+
+_KIND_BY_ID: dict[int, tuple[object, tuple[bool, bool]]] = {}
+
+
+def _call_kind(target) -> tuple[bool, bool]:
+    """(``is_alias``, ``is_cheap``) of a call_function node of ``target``: the target
+    decides both; cached by identity (the entry keeps the target alive: ids are not
+    reused while it lives)."""
+    entry = _KIND_BY_ID.get(id(target))
+    if entry is None or entry[0] is not target:
+        alias = _alias_target(target)
+        parts = _target_parts(target)
+        cast = parts is not None and parts[0] in ("aten", "prims") and parts[1] in _CAST_PACKETS
+        entry = _KIND_BY_ID[id(target)] = (target, (alias, alias or cast))
+    return entry[1]
+
+
+def _alias_target(target) -> bool:
+    """Whether a call_function of ``target`` aliases its first input (uncached)."""
+    if target is operator.getitem:
+        return True
+    parts = _target_parts(target)
+    if parts is not None:
+        return parts[0] == "aten" and parts[1] in _ALIAS_PACKETS
+    return getattr(target, "__name__", None) in _ALIAS_METHODS and \
+        getattr(target, "__module__", "") in ("torch", "torch.functional")
 
 
 _ROLE_BY_ID: dict[int, tuple[object, tuple[str | None, bool, str | None], bool]] = {}

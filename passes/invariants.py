@@ -192,8 +192,9 @@ def check_compute_order(before: list[fx.Node], after: list[fx.Node]) -> None:
     The error names the node that moved, its op, and its old and new position
     next to the compute it passed."""
     kinds = _OrderClasses()
-    fixed_before = [n for n in before if kinds.of(n) == "compute"]
-    fixed_after = [n for n in after if kinds.of(n) == "compute"]
+    kind = {n: kinds.of(n) for n in before}   # one lookup per node from here on
+    fixed_before = [n for n in before if kind[n] == "compute"]
+    fixed_after = [n for n in after if kind[n] == "compute"]
     old, new = {n: i for i, n in enumerate(before)}, {n: i for i, n in enumerate(after)}
     rank_before = {n: i for i, n in enumerate(fixed_before)}
     rank_after = {n: i for i, n in enumerate(fixed_after)}
@@ -205,10 +206,10 @@ def check_compute_order(before: list[fx.Node], after: list[fx.Node]) -> None:
                 f"compute moved {'before' if earlier else 'after'} {passed.name} (op {passed.target}): given "
                 f"order {moved.name} at {old[moved]}, {passed.name} at {old[passed]}; new order "
                 f"{moved.name} at {new[moved]}, {passed.name} at {new[passed]}", node=moved, position=new[moved])
-    seen_before = _compute_counts(before, kinds)
-    seen_after = _compute_counts(after, kinds)
+    seen_before = _compute_counts(before, kind)
+    seen_after = _compute_counts(after, kind)
     for node in before:
-        if kinds.of(node) == "late-only" and seen_after[node] < seen_before[node]:
+        if kind[node] == "late-only" and seen_after[node] < seen_before[node]:
             passed = fixed_before[seen_after[node]]
             raise ScheduleError(
                 f"elementwise compute carried with a start moved before {passed.name} (op {passed.target}), "
@@ -217,12 +218,12 @@ def check_compute_order(before: list[fx.Node], after: list[fx.Node]) -> None:
                 position=new[node])
 
 
-def _compute_counts(order: list[fx.Node], kinds: _OrderClasses) -> dict[fx.Node, int]:
-    """Per node of ``order``: how many compute nodes stand before it."""
+def _compute_counts(order: list[fx.Node], kind: dict[fx.Node, str]) -> dict[fx.Node, int]:
+    """Per node of ``order``: how many compute nodes (``kind``: each node's class) stand before it."""
     counts, seen = {}, 0
     for node in order:
         counts[node] = seen
-        seen += kinds.of(node) == "compute"
+        seen += kind[node] == "compute"
     return counts
 
 

@@ -60,6 +60,15 @@ class Liveness:
         for node in nodes:
             self._add(node)
 
+    def fork(self) -> Liveness:
+        """A copy of these decisions that ``EditedPeak`` may edit, leaving this one as it is
+        (what ``Liveness`` of the same nodes builds, without deciding every node again)."""
+        twin = object.__new__(Liveness)
+        twin.root, twin.size, twin.reads = dict(self.root), dict(self.size), dict(self.reads)
+        twin.held_until, twin.unread, twin.inlined = dict(self.held_until), list(self.unread), dict(self.inlined)
+        twin._fusable, twin._extents = dict(self._fusable), self._extents   # extents: by shape alone
+        return twin
+
     def _add(self, node: fx.Node) -> None:
         """Decide where ``node``'s output lives (its root storage, the bytes it allocates)
         and which storages it reads, from its inputs' decisions (made before)."""
@@ -87,6 +96,10 @@ class Liveness:
     def live_bytes(self, order: list[fx.Node]) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
         inputs not yet freed)."""
+        return self._live_along(order)[0]
+
+    def _live_along(self, order: list[fx.Node]) -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
+        """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
         pos = {node: index for index, node in enumerate(order)}
         last = self._last_use(order, pos)
         change = [0] * (len(order) + 1)
@@ -94,7 +107,7 @@ class Liveness:
             if nbytes:
                 change[pos[r]] += nbytes
                 change[last[r] + 1] -= nbytes
-        return list(accumulate(change[:-1]))
+        return list(accumulate(change[:-1])), pos, last
 
     def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
         """Storage -> the position in ``order`` after which it is freed."""
@@ -307,9 +320,10 @@ class EditedPeak:
     peak is always the one ``peak_bytes`` gives for the order without the dropped
     nodes, on the graph as edited."""
 
-    def __init__(self, nodes: list[fx.Node]):
-        """``nodes``: the graph's nodes in graph order (positions stay theirs)."""
-        self.liveness = Liveness(nodes)
+    def __init__(self, nodes: list[fx.Node], liveness: Liveness | None = None):
+        """``nodes``: the graph's nodes in graph order (positions stay theirs); ``liveness``:
+        ``Liveness(nodes)`` when the caller has it (forked: this one is left as it is)."""
+        self.liveness = liveness.fork() if liveness is not None else Liveness(nodes)
         self.pos = {node: index for index, node in enumerate(nodes)}
         self.end = len(nodes) - 1
         self.dropped: set[fx.Node] = set()
@@ -498,7 +512,7 @@ class Headroom:
         ``liveness``: ``Liveness(s.nodes)`` when the caller has it (one per graph)."""
         self.serial = serial
         self.liveness = liveness or Liveness(s.nodes)   # kept: the invariant check reuses both
-        live = self.liveness.live_bytes(self.serial)
+        live, index, last = self.liveness._live_along(self.serial)
         peak = max(live, default=0) if peak is None else peak
         level = [peak] * len(s.nodes)
         spine = None   # s.pos of the spine node the reference ran last
@@ -511,8 +525,7 @@ class Headroom:
         self.peak = peak
         self._least = RangeTable(level, min)
         if segments:   # what ``fits_collective`` reads: the serial order node by node
-            self._index = {node: i for i, node in enumerate(serial)}
-            self._last = self.liveness._last_use(serial, self._index)
+            self._index, self._last = index, last
             self._below = RangeTable([peak - nbytes for nbytes in live], min)   # per serial index
             freed = [0] * len(serial)
             for r, nbytes in self.liveness.size.items():

@@ -35,7 +35,7 @@ import torch.fx as fx
 from overlapc.passes.collectives import collectives, is_cheap, module_path, role
 from overlapc.passes import meta
 from overlapc.passes.bucket import block_of
-from overlapc.passes.memory import EditedPeak, peak_bytes
+from overlapc.passes.memory import EditedPeak, Liveness, peak_bytes
 
 log = logging.getLogger("overlapc")
 
@@ -72,7 +72,8 @@ class _Pair:
 
 
 def keep_or_regather(gm: fx.GraphModule, budget: int | None = None,
-                     before_rewrite: Callable[[], None] | None = None, recompile: bool = True) -> RegatherResult:
+                     before_rewrite: Callable[[], None] | None = None, recompile: bool = True,
+                     liveness: Liveness | None = None) -> RegatherResult:
     """Drop the re-gathers of every block whose forward gathers fit the memory
     budget kept alive (module docstring). ``budget``: peak live bytes allowed,
     None for the graph's own peak. ``before_rewrite``: called once before the
@@ -80,14 +81,16 @@ def keep_or_regather(gm: fx.GraphModule, budget: int | None = None,
     ``recompile=False``: ``gm.forward`` is not regenerated after re-gathers are
     erased (the pipeline recompiles once, at its end). Returns the choices, last
     block first (also appended to ``gm.meta["overlapc_regather"]``). Each block's
-    trial recounts only what it changes (``memory.EditedPeak``)."""
+    trial recounts only what it changes (``memory.EditedPeak``), starting from
+    ``liveness`` (``memory.Liveness`` of the graph as it stands, left unchanged) when
+    the caller has one."""
     nodes = list(gm.graph.nodes)
     blocks = _pairs_by_block(gm, nodes)
     if not blocks:
         return RegatherResult((), budget or 0, 0, 0)
     if before_rewrite is not None:
         before_rewrite()
-    tracker = EditedPeak(nodes)   # counts each block's change, not the whole graph again
+    tracker = EditedPeak(nodes, liveness)   # counts each block's change, not the whole graph again
     peak_before = tracker.peak
     budget = peak_before if budget is None else budget
     choices = []

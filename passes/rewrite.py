@@ -1,7 +1,8 @@
 """What the rewriting passes (chunk, bucket) share: fake values and node creation.
 
     fake = FakeValues(gm)
-    node = new_node(gm.graph, fake, target, args, kwargs, like=old, name="x")
+    with fake.mode:                # optional: entered once for many new nodes, not per node
+        node = new_node(gm.graph, fake, target, args, kwargs, like=old, name="x")
 
 A created node carries ``meta["val"]`` computed by running the op on fake
 inputs, and the provenance of ``like`` (module stack, stack trace), so the
@@ -13,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from overlapc.passes.bucket_ops import FAKE_IMPLS
 from overlapc.passes.collectives import node_value
 
 __all__ = ["FakeValues", "new_node"]
@@ -29,9 +31,8 @@ class FakeValues:
     def __init__(self, gm: fx.GraphModule):
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
-        vals = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
         try:
-            self.mode = detect_fake_mode(vals)
+            self.mode = detect_fake_mode(_one_per_fake_mode(gm))
         except Exception:  # make_fx in real mode: one fake mode per value
             self.mode = None
         self.mode = self.mode or FakeTensorMode()
@@ -47,9 +48,29 @@ class FakeValues:
         return val
 
     def run(self, target, args, kwargs):
+        """``target`` run on the fake values of ``args`` and ``kwargs`` in the fake mode (its
+        registered fake implementation called directly for overlapc's own operators)."""
         a, k = tree_map(lambda x: self.of(x) if isinstance(x, fx.Node) else x, (args, kwargs))
         with self.mode:
-            return target(*a, **k)
+            return FAKE_IMPLS.get(target, target)(*a, **k)
+
+
+def _one_per_fake_mode(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The graph's tensor values, a plain FakeTensor only when it is the first of its fake
+    mode: ``detect_fake_mode`` of these answers (or fails) as of them all, at a fraction
+    of the cost (it flattens every value it is given)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    seen: set[int] = set()
+    vals = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if type(val) is FakeTensor:
+            if id(val.fake_mode) in seen:
+                continue
+            seen.add(id(val.fake_mode))
+        if isinstance(val, torch.Tensor):
+            vals.append(val)
+    return vals
 
 
 def new_node(graph: fx.Graph, fake: FakeValues, target, args, kwargs=None, *, like: fx.Node | None = None,

@@ -572,6 +572,55 @@ def test_a_failure_after_bucketing_restores_names_notes_and_order(fake_pg, monke
     gm.graph.lint()
 
 
+def _graph_rows(graph: fx.Graph) -> list:
+    """Each node's op, target, name, type, argument names and meta: what a rebuild must reproduce."""
+    return [(n.op, n.target, n.name, n.type, str(fx.map_arg((n.args, n.kwargs), lambda a: a.name)), dict(n.meta))
+            for n in graph.nodes]
+
+
+def test_snapshot_rebuilds_what_a_copy_of_the_graph_rebuilds(fake_pg):
+    """The rollback's Snapshot against the straightforward way (a deep copy of the graph,
+    copied back with graph_copy): after bucketing erased, added and rewired nodes and set
+    meta, both rebuild the same nodes, names, arguments and meta, and the code they had."""
+    from overlapc.passes.pipeline import Snapshot
+    gm = trace(uneven_gathers, (4, 16), (2, 16), (2,), (1, 16, 2), (3, 16))
+    code, rows = gm.code, _graph_rows(gm.graph)
+    snapshot, copied = Snapshot(gm.graph), copy.deepcopy(gm.graph)
+    assert bucket_collectives(gm, bucket="module")
+    next(iter(gm.graph.nodes)).meta["overlapc_reason"] = "changed after the snapshot"
+
+    def rebuilt(fill) -> fx.Graph:
+        graph = fx.Graph()
+        fill(graph)
+        return graph
+
+    by_snapshot = rebuilt(snapshot.rebuild)
+    by_copy = rebuilt(lambda graph: graph.output(*graph.graph_copy(copied, {}, return_output_node=True)[:1]))
+    assert _graph_rows(by_snapshot) == _graph_rows(by_copy) == rows
+    assert fx.GraphModule(gm, by_snapshot).code == code
+
+
+def test_new_copy_nodes_get_the_value_the_dispatcher_gives(fake_pg):
+    """FakeValues calls pack's and unpack_columns' fake implementations directly; the
+    values equal what running the operators in the fake mode gives (shape, stride, dtype,
+    device, a FakeTensor of the graph's mode)."""
+    from overlapc.passes.rewrite import FakeValues
+    gm = trace(uneven_gathers, (4, 16), (2, 16), (2,), (1, 16, 2), (3, 16))
+    fake = FakeValues(gm)
+    x, w1, b1 = [n for n in gm.graph.nodes if n.op == "placeholder"][:3]
+    calls = [(torch.ops.overlapc.pack.default, ([x, w1, b1], 1)),
+             (torch.ops.overlapc.pack.default, ([x, w1], 2)),
+             (torch.ops.overlapc.unpack_columns.default, (x, [0, 4], [4, 12]))]   # x: (4, 16), 4 rows
+    for target, args in calls:
+        got = fake.run(target, args, {})
+        values = torch.utils._pytree.tree_map(lambda a: fake.of(a) if isinstance(a, fx.Node) else a, args)
+        with fake.mode:
+            expected = target(*values)
+        assert got.fake_mode is expected.fake_mode is fake.mode
+        assert (got.shape, got.stride(), got.dtype, got.device) == (expected.shape, expected.stride(),
+                                                                     expected.dtype, expected.device)
+
+
 # ------------------------------------------------------------------ identical collectives
 
 

@@ -68,11 +68,23 @@ def _recount(nodes, dropped):
     return memory.peak_bytes([n for n in nodes if n not in dropped])
 
 
+def _tables(liveness: memory.Liveness) -> tuple:
+    return tuple(dict(table) for table in (liveness.root, liveness.size, liveness.reads, liveness.held_until,
+                                           liveness.inlined, liveness._fusable)) + (list(liveness.unread),)
+
+
 @pytest.mark.parametrize("layers", [4, 7])
-def test_every_edit_and_undo_gives_the_recounted_peak(layers):
+@pytest.mark.parametrize("forked", [False, True])
+def test_every_edit_and_undo_gives_the_recounted_peak(layers, forked):
+    """Also from a Liveness the caller built (the pipeline's headroom's): forked, so the
+    caller's is left as it was, and the peaks are the recounted ones as from a fresh one."""
     gm = joint(layers)
     nodes = list(gm.graph.nodes)
-    tracker = memory.EditedPeak(nodes)
+    shared = memory.Liveness(nodes) if forked else None
+    before = _tables(shared) if forked else None
+    tracker = memory.EditedPeak(nodes, shared)
+    if forked:
+        assert _tables(tracker.liveness) == before == _tables(memory.Liveness(nodes))
     assert tracker.peak == memory.peak_bytes(nodes)
     budget = tracker.peak
     kept = 0
@@ -90,6 +102,8 @@ def test_every_edit_and_undo_gives_the_recounted_peak(layers):
         else:
             kept += 1
     assert 0 < kept < layers   # both paths ran: some blocks kept, some re-gathered
+    if forked:
+        assert _tables(shared) == before
 
 
 def test_keep_or_regather_builds_the_liveness_twice_whatever_the_blocks(monkeypatch):

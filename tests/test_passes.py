@@ -357,3 +357,49 @@ def test_chunks_auto_needs_an_estimator_below_overlapc_schedule(fake_pg):
     overlapc.passes.schedule(gm, auto, estimator=costmodel.resolve(None))
     again = trace(thunder, (4, 16), *[(2, 16)] * 4)
     assert body(overlapc.schedule(again, auto)) == body(gm) != original
+
+
+def _alias_uncached(node) -> bool:
+    """is_alias as written before its per-target cache (the reference)."""
+    import operator
+    from overlapc.passes import collectives as c
+    if node.op == "call_function":
+        if node.target is operator.getitem:
+            return True
+        parts = c._target_parts(node.target)
+        if parts is not None:
+            return parts[0] == "aten" and parts[1] in c._ALIAS_PACKETS
+        return getattr(node.target, "__name__", None) in c._ALIAS_METHODS and \
+            getattr(node.target, "__module__", "") in ("torch", "torch.functional")
+    return node.op == "call_method" and node.target in c._ALIAS_METHODS
+
+
+def _cheap_uncached(node) -> bool:
+    from overlapc.passes import collectives as c
+    if _alias_uncached(node):
+        return True
+    if node.op == "call_function":
+        parts = c._target_parts(node.target)
+        return parts is not None and parts[0] in ("aten", "prims") and parts[1] in c._CAST_PACKETS
+    return node.op == "call_method" and node.target in c._CAST_METHODS
+
+
+def test_alias_and_cheap_cached_per_target_answer_as_the_rules(fake_pg):
+    """is_alias / is_cheap cache what a call target decides; on aten graphs (make_fx) and
+    on torch-function and method graphs (symbolic_trace), asked twice, every node gets the
+    answer of the uncached rules."""
+    from overlapc.passes.collectives import is_alias, is_cheap
+
+    def f(x, w):
+        parts = torch.split(x.t().contiguous(), 2)
+        y = torch.flatten(parts[0]).view(2, -1).to(torch.bfloat16).float().clone()
+        return torch.relu(y.sum() + w.reshape(-1)[0]), torch.transpose(x, 0, 1).expand(4, 4)
+    graphs = [trace(thunder, (4, 16), *[(2, 16)] * 4), trace(mixed_precision, (4, 16), *[(2, 16)] * 3),
+              torch.fx.symbolic_trace(f), trace(f, (4, 4), (2, 2))]
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    kinds = {(n.op, str(n.target)) for n in nodes}
+    assert len(kinds) > 25 and any(_alias_uncached(n) for n in nodes) and any(
+        _cheap_uncached(n) and not _alias_uncached(n) for n in nodes)
+    for _ in range(2):
+        assert [(is_alias(n), is_cheap(n)) for n in nodes] == [(_alias_uncached(n), _cheap_uncached(n))
+                                                               for n in nodes]
