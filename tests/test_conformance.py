@@ -28,17 +28,15 @@ MEMORY_FIRST = "memory-first"                 # deliberate: upstream's order rai
 GATHER_BUDGET = "gather-budget"               # gap: all-gathers keep the whole-held serial-peak budget
 AUTO_CAP = "auto-cap"                         # deliberate: bucket="auto" caps a bucket at the largest member
 BUCKETS_OFF = "buckets-off"                   # deliberate: the configuration turns buckets off
-MODULE_MERGE = "module-merge"                 # deliberate: bucket="module" is one bucket per block
 BUCKET_GRANULARITY = "bucket-granularity"     # deliberate: upstream splits a block's collectives in two buckets
-DTYPE_BUCKETS = "dtype-buckets"               # gap: no bucket mixes dtypes
 CHAINED_BUCKETS = "chained-buckets"           # gap: collectives in a chain are never bucketed
 RAISE_COMMS = "raise-comms"                   # deliberate: a start's compute producer is not moved earlier
 COMPUTE_REORDER = "compute-reorder"           # deliberate: compute is not reordered to feed a collective
 PREFETCH_PRIORITY = "prefetch-priority"       # gap: prefetch order by consumer, not by estimated gain
 COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + one collective, never *_coalesced
 COMPUTE_ORDER = "compute-order"               # never expected: a compute node moved (README guarantee 0)
-# Seen only under upstream's own setups (below):
-HIDING_MERGE = "hiding-merge"                 # gap: a bucket loses a member's hiding interval
+# Seen under upstream's own setups (below), same-graph also under bucket="module":
+EARLY_ISSUE = "early-issue"                   # deliberate: a start goes as early as inputs and bounds allow
 IN_PLACE_ORDER = "in-place-order"             # deliberate: upstream's all_reduce_ waits for readers of its input
 CONSUMER_ORDER = "consumer-order"             # deliberate: all-gathers issue in consumer order (guarantee 1)
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
@@ -58,14 +56,12 @@ EXPECTED = {
     "aten_sink_waits_raise_comms": _all(MEMORY_FIRST),
     "aten_basic_all_gather_bucketing": _unbucketed(),
     "aten_reduce_scatter_bucketing": _unbucketed(),
-    "aten_no_bucketing_with_dependent_hiding_nodes": {"module": MODULE_MERGE},
-    "aten_no_bucketing_when_collective_depends_on_hiding_node": {"module": MODULE_MERGE},
     "aten_bucketing_wait_sink": _unbucketed(MEMORY_FIRST),
-    "aten_bucketing_split_for_overlap_blocking_no_deps": _unbucketed(),
+    "aten_bucketing_split_for_overlap_blocking_no_deps": _unbucketed(SAME_GRAPH),
     "aten_bucketing_split_for_overlap": _unbucketed(BUCKET_GRANULARITY),
     "aten_bucket_exposed_with_hidden_single_overlap": _unbucketed(MEMORY_FIRST),
     "aten_bucketing_split_for_overlap_blocking_deps_inductor": _unbucketed(BUCKET_GRANULARITY),
-    "aten_multidtype_bucketing": _unbucketed(DTYPE_BUCKETS),
+    "aten_multidtype_bucketing": _unbucketed(),
     "aten_basic_all_reduce_bucketing": _unbucketed(),
     "compute_raise_comms": _all(RAISE_COMMS),
     "compute_sink_waits_raise_comms": _all(MEMORY_FIRST),
@@ -74,15 +70,14 @@ EXPECTED = {
     "compute_inductor_default_comms_ordering": {"defaults": MEMORY_FIRST, "no-buckets": MEMORY_FIRST},
     "simple_no_change_when_already_optimal": _all(MEMORY_FIRST),
     "unit_can_bucket_independent_collectives": _unbucketed(),
-    "unit_cant_bucket_nested_hiding_intervals": {"module": MODULE_MERGE},
-    "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": {"module": MODULE_MERGE},
+    "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": {"module": SAME_GRAPH},
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_exposed": _unbucketed(),
     "unit_can_bucket_all_reduce": _unbucketed(),
     "unit_manual_bucket_splits_dependent_all_reduce": _unbucketed(CHAINED_BUCKETS),
     "unit_no_cross_type_bucketing_ar_and_rs": _unbucketed(),
     "unit_reduce_scatter_coalesced_mode": _all(COALESCED_OP),
     "unit_all_gather_coalesced_mode_falls_back": _unbucketed(),
-    "unit_can_bucket_multidtype_collectives": _unbucketed(DTYPE_BUCKETS),
+    "unit_can_bucket_multidtype_collectives": _unbucketed(),
     "unit_can_bucket_with_multiple_hiding_nodes": _unbucketed(),
     "unit_can_bucket_with_convert_dtype_as_hiding_nodes": _unbucketed(),
     "unit_deterministic_mode_no_benchmark_error": _all(MEMORY_FIRST),
@@ -92,7 +87,7 @@ EXPECTED = {
     "unit_prefetch_prioritizes_larger_hidden_time": _all(PREFETCH_PRIORITY),
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": _unbucketed(CHAINED_BUCKETS),
     "collectives_reorder_peak_memory_bucketed": _unbucketed(BUCKET_GRANULARITY),
-    "collectives_all_gather_bucket_multidtype": _unbucketed(DTYPE_BUCKETS),
+    "collectives_all_gather_bucket_multidtype": _unbucketed(),
 }
 
 
@@ -104,27 +99,22 @@ NO_EQUIVALENT = "no-equivalent"               # upstream's setup has no overlapc
 UPSTREAM_EXPECTED: dict[str, str] = {
     "aten_raise_comms": RAISE_COMMS,
     "aten_sink_waits_raise_comms": IN_PLACE_ORDER,
-    "aten_no_bucketing_with_dependent_hiding_nodes": HIDING_MERGE,
-    "aten_no_bucketing_when_collective_depends_on_hiding_node": HIDING_MERGE,
-    "aten_bucketing_split_for_overlap": HIDING_MERGE,
-    "aten_bucketing_split_for_overlap_blocking_deps_inductor": HIDING_MERGE,
-    "aten_multidtype_bucketing": DTYPE_BUCKETS,
+    "aten_bucketing_split_for_overlap_blocking_no_deps": SAME_GRAPH,
+    "aten_bucketing_split_for_overlap": EARLY_ISSUE,
+    "aten_bucketing_split_for_overlap_blocking_deps_inductor": EARLY_ISSUE,
     "compute_raise_comms": RAISE_COMMS,
     "compute_reorder_compute_for_overlap": COMPUTE_REORDER,
     "compute_reorder_compute_for_overlap_custom_runtime_estimation": COMPUTE_REORDER,
     "simple_no_change_when_already_optimal": MEMORY_FIRST,
-    "unit_cant_bucket_nested_hiding_intervals": HIDING_MERGE,
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": SAME_GRAPH,
     "unit_manual_bucket_splits_dependent_all_reduce": CHAINED_BUCKETS,
     "unit_reduce_scatter_coalesced_mode": NO_EQUIVALENT,
-    "unit_can_bucket_multidtype_collectives": DTYPE_BUCKETS,
-    "unit_can_bucket_with_convert_dtype_as_hiding_nodes": DTYPE_BUCKETS,
+    "unit_can_bucket_with_convert_dtype_as_hiding_nodes": EARLY_ISSUE,
     "unit_active_wait_not_scheduled_recursively_b_first": CONSUMER_ORDER,
     "unit_active_wait_not_scheduled_recursively_a_first": CONSUMER_ORDER,
     "unit_prefetch_prioritizes_larger_hidden_time": PREFETCH_PRIORITY,
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": COMPUTE_ORDER,
     "collectives_reorder_peak_memory_bucketed": NO_EQUIVALENT,
-    "collectives_all_gather_bucket_multidtype": DTYPE_BUCKETS,
 }
 
 
