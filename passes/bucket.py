@@ -7,11 +7,11 @@ Who merges. Movable ``all_gather_into_tensor`` (``reduce_scatter_tensor``,
 same barrier region, group and group size, and for reduce-scatters and all-reduces
 the same dtype and reduce op: nothing merges across a barrier, a group, a reduce
 op, or a dtype where values are reduced. All-gathers of several dtypes (an fp32
-norm weight and bf16 projections) share a bucket as bytes (``_as_bytes``). Within a lane, members are taken in order (all-gathers
-in consumer order, ``Structure.consumer_key``; reduce-scatters and
-all-reduces in the order their starts stand, which is the order their inputs
-become ready) and a bucket
-holds consecutive members. A bucket closes before a member when
+norm weight and bf16 projections) share a bucket as bytes (``_as_bytes``). Within a
+lane, members are taken in order (all-gathers in consumer order,
+``Structure.consumer_key``; reduce-scatters and all-reduces in the order their
+starts stand, which is the order their inputs become ready) and a bucket holds
+consecutive members. A bucket closes before a member when
 
 * ``bucket="module"``: the member belongs to another block. Its block is the
   module path (``collectives.module_path`` of the start, else of its

@@ -170,7 +170,8 @@ def test_schedule_agrees_with_upstream_as_listed(fake_pg, case):
 
     got, want = upstream_outcome(case), expected_upstream_outcome(case.name)
     assert got == want, (f"{case.name} [upstream setup {case.setup}]: {got}, listed as "
-                         f"{UPSTREAM_EXPECTED.get(case.name, 'agree')}: update UPSTREAM_EXPECTED and docs/conformance.md")
+                         f"{UPSTREAM_EXPECTED.get(case.name, 'agree')}: "
+                         "update UPSTREAM_EXPECTED and docs/conformance.md")
 
 
 # ---------------------------------------------------------------- values on 2 gloo ranks
