@@ -4,13 +4,14 @@
 
 Who merges. Movable ``all_gather_into_tensor`` (``reduce_scatter_tensor``,
 ``all_reduce``) starts with exactly one ``wait_tensor`` and static shapes, in *lanes* of the
-same barrier region, group, group size and dtype (and reduce op): nothing
-merges across a barrier, a group, a dtype (fp32 and bf16 go to separate
-buckets) or a reduce op. Within a lane, members are taken in order (all-gathers
-in consumer order, ``Structure.consumer_key``; reduce-scatters and
-all-reduces in the order their starts stand, which is the order their inputs
-become ready) and a bucket
-holds consecutive members. A bucket closes before a member when
+same barrier region, group and group size, and for reduce-scatters and all-reduces
+the same dtype and reduce op: nothing merges across a barrier, a group, a reduce
+op, or a dtype where values are reduced. All-gathers of several dtypes (an fp32
+norm weight and bf16 projections) share a bucket as bytes (``_as_bytes``). Within a
+lane, members are taken in order (all-gathers in consumer order,
+``Structure.consumer_key``; reduce-scatters and all-reduces in the order their
+starts stand, which is the order their inputs become ready) and a bucket holds
+consecutive members. A bucket closes before a member when
 
 * ``bucket="module"``: the member belongs to another block. Its block is the
   module path (``collectives.module_path`` of the start, else of its
@@ -35,7 +36,21 @@ holds consecutive members. A bucket closes before a member when
   peak the unbucketed graph would have;
 * either way: the bucket could not be issued before its first result is
   needed (a member's input is ready only after another member's first real
-  consumer), or the member's result or input is tied to another collective.
+  consumer), or the member reads a member's result through its start bundle
+  (the next level of a chain: reduce-scatters and all-reduces of one chain
+  level merge, as HSDP's and loss-parallel's do, never two levels);
+* in every mode: the bucket would lose a member's hiding interval
+  (``_keeps_hiding``): a bucket is issued when its last input is ready and waited
+  before its first result is needed, so the kernels a member could hide under
+  outside that common window (one that reads another member's result, one that
+  produces another member's input, a nested interval) are lost to it. Without an
+  estimate a kernel (``Kernels``: not pointwise, not a reduction, not a view or
+  cast) is taken to hide one collective the size of the group's largest; the
+  bucket keeps its members' hiding intervals when its common window holds as
+  many kernels as its bytes make such collectives (rounded to the nearest, at
+  least one), or all the kernels the members' windows offer.
+  A transformer block gathered first in a graph (nothing before it to hide it)
+  is split where the whole block would lose its later projections' kernels.
 
 A bucket of one member stays as it was. Bytes: the all-gather's output, the
 reduce-scatter's and all-reduce's input.
@@ -85,8 +100,9 @@ collective's shapes contradict its group size.
 
 Left alone: coalesced and ``_out`` collectives, all-to-all,
 collectives with several waits or symbolic/unknown shapes, the pieces of a
-chunked collective (``passes/chunk/``'s notes name them), and collectives
-whose result feeds another collective's input chain directly.
+chunked collective (``passes/chunk/``'s notes name them), and all-gathers in a
+chain (their result feeds, or their input comes from, another collective's
+bundle: the copy-out would stand inside it).
 """
 from __future__ import annotations
 
@@ -100,7 +116,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import Collective, module_path, node_value, source_of
+from overlapc.passes.collectives import Collective, is_cheap, module_path, node_value, role, source_of
 from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
 from overlapc.passes.memory import Headroom
 from overlapc.passes.rewrite import FakeValues, new_node
@@ -298,11 +314,14 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
                          f"got {bucket!r}")
     s = structure if structure is not None else Structure(gm)
     plans = []
+    kernels: Kernels | None = None
     for kind in _OPS:
         lanes = _lanes(s, kind)
         largest = _largest(lanes)
+        if kernels is None and any(len(lane) > 1 for lane in lanes.values()):
+            kernels = Kernels(s)
         plans += [(kind, members) for lane in lanes.values()
-                  for members in _split(lane, bucket, largest[lane[0].c.group], headroom)]
+                  for members in _split(lane, bucket, largest[lane[0].c.group], kernels, headroom)]
     notes: list[BucketNote] = []
     if plans:
         if before_rewrite is not None:
@@ -336,6 +355,7 @@ class _Member:
     ready: int                 # position of the last node its start bundle reads (-1: none)
     target: int                # position of its wait's first real consumer (or region end)
     target_node: fx.Node
+    after: tuple[fx.Node, ...] = ()   # starts of the collectives whose results its start bundle reads (a chain)
 
     @functools.cached_property
     def source(self) -> str:
@@ -363,9 +383,10 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
     else:
         members.sort(key=lambda m: s.pos[m.c.start])
     lanes: dict[tuple, list[_Member]] = {}
-    for m in members:
+    for m in members:   # all-gathers of several dtypes merge as bytes (_as_bytes); reductions need one dtype
         reduce_op = _argument(m.c.start, 1, "reduce_op") if kind != "all_gather" else ""
-        key = (s.region_of(m.c.start), m.c.group, m.c.group_size, str(m.value.dtype), str(reduce_op))
+        dtype = str(m.value.dtype) if kind != "all_gather" else ""
+        key = (s.region_of(m.c.start), m.c.group, m.c.group_size, dtype, str(reduce_op))
         lanes.setdefault(key, []).append(m)
     return lanes
 
@@ -383,14 +404,16 @@ def _member(s: Structure, c: Collective) -> _Member | None:
     _check_shapes(c, value, out)
     target = s.target[wait]
     inputs = s.bundle_inputs[start]
-    if target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
-            u in s.start_of_member for u in s.consumers[wait]):
-        return None   # tied to another collective's bundle: moving one would move the other
     gathered = c.kind == "all_gather"
+    chained = target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
+        u in s.start_of_member for u in s.consumers[wait])
+    if chained and gathered:
+        return None   # its copy-out would stand inside another collective's bundle
     return _Member(
         c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
         nbytes=(out if gathered else value).numel() * value.element_size(),
         ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
+        after=tuple(s.coll_of_wait[s.wait_of_member[i]].start for i in inputs if i in s.wait_of_member),
     )
 
 
@@ -425,18 +448,18 @@ def _largest(lanes: dict[tuple, list[_Member]]) -> dict[str, int]:
     return largest
 
 
-def _split(lane: list[_Member], bucket: str | int, largest: int,
+def _split(lane: list[_Member], bucket: str | int, largest: int, kernels: Kernels,
            headroom: Headroom | None = None) -> list[list[_Member]]:
     """Consecutive members of ``lane`` cut into buckets; buckets of one dropped.
-    ``largest``: the byte target of ``bucket="auto"``; ``headroom``: see ``bucket_collectives``.
-    O(1) a member (``_Bucket`` keeps what the rules read)."""
+    ``largest``: the byte target of ``bucket="auto"``; ``kernels``: ``Kernels`` of the graph;
+    ``headroom``: see ``bucket_collectives``. O(1) a member (``_Bucket`` keeps what the rules read)."""
     buckets: list[_Bucket] = []
     for m in lane:
-        if buckets and _joins(buckets[-1], m, bucket, largest) and (
+        if buckets and _joins(buckets[-1], m, bucket, largest) and _keeps_hiding(buckets[-1], m, kernels, largest) and (
                 headroom is None or _fits_headroom(buckets[-1], m, headroom)):
             buckets[-1].add(m)
         else:
-            buckets.append(_Bucket([m], m.ready, m.target, m.nbytes, m, m.target, m.ready))
+            buckets.append(_Bucket([m], m.ready, m.target, m.nbytes, m, m.target, m.ready, {m.c.start}))
     return [b.members for b in buckets if len(b.members) > 1]
 
 
@@ -452,9 +475,11 @@ class _Bucket:
     soonest: _Member    # the (first) member with the earliest target
     last_target: int    # the latest target
     first_ready: int    # the earliest ready position
+    starts: set[fx.Node] = dataclasses.field(default_factory=set)   # the members' starts (membership only)
 
     def add(self, m: _Member) -> None:
         self.members.append(m)
+        self.starts.add(m.c.start)
         self.ready, self.target = max(self.ready, m.ready), min(self.target, m.target)
         self.nbytes += m.nbytes
         self.soonest = m if m.target < self.soonest.target else self.soonest
@@ -465,6 +490,8 @@ def _joins(open_bucket: _Bucket, m: _Member, bucket: str | int, largest: int) ->
     """Whether ``m`` may join ``open_bucket``."""
     if max(m.ready, open_bucket.ready) >= min(m.target, open_bucket.target):
         return False   # one member's input is ready only after another's result is needed
+    if any(start in open_bucket.starts for start in m.after):
+        return False   # the next level of a chain: its start bundle reads a member's result
     limit = {"auto": largest, "module": DEFAULT_BUCKET_BYTES}.get(bucket, bucket)
     fits = open_bucket.nbytes + m.nbytes <= limit
     if bucket != "module" and not fits:
@@ -476,6 +503,66 @@ def _joins(open_bucket: _Bucket, m: _Member, bucket: str | int, largest: int) ->
         if block and bucket == "module":
             return True
     return fits
+
+
+def _keeps_hiding(open_bucket: _Bucket, m: _Member, kernels: Kernels, largest: int) -> bool:
+    """Whether merging ``m`` into ``open_bucket`` keeps the members' hiding intervals.
+
+    A member alone can be hidden by the kernels of its window, between its inputs' ready
+    point and its first real consumer. A bucket is one collective: issued once every
+    member's input is ready and waited before any member's result is needed, so only the
+    kernels of the members' common window can hide it. The kernels outside that window
+    are lost to the members whose windows held them (a hiding kernel that reads another
+    member's result, one that produces another member's input, an interval nested in
+    another's). Without an estimate, one kernel is taken to hide one collective the size
+    of the group's largest (``largest``; upstream's tests take a matmul to hide one
+    collective), a bucket counting as its bytes in such units, rounded to the nearest and
+    at least one (its latency is paid once, so a small member's bytes ride along with a
+    large one's). The merge keeps the hiding intervals when the common window still holds
+    that many kernels, or every kernel the members' windows offer, whichever is fewer.
+    Every member's window contains the common one, so the windows together span
+    (earliest ready, latest target)."""
+    ready, target = max(open_bucket.ready, m.ready), min(open_bucket.target, m.target)
+    offered = kernels.between(min(open_bucket.first_ready, m.ready), max(open_bucket.last_target, m.target))
+    unit = max(largest, 1)
+    needed = max(1, (2 * (open_bucket.nbytes + m.nbytes) + unit) // (2 * unit))
+    return kernels.between(ready, target) >= min(needed, offered)
+
+
+class Kernels:
+    """Counts of the graph's hiding kernels by position: compute that is a kernel of its own.
+
+    Not counted: what moves with collectives (start and wait bundles, waits), other
+    collectives and barriers, aliases and casts (``collectives.is_cheap``), and pointwise
+    ops and reductions: Inductor fuses those into the loops of their neighbours (and may
+    move them across a wait), so a window of them alone hides nothing. Counted: matmuls,
+    convolutions, attention, anything else that runs as a kernel of its own."""
+
+    def __init__(self, s: Structure):
+        self._before = [0]   # _before[i]: kernels among s.nodes[:i]
+        fused_by_target: dict[int, bool] = {}   # call targets live as long as the graph's nodes
+        for node in s.nodes:
+            self._before.append(self._before[-1] + _is_kernel(node, s, fused_by_target))
+
+    def between(self, low: int, high: int) -> int:
+        """Kernels at positions strictly between ``low`` and ``high``."""
+        low, high = max(low + 1, 0), min(high, len(self._before) - 1)
+        return self._before[high] - self._before[low] if high > low else 0
+
+
+def _is_kernel(node: fx.Node, s: Structure, fused_by_target: dict[int, bool]) -> bool:
+    """Whether ``node`` is a hiding kernel (``Kernels``); ``fused_by_target`` caches what its
+    call target decides."""
+    if node.op != "call_function" or node in s.bundled or is_cheap(node):
+        return False
+    fused = fused_by_target.get(id(node.target))
+    if fused is None:
+        start, wait, barrier = role(node)
+        tags = getattr(node.target, "tags", ())
+        fused = fused_by_target[id(node.target)] = (
+            start is not None or wait or barrier is not None
+            or torch.Tag.pointwise in tags or torch.Tag.reduction in tags)
+    return not fused
 
 
 def _fits_headroom(open_bucket: _Bucket, m: _Member, headroom: Headroom) -> bool:
@@ -494,6 +581,19 @@ def _fits_headroom(open_bucket: _Bucket, m: _Member, headroom: Headroom) -> bool
                 and headroom.least(first.target, last_target) >= total)
     first_ready = max(0, min(open_bucket.first_ready, m.ready))
     return headroom.least(first_ready, max(first_ready, open_bucket.ready, m.ready)) >= 2 * total
+
+
+def _as_bytes(members: list[_Member]) -> bool:
+    """Whether an all-gather bucket of ``members`` moves bytes: they have several dtypes.
+    Each member's shard is packed as its bytes (``overlapc.pack`` with ``as_bytes``), one
+    all-gather of uint8 moves them all, and each gathered block is viewed back as its dtype:
+    the same bytes in the same places, so the values are bit-identical."""
+    return len({str(m.value.dtype) for m in members}) > 1
+
+
+def _flat_size(m: _Member, as_bytes: bool) -> int:
+    """``m``'s shard in units of its bucket's flat buffer: elements, or bytes."""
+    return m.value.numel() * (m.value.element_size() if as_bytes else 1)
 
 
 def block_of(path: str) -> str:
@@ -521,40 +621,54 @@ class _Rewrite:
         self.count = itertools.count()
         self.fake = FakeValues(gm)
         self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
+        self.result_of: dict[fx.Node, fx.Node] = {}   # a replaced wait -> the node that stands for it
 
     def all_gather(self, members: list[_Member]) -> BucketNote:
+        """One all-gather for ``members``; of several dtypes, it moves their bytes
+        (``_as_bytes``), laid out widest element first so that every member's bytes
+        start at a multiple of its element size."""
+        as_bytes = _as_bytes(members)
+        if as_bytes:
+            members = sorted(members, key=lambda m: -m.value.element_size())   # stable
         first, world = members[0], members[0].c.group_size
         anchor = min(m.target for m in members)
         self._move_input_chains(members, anchor)
-        shard = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
-                          input_chain=True)
+        shard = self._new(anchor, OPS.pack.default, (self._inputs(members), 1, *([True] if as_bytes else [])),
+                          like=first.c.start, input_chain=True)
         start = self._new(anchor, F.all_gather_into_tensor.default,
                           (shard, world, _argument(first.c.start, 2, "group_name")),
                           like=first.c.start, name="all_gather_bucket")
         wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
-        sizes = [m.value.numel() for m in members]
+        sizes = [_flat_size(m, as_bytes) for m in members]
         rows = self._new(anchor, aten.view.default, (wait, [world, sum(sizes)]), like=first.wait)
         offsets = dict(zip((m.c.start for m in members), itertools.accumulate([0, *sizes])))
         shared = [m for m in members if not self._reaches_output(m)]
         if len(shared) > 1:
-            self._copy_out_together(shared, rows, offsets, anchor)
+            self._copy_out_together(shared, rows, offsets, anchor, as_bytes)
         together = {m.c.start for m in shared} if len(shared) > 1 else set()
         for m in members:
             if m.c.start in together:
                 continue
-            columns = self._new(m.target, aten.slice.Tensor, (rows, 1, offsets[m.c.start],
-                                                             offsets[m.c.start] + m.value.numel()), like=m.wait)
+            offset = offsets[m.c.start]
+            columns = self._new(m.target, aten.slice.Tensor, (rows, 1, offset, offset + _flat_size(m, as_bytes)),
+                                like=m.wait)
             copy = self._new(m.target, aten.clone.default, (columns,),
                              {"memory_format": torch.contiguous_format}, like=m.wait)
-            result = self._new(m.target, aten.view.default, (copy, list(m.out_shape)), like=m.wait)
-            self._replace(m, result, m.target)
+            self._replace(m, self._typed(m, copy, m.target, as_bytes), m.target)
         return self._note("all_gather", start, members)
+
+    def _typed(self, m: _Member, flat: fx.Node, anchor: int, as_bytes: bool) -> fx.Node:
+        """``m``'s gathered value from ``flat``, its contiguous block of the gathered buffer
+        (bytes when ``as_bytes``: viewed back as its dtype first, no copy)."""
+        if as_bytes:
+            flat = self._new(anchor, aten.view.dtype, (flat, m.value.dtype), like=m.wait)
+        return self._new(anchor, aten.view.default, (flat, list(m.out_shape)), like=m.wait)
 
     def reduce_scatter(self, members: list[_Member]) -> BucketNote:
         first, world = members[0], members[0].c.group_size
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], world), like=first.c.start,
+        flat = self._new(anchor, OPS.pack.default, (self._inputs(members), world), like=first.c.start,
                          input_chain=True)
         sizes = [m.value.numel() // world for m in members]
         start = self._new(anchor, F.reduce_scatter_tensor.default,
@@ -572,7 +686,7 @@ class _Rewrite:
         first = members[0]
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
+        flat = self._new(anchor, OPS.pack.default, (self._inputs(members), 1), like=first.c.start,
                          input_chain=True)
         start = self._new(anchor, F.all_reduce.default,
                           (flat, _argument(first.c.start, 1, "reduce_op"), _argument(first.c.start, 2, "group_name")),
@@ -585,17 +699,18 @@ class _Rewrite:
             self._replace(m, result, anchor)
         return self._note("all_reduce", start, members)
 
-    def _copy_out_together(self, members: list[_Member], rows: fx.Node, offsets: dict, anchor: int) -> None:
+    def _copy_out_together(self, members: list[_Member], rows: fx.Node, offsets: dict, anchor: int,
+                           as_bytes: bool) -> None:
         """One copy of ``members``' columns of ``rows`` (world, total) into a member-major
         buffer (member i's (world, n_i) block contiguous), placed before ``anchor``: one
         ``overlapc.unpack_columns`` call, no generated kernel; each member's result is a view of it."""
         world = members[0].c.group_size
-        sizes = [m.value.numel() for m in members]
+        sizes = [_flat_size(m, as_bytes) for m in members]
         joined = self._new(anchor, OPS.unpack_columns.default,
                            (rows, [offsets[m.c.start] for m in members], sizes), like=members[0].wait)
         for m, at, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
             piece = self._new(anchor, aten.slice.Tensor, (joined, 0, world * at, world * (at + size)), like=m.wait)
-            self._replace(m, self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait), anchor)
+            self._replace(m, self._typed(m, piece, anchor, as_bytes), anchor)
 
     def _reaches_output(self, m: _Member) -> bool:
         """Whether ``m``'s gathered result (or a view of it) is a graph output: it gets a copy of
@@ -627,10 +742,16 @@ class _Rewrite:
                 if node is not m.c.start:
                     self._place(node, anchor)
 
+    def _inputs(self, members: list[_Member]) -> list[fx.Node]:
+        """The members' inputs as the graph now stands: an input that was the wait of a
+        collective bucketed before (one level up a chain) is that bucket's result."""
+        return [self.result_of.get(m.input, m.input) for m in members]
+
     def _replace(self, m: _Member, result: fx.Node, anchor: int) -> None:
         """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now
         on; the views of the wait that stood before ``anchor`` move after ``result``."""
         m.wait.replace_all_uses_with(result)
+        self.result_of[m.wait] = result
         for view in self.s.wait_bundle[m.wait][1:]:
             if self.s.pos[view] < anchor:
                 self._place(view, anchor)

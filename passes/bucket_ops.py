@@ -8,6 +8,8 @@ read through its strides), the views joined along dim 1, the result flattened.
 ``rows=1`` lays the parts end to end (an all-gather's or all-reduce's bucket
 input); ``rows=world`` puts row r of every part together in block r (a
 reduce-scatter's bucket input: rank r's block is every member's block r).
+``as_bytes=True`` packs each part's bytes (uint8): an all-gather bucket of
+several dtypes, whose gathered blocks are viewed back as their dtypes.
 
 ``unpack_columns``: ``rows`` is a gathered bucket ``(world, n)``; member i owns
 columns ``[offsets[i], offsets[i] + sizes[i])`` of every row. The result is one
@@ -33,13 +35,18 @@ __all__ = ["pack", "unpack_columns", "FAKE_IMPLS"]
 
 
 @torch.library.custom_op("overlapc::pack", mutates_args=())
-def pack(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
-    """Parts viewed as (rows, -1), joined along dim 1, flattened (see the module docstring)."""
+def pack(parts: list[torch.Tensor], rows: int, as_bytes: bool = False) -> torch.Tensor:
+    """Parts viewed as (rows, -1), joined along dim 1, flattened (see the module docstring);
+    ``as_bytes``: each part's bytes (uint8), so that parts of several dtypes join."""
+    if as_bytes:
+        parts = [part.reshape(rows, -1).contiguous().view(torch.uint8) for part in parts]
     return torch.cat([part.reshape(rows, -1) for part in parts], dim=1).reshape(-1)
 
 
 @pack.register_fake
-def _pack_fake(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
+def _pack_fake(parts: list[torch.Tensor], rows: int, as_bytes: bool = False) -> torch.Tensor:
+    if as_bytes:
+        return parts[0].new_empty((sum(part.numel() * part.element_size() for part in parts),), dtype=torch.uint8)
     return parts[0].new_empty((sum(part.numel() for part in parts),))
 
 

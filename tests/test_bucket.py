@@ -28,7 +28,8 @@ AR = F.all_reduce.default
 class RankCollectives(fx.Interpreter):
     """Runs a graph with collectives replaced by local stand-ins for rank RANK.
 
-    Rank r's all-gather shard is x*(r+1)+r (gathered rank-major), its all-reduce
+    Rank r's all-gather shard is x with every byte XORed with r % 8 (``xor_bytes``; gathered
+    rank-major): the same whether a bucket gathers it typed or as bytes; its all-reduce
     input x*(r+1); rank r's
     reduce-scatter input is y with its blocks rotated by r, times r+1, so the
     reduced block RANK is sum over r of (r+1) * block (RANK+r) % W of y. Both act
@@ -37,7 +38,7 @@ class RankCollectives(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target == AG:
             x, world = args[0], args[1]
-            return torch.cat([x * (r + 1) + r for r in range(world)])
+            return torch.cat([xor_bytes(x, r) for r in range(world)])
         if target == RS:
             y, op, world = args[0], args[1], args[2]
             blocks = y.reshape(world, y.shape[0] // world, *y.shape[1:])
@@ -51,6 +52,14 @@ class RankCollectives(fx.Interpreter):
         if target == F.wait_tensor.default:
             return args[0].clone()
         return super().call_function(target, args, kwargs)
+
+
+def xor_bytes(x: torch.Tensor, r: int) -> torch.Tensor:
+    """``x`` with every byte XORed with r % 8: a stand-in for rank r's data that commutes with
+    viewing the bytes as another dtype (a byte bucket's gather), and flips only low bits of
+    each byte, so a float's exponent moves by a few steps and stays finite."""
+    flat = x.reshape(-1).contiguous().view(torch.uint8) ^ (r % 8)
+    return flat.view(x.dtype).reshape(x.shape)
 
 
 def assert_same_values(before, after, exact=True, seed=0):
@@ -83,9 +92,20 @@ def bucketed(fn, *shapes, bucket="module"):
 # ------------------------------------------------------------------ all-gathers
 
 
+def lead(x, kernels=4):
+    """``2 * kernels`` matmuls on ``x`` (n, 16) before anything reads a gathered result, summed
+    into one scalar: the window of every gather that follows holds them, so a bucket of
+    those gathers keeps its members' hiding intervals (``bucket._keeps_hiding``)."""
+    h = x
+    for _ in range(kernels):
+        h = h @ x.t() @ x   # (4, 16) -> (4, 4) -> (4, 16): two kernels
+    return h.sum()
+
+
 def uneven_gathers(x, w1, b1, w3, w4):
+    h = lead(x)
     g1 = wait(ag(w1))                       # (16, 16)
-    y = x @ g1
+    y = x @ g1 + h
     y = y + wait(ag(b1))                    # (16,)
     y = y @ wait(ag(w3)).reshape(16, 16)    # (8, 16, 2): 3-D, other dim 0
     g4 = wait(ag(w4))                       # (24, 16): used twice, and a graph output
@@ -150,24 +170,56 @@ def test_members_are_copied_out_together_before_the_first_consumer(fake_pg):
 
 
 def casts_and_transposes(x, a, b, c, d):
-    y = x @ wait(ag(a)).t()                                    # fp32
+    h = lead(x)
+    y = x @ wait(ag(a)).t() + h                                # fp32
     y = y @ wait(ag(b.to(torch.bfloat16))).float()             # bf16 (mixed precision cast)
     y = y @ wait(ag(c.t())).t()                                # fp32, non-contiguous shard
     y = y @ wait(ag(d.to(torch.bfloat16))).float().t()         # bf16
     return y
 
 
-def test_dtypes_bucket_apart_and_casts_and_transposes_are_copied_in(fake_pg):
+def test_dtypes_share_a_byte_bucket_and_casts_and_transposes_are_copied_in(fake_pg):
     original, gm, notes = bucketed(casts_and_transposes, (4, 16), (2, 16), (2, 16), (16, 2), (2, 16))
-    assert (count(original, AG), count(gm, AG)) == (4, 2)
-    assert [n.members for n in notes] == [("all_gather_into_tensor", "all_gather_into_tensor_2"),
-                                          ("all_gather_into_tensor_1", "all_gather_into_tensor_3")]
-    assert [n.nbytes for n in notes] == [2 * 256 * 4, 2 * 256 * 2]
+    assert (count(original, AG), count(gm, AG)) == (4, 1)
+    # laid out widest element first (fp32 a, c, then bf16 b, d), so every member's bytes are aligned
+    assert [n.members for n in notes] == [("all_gather_into_tensor", "all_gather_into_tensor_2",
+                                           "all_gather_into_tensor_1", "all_gather_into_tensor_3")]
+    assert [n.nbytes for n in notes] == [2 * 256 * 4 + 2 * 256 * 2]
     assert_same_values(original, gm)
+    start = next(n for n in gm.graph.nodes if n.name == notes[0].start)
+    assert start.meta["val"].dtype == torch.uint8 and start.meta["val"].numel() == WORLD * 2 * (2 * 16 * 6)
     s = Structure(gm)
-    bf16 = next(c for c in s.movable if c.dtype == torch.bfloat16)
-    chain = [n.target for n in s.start_bundle[bf16.start]]
+    chain = [n.target for n in s.start_bundle[start]]
     assert chain.count(torch.ops.aten._to_copy.default) == 2      # both casts travel with the bucket
+    views = [n for n in gm.graph.nodes if n.target == torch.ops.aten.view.dtype]
+    assert sorted(str(n.args[1]) for n in views) == ["torch.bfloat16"] * 2 + ["torch.float32"] * 2
+
+
+def mixed_gathers(a, b, c, d):
+    """Four dtypes, odd element counts: two results are graph outputs (a copy each), two are
+    read by a clone (copied out together)."""
+    return wait(ag(a)), wait(ag(b)), wait(ag(c)).clone(), wait(ag(d)).clone()
+
+
+@pytest.mark.parametrize("bucket", ["module", 1 << 20])
+def test_byte_buckets_are_bit_exact_for_every_dtype(fake_pg, bucket):
+    """fp32 (15 elements), bf16 (7), fp16 (3) and fp64 (6): one uint8 all-gather; each
+    member's gathered block viewed back as its dtype holds the same bits as its own gather."""
+    shapes, dtypes = ((3, 5), (1, 7), (3,), (2, 3)), (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    gm = trace(lambda a, b, c, d: mixed_gathers(a.to(dtypes[0]), b.to(dtypes[1]), c.to(dtypes[2]), d.to(dtypes[3])),
+               *shapes)
+    original = copy.deepcopy(gm)
+    notes = bucket_collectives(gm, bucket)
+    gm.recompile()
+    assert len(notes) == 1 and count(gm, AG) == 1
+    # fp64, fp32, then the 2-byte ones in consumer order (the fp16 one is read first, by its clone)
+    assert notes[0].members == ("all_gather_into_tensor_3", "all_gather_into_tensor", "all_gather_into_tensor_2",
+                                "all_gather_into_tensor_1")
+    inputs = random_inputs(original, seed=5)
+    expected, got = RankCollectives(original).run(*inputs), RankCollectives(gm).run(*inputs)
+    for e, g in zip(expected, got):
+        assert e.dtype == g.dtype and e.shape == g.shape
+        assert torch.equal(e.reshape(-1).view(torch.uint8), g.reshape(-1).view(torch.uint8))
 
 
 def test_byte_target_closes_a_bucket_before_it_would_overflow(fake_pg):
@@ -189,7 +241,8 @@ def test_byte_target_closes_a_bucket_before_it_would_overflow(fake_pg):
 
 def test_barrier_splits_buckets(fake_pg):
     def around_barrier(x, z, a, b, c, d):
-        x = x @ wait(ag(a)).t() @ wait(ag(b)).t()
+        h = lead(x)
+        x = x @ wait(ag(a)).t() @ wait(ag(b)).t() + h
         torch.ops.aten.add_(z, 1)
         return x @ wait(ag(c)).t() @ wait(ag(d)).t(), z
     original, gm, notes = bucketed(around_barrier, (4, 16), (2,), *[(2, 16)] * 4)
@@ -203,7 +256,8 @@ def test_barrier_splits_buckets(fake_pg):
 
 def test_a_result_that_feeds_another_collective_stays_out(fake_pg):
     def tied(x, a, b, c):
-        y = x @ wait(ag(a)).t()
+        h = lead(x)
+        y = x @ wait(ag(a)).t() + h
         scattered = wait(F.reduce_scatter_tensor(wait(ag(b)), "sum", WORLD, "0"))   # b's result is an input
         return y @ wait(ag(c)).t(), scattered
     original, gm, notes = bucketed(tied, (4, 16), (2, 16), (2, 16), (2, 16))
@@ -214,8 +268,9 @@ def test_a_result_that_feeds_another_collective_stays_out(fake_pg):
 
 def test_pieces_of_a_chunked_collective_stay_apart(fake_pg):
     def rows_and_weights(x, w, a, b):
+        h = lead(w)
         y = torch.mm(wait(ag(x)), w)               # gathered rows -> matmul: chunked into pieces
-        return y @ wait(ag(a)).t() @ wait(ag(b)).t()
+        return y @ wait(ag(a)).t() @ wait(ag(b)).t() + h
     gm = trace(rows_and_weights, (8, 16), (16, 16), (2, 16), (2, 16))
     original = copy.deepcopy(gm)
     # "auto" bytes: under "serial-peak" this tiny graph has no room for the bucket's copies
@@ -260,7 +315,7 @@ def test_reduce_scatter_bucket_waits_for_its_last_input_and_not_longer(fake_pg):
         first = wait(F.reduce_scatter_tensor(a * 2, "sum", WORLD, "0"))
         h = torch.tanh(b @ b)
         second = wait(F.reduce_scatter_tensor(h, "sum", WORLD, "0"))
-        return first, second, torch.relu(h)
+        return first, second, torch.relu(h) @ b @ b   # kernels after the last input: the bucket keeps hiding
     original, gm, notes = bucketed(late_input, (16, 4), (16, 16))
     names = [n.name for n in gm.graph.nodes]
     assert len(notes) == 1
@@ -282,16 +337,18 @@ def replicated_gradients(g1, g2, g3, g4, g5):
            wait(F.all_reduce((g3 - 1).t(), "avg", "0")),            # non-contiguous (16, 8)
            wait(F.all_reduce(g4 * 3, "sum", "0"))]                  # another reduce op: its own bucket
     shard = wait(F.reduce_scatter_tensor(g5, "sum", WORLD, "0"))
-    out.append(wait(F.all_reduce(shard / 2, "avg", "0")))           # HSDP-style chain: stays out
+    out.append(wait(F.all_reduce(shard / 2, "avg", "0")))           # HSDP-style chain: independent of the others
     return [o * 1 for o in out]
 
 
-def test_all_reduces_merge_with_the_same_values_and_chains_stay_out(fake_pg):
+def test_all_reduces_merge_with_the_same_values_chains_included(fake_pg):
+    """The chained all-reduce (of a reduce-scatter's result) reads no member's result: it
+    joins the bucket of the other "avg" all-reduces; its own upstream reduce-scatter stays."""
     original, gm, notes = bucketed(replicated_gradients, (16, 16), (24, 5), (8, 16), (4, 4), (16, 4),
                                    bucket=10 ** 6)
-    assert (count(original, AR), count(gm, AR)) == (5, 3)
+    assert (count(original, AR), count(gm, AR)) == (5, 2)
     assert [(n.kind, n.members, n.nbytes) for n in notes] == [
-        ("all_reduce", ("all_reduce", "all_reduce_1", "all_reduce_2"), 4 * (256 + 120 + 128))]
+        ("all_reduce", ("all_reduce", "all_reduce_1", "all_reduce_2", "all_reduce_4"), 4 * (256 + 120 + 128 + 8))]
     assert_same_values(original, gm)
     overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None))
     overlapc.verify(gm)
@@ -328,12 +385,15 @@ def tiny_graphs(fake_pg):
 def test_module_buckets_hold_one_block_each(tiny_graphs):
     forward, backward = copy.deepcopy(tiny_graphs["fw_0"]), copy.deepcopy(tiny_graphs["bw_0"])
     fw_notes, bw_notes = bucket_collectives(forward, "module"), bucket_collectives(backward, "module")
-    # forward: embed | layers.0 (6 parameters) | layers.1 (6) | norm (2) | output
-    assert (count(tiny_graphs["fw_0"], AG), count(forward, AG)) == (16, 5)
+    # forward: embed | layers.0 (6 parameters) | layers.1 (6) | norm (2) | output. layers.0's
+    # gathers come first in the graph, with no kernel before its norm: the down projection's
+    # bias, read last, would lose the kernels it can hide under (the norm and two matmuls)
+    # to a bucket of its two projections' bytes, so it stays out (bucket._keeps_hiding)
+    assert (count(tiny_graphs["fw_0"], AG), count(forward, AG)) == (16, 6)
     assert [(block_of(n.modules[0]), len(n.members)) for n in fw_notes] == [
-        ("layers.0", 6), ("layers.1", 6), ("norm", 2)]
+        ("layers.0", 5), ("layers.1", 6), ("norm", 2)]
     assert fw_notes[0].modules == ("layers.0.norm", "layers.0.norm", "layers.0.up", "layers.0.up",
-                                   "layers.0.down", "layers.0.down")
+                                   "layers.0.down")
     # backward: gradients reduce-scattered per block, last block first
     assert (count(tiny_graphs["bw_0"], RS), count(backward, RS)) == (16, 5)
     scattered = [n for n in bw_notes if n.kind == "reduce_scatter"]
@@ -354,8 +414,11 @@ def test_module_buckets_hold_one_block_each(tiny_graphs):
 def test_byte_target_on_the_captured_model_ignores_modules(tiny_graphs):
     forward = copy.deepcopy(tiny_graphs["fw_0"])
     notes = bucket_collectives(forward, 1 << 30)
-    assert count(forward, AG) == 1 and len(notes[0].members) == 16
-    assert len({block_of(m) for m in notes[0].modules}) == 5
+    # by size only, across blocks; where a bucket would lose a member's hiding kernels it
+    # closes (bucket._keeps_hiding): the embedding's gather alone, then three buckets
+    assert count(forward, AG) == 4 and [len(n.members) for n in notes] == [5, 6, 4]
+    assert [sorted({block_of(m) for m in n.modules}) for n in notes] == [
+        ["layers.0"], ["layers.0", "layers.1"], ["layers.1", "norm", "output"]]
 
 
 def test_without_module_information_module_mode_uses_the_default_target(fake_pg):
@@ -454,7 +517,9 @@ def test_same_buckets_whatever_the_hash_seed(fake_pg, two_groups):
         outputs.add(done.stdout)
     assert len(outputs) == 1
     output = outputs.pop()
-    assert output.count("kind='all_gather'") == 3 and output.count("kind='reduce_scatter'") == 4, output
+    # all-gathers in two lanes (by group: bf16 and fp32 share byte buckets), three buckets where
+    # a bucket would lose hiding matmuls; reduce-scatters in three buckets likewise
+    assert output.count("kind='all_gather'") == 3 and output.count("kind='reduce_scatter'") == 3, output
 
 
 # ------------------------------------------------------------------ property test
@@ -742,6 +807,8 @@ def _placeholders_behind(node):
 
 
 def four_projections(x, a, b, c, d):
+    for _ in range(4):   # kernels (extern matmuls) before the first gathered weight is read: see lead
+        x = x @ x.permute(1, 0) @ x
     y = x @ wait(ag(a)).permute(1, 0)
     y = y @ wait(ag(b)).permute(1, 0)
     y = y @ wait(ag(c)).permute(1, 0)
@@ -786,12 +853,13 @@ def _gathers_at_the_peak(x, a, b):
     """The gathered weights' consumers run while a large result lives (a graph output):
     they are the graph's peak, where a bucket's copies (twice the bucket) have no room."""
     big = x.repeat(64, 1)
-    return x @ wait(ag(a)).t() @ wait(ag(b)).t(), big
+    h = lead(x)
+    return (x + h) @ wait(ag(a)).t() @ wait(ag(b)).t(), big
 
 
 def _gathers_after_the_peak(x, a, b):
     """The same gathers after the large result has died: room for the bucket's copies."""
-    s = x.repeat(64, 1).sum()
+    s = x.repeat(64, 1).sum() + lead(x)
     return (x + s) @ wait(ag(a)).t() @ wait(ag(b)).t()
 
 
@@ -811,3 +879,238 @@ def test_serial_peak_buckets_only_where_their_copies_fit(fake_pg, fn, forms):
     spent = trace(fn, *shapes)
     assert overlapc.passes.pipeline.run(spent, overlapc.OverlapConfig(bucket=1 << 20, max_in_flight_bytes="auto",
                                                                       on_error="raise")).buckets
+
+
+# ------------------------------------------------------------------ buckets keep hiding intervals
+
+
+def _hiding_kernel_reads_a_member(a, b, w):
+    """b's gather can hide under the matmul that reads a's result: one bucket would be waited
+    before it (upstream's test_no_bucketing_with_dependent_hiding_nodes)."""
+    g1 = wait(ag(a))
+    mm2 = g1[:2] @ w
+    g2 = wait(ag(b))
+    return mm2.sum() + g2.sum()
+
+
+def _input_from_a_hiding_kernel(a, w):
+    """The second gather's input is the matmul that can hide the first: one bucket would be
+    issued after it (upstream's test_no_bucketing_when_collective_depends_on_hiding_node)."""
+    g1 = wait(ag(a))
+    mm1 = a @ w
+    g2 = wait(ag(mm1 * 2))
+    return g1.sum() * g2.sum()
+
+
+def _nested_interval(a, b, w):
+    """The first gather's result is needed by the matmul that can hide the second
+    (upstream's test_cant_bucket_nested_hiding_intervals)."""
+    h1, h2 = ag(a), ag(b)
+    g2 = wait(h2)
+    mm1 = (w + g2[:2, :2]) @ w
+    return wait(h1).sum() + mm1.sum()
+
+
+def _shared_window(a, b, w):
+    """Both gathers are waited after both matmuls: a bucket loses nothing
+    (upstream's test_can_bucket_independent_collectives)."""
+    h1, h2 = ag(a), ag(b)
+    mm1, mm2 = w @ w, (w + 1) @ w
+    return wait(h1).sum() + wait(h2).sum() + mm1.sum() + mm2.sum()
+
+
+def _exposed_with_hidden(a, b, c, w):
+    """One matmul, three gathers read after it: it hides one of them, alone or bucketed
+    (upstream's test_bucket_exposed_with_hidden_single_overlap)."""
+    mm = w @ w
+    return wait(ag(a)).sum() + wait(ag(b)).sum() + wait(ag(c)).sum() + mm.sum()
+
+
+@pytest.mark.parametrize("bucket", ["module", 1 << 20])
+@pytest.mark.parametrize("fn, shapes, merged", [
+    (_hiding_kernel_reads_a_member, ((2, 2), (2, 2), (2, 2)), False),
+    (_input_from_a_hiding_kernel, ((2, 2), (2, 2)), False),
+    (_nested_interval, ((2, 2), (2, 2), (2, 2)), False),
+    (_shared_window, ((2, 2), (2, 2), (2, 2)), True),
+    (_exposed_with_hidden, ((2, 2), (2, 2), (2, 2), (2, 2)), True),
+])
+def test_a_bucket_never_loses_a_members_hiding_kernel(fake_pg, bucket, fn, shapes, merged):
+    """In every bucket mode, members whose bucket would lose a kernel one of them could hide
+    under stay apart; members whose common window keeps what they had merge."""
+    original, gm, notes = bucketed(lambda *xs: (fn(*xs),), *shapes, bucket=bucket)
+    assert bool(notes) is merged, [n.members for n in notes]
+    assert_same_values(original, gm)
+
+
+def test_auto_buckets_keep_hiding_kernels_too(fake_pg):
+    """``bucket="auto"`` (small members under the group's largest): the same rule."""
+    def small_and_large(a, b, big, w):
+        g1 = wait(ag(a))
+        mm2 = g1[:2] @ w                 # can hide b's gather, but reads a's
+        return mm2.sum() + wait(ag(b)).sum() + wait(ag(big)).sum()
+    _, _, notes = bucketed(small_and_large, (2, 2), (2, 2), (16, 16), (2, 2), bucket="auto")
+    assert notes == []
+    _, _, notes = bucketed(_shared_window, (2, 2), (2, 2), (2, 2), bucket="auto")
+    assert notes == []   # two equal members: "auto" caps a bucket at the largest, as before
+    _, _, notes = bucketed(lambda a, b, big, w: _shared_window(a, b, w) + wait(ag(big)).sum(),
+                           (2, 2), (2, 2), (16, 16), (2, 2), bucket="auto")
+    assert [n.members for n in notes] == [("all_gather_into_tensor", "all_gather_into_tensor_1")]
+
+
+@st.composite
+def kernel_programs(draw):
+    """A chain of matmuls and pointwise ops on ``w``, with gathers read between them; a
+    gather's input is a graph input or an earlier matmul's result."""
+    steps = draw(st.lists(st.sampled_from(["mm", "add", "gather", "use"]), min_size=3, max_size=14))
+    return dict(steps=steps, from_mm=draw(st.lists(st.booleans(), min_size=len(steps), max_size=len(steps))),
+                bucket=draw(st.sampled_from(["module", 1 << 20, 200])))
+
+
+def kernel_program(p):
+    def fn(w, *shards):
+        pending, out, mm = [], w.sum() * 0, None
+        for i, step in enumerate(p["steps"]):
+            if step == "mm":
+                w = mm = torch.tanh(w @ w.t())   # a kernel, and a pointwise op that keeps values finite
+            elif step == "add":
+                w = w + 1
+            elif step == "gather":
+                source = mm if p["from_mm"][i] and mm is not None else shards[i]
+                pending.append(ag(source))
+            elif pending:
+                out = out + wait(pending.pop(0)).sum() * w[0, 0]
+        for h in pending:
+            out = out + wait(h).sum()
+        return (out + w.sum(),)
+    return fn
+
+
+def _window(gm, start_name):
+    """(position of the last node the gather's input is, position of its wait's first
+    reader that is no view), read off ``gm`` as it stands."""
+    nodes = list(gm.graph.nodes)
+    start = next(n for n in nodes if n.name == start_name)
+    wait_node = next(iter(start.users))
+    readers = [u for u in wait_node.users]
+    while any(u.target in VIEWS for u in readers):
+        readers = [v for u in readers for v in (u.users if u.target in VIEWS else [u])]
+    return nodes.index(start.args[0]), min(nodes.index(u) for u in readers)
+
+
+@settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "50")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=kernel_programs())
+def test_random_buckets_keep_a_matmul_for_each_member_that_had_one(fake_pg, p):
+    """Counted on the graph before bucketing, independently of the pass: every bucket's
+    common window (last input ready, first result needed) holds at least as many matmuls
+    as the bucket's bytes in units of the largest gather, or as many as its members'
+    windows together hold, whichever is fewer; the values stay the same."""
+    gm = trace(kernel_program(p), (2, 2), *[(2, 2)] * len(p["steps"]))
+    original = copy.deepcopy(gm)
+    largest = max((n.meta["val"].numel() * 4 for n in gm.graph.nodes if n.target == AG), default=0)
+    notes = bucket_collectives(gm, p["bucket"])
+    gm.recompile()
+    mms = [i for i, n in enumerate(original.graph.nodes) if n.target == torch.ops.aten.mm.default]
+    for note in notes:
+        windows = [_window(original, name) for name in note.members]
+        low, high = max(r for r, _ in windows), min(t for _, t in windows)
+        first, last = min(r for r, _ in windows), max(t for _, t in windows)
+        kept = sum(low < i < high for i in mms)
+        assert kept >= min(-(-note.nbytes // largest), sum(first < i < last for i in mms)), (note, windows)
+    assert_same_values(original, gm)
+
+
+# ------------------------------------------------------------------ chained collectives
+
+
+def test_chained_all_reduces_bucket_by_level(fake_pg):
+    """Two independent chains of two all-reduces (loss-parallel cross-entropy: a sum of
+    exponentials, then the result that reads it): the first level merges, the second
+    merges, never a level with the one that reads it (upstream's
+    test_manual_bucket_splits_dependent_all_reduce)."""
+    def two_chains(a, b, c, d):
+        s0, s1 = wait(F.all_reduce(a, "sum", "0")), wait(F.all_reduce(b, "sum", "0"))
+        r0, r1 = wait(F.all_reduce(s0 + c, "sum", "0")), wait(F.all_reduce(s1 + d, "sum", "0"))
+        return (r0.sum() + r1.sum(),)
+    for bucket in ("module", 1 << 20):
+        original, gm, notes = bucketed(two_chains, *[(4, 4)] * 4, bucket=bucket)
+        assert [n.members for n in notes] == [("all_reduce", "all_reduce_1"), ("all_reduce_2", "all_reduce_3")]
+        assert_same_values(original, gm, exact=False)
+        overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise"))
+        overlapc.verify(gm)
+
+
+def test_both_levels_of_hsdp_chains_bucket(fake_pg):
+    """HSDP's reduce-scatter -> all-reduce, twice: the reduce-scatters merge, and the
+    all-reduces, whose inputs are the reduce-scatters' waits themselves, merge reading
+    the first bucket's results."""
+    def hsdp(a, b):
+        s0 = wait(F.reduce_scatter_tensor(a, "sum", WORLD, "0"))
+        s1 = wait(F.reduce_scatter_tensor(b, "sum", WORLD, "0"))
+        return wait(F.all_reduce(s0, "avg", "0")), wait(F.all_reduce(s1, "avg", "0"))
+    original, gm, notes = bucketed(hsdp, (16, 4), (8, 4), bucket=1 << 20)
+    assert [(n.kind, n.members) for n in notes] == [
+        ("reduce_scatter", ("reduce_scatter_tensor", "reduce_scatter_tensor_1")),
+        ("all_reduce", ("all_reduce", "all_reduce_1"))]
+    assert_same_values(original, gm, exact=False)
+    overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise"))
+    overlapc.verify(gm)
+
+
+@st.composite
+def chain_forests(draw):
+    """Chains of all-reduces, or a reduce-scatter then all-reduces (each level reads the
+    previous level's result, directly or plus an input)."""
+    return dict(depths=draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)),
+                direct=draw(st.booleans()),   # a level reads the previous wait itself, or through compute
+                head=draw(st.sampled_from(["all_reduce", "reduce_scatter"])),   # HSDP: reduce-scatter first
+                bucket=draw(st.sampled_from(["module", 1 << 20, 64])))
+
+
+def chain_forest(p):
+    """The chains level by level (every chain's first collective, then every second one:
+    HSDP's order), each chain ending with an input added."""
+    def fn(*xs):
+        it = iter(xs)
+        values = [next(it) for _ in p["depths"]]
+        for level in range(max(p["depths"])):
+            for i, depth in enumerate(p["depths"]):
+                if level >= depth:
+                    continue
+                x = values[i] if p["direct"] or level == 0 else values[i] * 0.5
+                if level == 0 and p["head"] == "reduce_scatter":
+                    values[i] = wait(F.reduce_scatter_tensor(x, "sum", WORLD, "0"))   # (8, 4) -> (1, 4)
+                else:
+                    values[i] = wait(F.all_reduce(x, "sum", "0"))
+        return tuple(v + next(it) for v in values)
+    return fn
+
+
+def _ancestors(node):
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+@settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "50")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=chain_forests())
+def test_random_chains_bucket_only_independent_collectives(fake_pg, p):
+    """On the graph before bucketing, no bucket holds a collective and one that reads its
+    result (through any path); the values stay the same and the schedule verifies."""
+    gm = trace(chain_forest(p), *[(8, 4)] * (2 * len(p["depths"])))
+    original = copy.deepcopy(gm)
+    notes = bucket_collectives(gm, p["bucket"])
+    gm.recompile()
+    starts = {n.name: n for n in original.graph.nodes}
+    for note in notes:
+        members = [starts[name] for name in note.members]
+        for m in members:
+            assert not any(other in _ancestors(m) for other in members if other is not m), note
+    assert_same_values(original, gm, exact=False)
+    overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise"))
+    overlapc.verify(gm)

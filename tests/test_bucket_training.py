@@ -4,7 +4,8 @@ steps under backend="overlapc" with options {"bucket": "module"} and {"bucket": 
 Losses must match (fp32: rtol 1e-5; bf16 param_dtype: bf16 tolerance) with
 reshard_after_forward True and False, and the bucketed run must really start
 fewer collectives per step (counted by torch.profiler): one all-gather and one
-reduce-scatter per block instead of one per parameter. The Inductor run (one
+reduce-scatter per block (the first block a graph meets may take more) instead of
+one per parameter. The Inductor run (one
 variant: Inductor compiles cost ~40 s here) checks that Inductor lowers the
 bucket's copy-in and copy-out; the others use inner="aot_eager".
 """
@@ -100,11 +101,14 @@ def test_bucketed_training_matches_unbucketed(results, variant, rtol, atol):
 @pytest.mark.parametrize("variant", ["fp32_reshard", "fp32_keep", "bf16_reshard", "bf16_keep"])
 def test_bucketing_starts_one_collective_per_block(results, variant):
     # the forward gathers every parameter; with reshard_after_forward the backward gathers
-    # again those it needs (one bucket per block at most)
+    # again those it needs (one bucket per block at most). The block a graph meets first
+    # (layers.0's gathers in the forward, its gradients last in the backward) has no kernel
+    # before it that could hide the whole block: one bucket would lose its later members'
+    # hiding kernels, so it may be two or three (bucket._keeps_hiding), never one per parameter
     passes = 2 if variant.endswith("reshard") else 1
     for rank, per_rank in enumerate(results):
         _, plain = per_rank[(variant, None)]
         _, bucketed = per_rank[(variant, "module")]
         assert plain["all_gather"] > PARAMETERS * (passes - 1) and plain["reduce_scatter"] == PARAMETERS, plain
-        assert BLOCKS <= bucketed["all_gather"] <= BLOCKS * passes, (rank, variant, bucketed)
-        assert bucketed["reduce_scatter"] == BLOCKS, (rank, variant, bucketed)
+        assert BLOCKS <= bucketed["all_gather"] <= (BLOCKS + 2) * passes, (rank, variant, bucketed)
+        assert BLOCKS <= bucketed["reduce_scatter"] <= BLOCKS + 2 < PARAMETERS, (rank, variant, bucketed)

@@ -162,7 +162,7 @@ _ALIASES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, to
             torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.expand.default,
             torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.alias.default,
             torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default, torch.ops.aten.split.Tensor,
-            torch.ops.aten.split_with_sizes.default, operator.getitem}
+            torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.dtype, operator.getitem}
 _BARRIERS = {torch.ops.aten.add_.Tensor, torch.ops.aten.copy_.default}   # the tests' barriers: writes into inputs
 
 
