@@ -281,6 +281,8 @@ def _match(start: fx.Node, position: dict) -> _Match | None:
     if not narrowing:
         if amaxes:
             raise _Refused("an amax of the gathered value, but no narrowing cast")
+        if boundary and _reaches_narrowing(start):
+            raise _Refused(_full_width(*boundary[0]))
         return None
     casts = _cut(wait, parent, kinds, boundary, gathered.dtype)
     below = _below(casts, parent)
@@ -349,10 +351,20 @@ def _cut(wait: fx.Node, parent: dict, kinds: dict, boundary: list, dtype: torch.
             if kinds[step] == "cast" and size < dtype.itemsize and (best is None or size <= _val(best).dtype.itemsize):
                 best = step
         if best is None:
-            raise _Refused(f"{user.name} ({_op_name(user)}) reads the gathered value at full width")
+            raise _Refused(_full_width(node, user))
         if best not in casts:
             casts.append(best)
     return casts
+
+
+def _full_width(node: fx.Node, user: fx.Node) -> str:
+    """Why ``user`` reading region node ``node`` stops the rewrite, in words."""
+    if user.target is aten.slice.Tensor:
+        return (f"{user.name} (slice) reads the gathered value at full width and keeps part of it (uneven "
+                f"shards: the padding of other ranks is not in this graph)")
+    if user.op == "output":
+        return f"the graph output reads {node.name} (the gathered value at full width; saved for the backward?)"
+    return f"{user.name} ({_op_name(user)}) reads the gathered value at full width"
 
 
 def _below(casts: list, parent: dict) -> set:
