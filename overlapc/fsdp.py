@@ -29,10 +29,10 @@ nothing else changes (in-place ops, buffer updates such as BatchNorm's running
 stats, and random ops run once, as without sharding). Any saved-tensor hooks
 already active (an outer activation checkpoint) still see every other saved
 tensor. Under ``torch.compile`` that forward runs in a selective activation
-checkpoint whose policy recomputes all-gathers, waits, views, casts of the
-region's inputs, and the elementwise ops and full maxes computed from gathered
-parameters alone (a float8 weight's amax, scale, clamp and cast), and saves
-everything else: the backward graph holds the all-gathers again and only what
+checkpoint whose policy recomputes all-gathers, waits, views, casts (but a
+float8 cast of an activation), and the elementwise ops and full maxes computed
+from gathered parameters alone (a float8 weight's amax, scale, clamp and cast),
+and saves everything else: the backward graph holds the all-gathers again and only what
 the backward uses is saved. A parameter read outside its owner's
 forward is gathered there without these hooks, so it is kept.
 
@@ -617,10 +617,9 @@ class _WeightPolicy:
       that the backward gathers the parameter again and recomputes what it needs (a float8
       weight: its amax, scale, clamp and cast) instead of the forward saving a full-size
       value derived from it;
-    - a dtype cast is recomputed only when it reads such values or the region's inputs (the
-      shards' ``param_dtype`` cast); a cast of other compute (a float8 linear's cast of its
-      input activation) is saved, so the backward keeps its 1-byte result and not the fp32
-      value before it.
+    - a cast to float8 of other compute (a float8 linear's cast of its input activation) is
+      saved, so the backward keeps its 1-byte result and not the fp32 value before it; every
+      other cast is recomputed as before.
 
     One per checkpoint region: it remembers (by identity, weakly) the tensors the region
     produced and those that derive from gathered parameters."""
@@ -634,9 +633,9 @@ class _WeightPolicy:
         policy = _recompute_policy(ctx, op, *args, **kwargs)
         inputs = _flat_tensors(args, kwargs)
         from_weights = bool(inputs) and all(a in self.derived for a in inputs)
-        if op is torch.ops.aten._to_copy.default:
-            outside = all(a in self.derived or a not in self.produced for a in inputs)
-            policy = CheckpointPolicy.MUST_RECOMPUTE if outside else CheckpointPolicy.MUST_SAVE
+        if op is torch.ops.aten._to_copy.default and _to_float8(kwargs) and not all(
+                a in self.derived or a not in self.produced for a in inputs):
+            policy = CheckpointPolicy.MUST_SAVE   # a float8 cast of other compute: keep the 1-byte value
         elif policy is CheckpointPolicy.MUST_SAVE and from_weights and self._cheap(op):
             policy = CheckpointPolicy.MUST_RECOMPUTE
         outputs = _flat_tensors(ctx.op_output, {})
@@ -652,6 +651,11 @@ class _WeightPolicy:
         tags = getattr(op, "tags", ())
         elementwise = torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
         return elementwise or op in _WEIGHT_REDUCTIONS
+
+
+def _to_float8(kwargs) -> bool:
+    dtype = kwargs.get("dtype")
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize == 1
 
 
 def _flat_tensors(args, kwargs) -> list:
