@@ -705,7 +705,7 @@ def report(args, per_rank: list[dict]) -> int:
     worst, worst_at = 0.0, None
     ref = sharded[0] if sharded else None
     for res in per_rank:
-        for name in sharded + (["compute_only"] if "compute_only" not in errors else []):
+        for name in sharded + (["compute_only"] if "compute_only" in measured and "compute_only" not in errors else []):
             a, b = res["losses"][name], res["losses"][ref]
             upto = 1 if name == "compute_only" else len(b)  # unsharded: no gradient averaging after step 0
             for i in range(upto):
