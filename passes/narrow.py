@@ -24,7 +24,7 @@ that end in
   narrowest on each path, the last of equals); what reads their results is not
   looked at, and
 * *amaxes*: ``max`` (or ``amax`` over every dim) of ``abs`` of such a value,
-  computed without 0-d operands,
+  reached from W through views, casts and ``neg`` alone,
 
 where every 0-d operand is computed, through 0-d ops alone, from graph inputs,
 constants and those amaxes (torchao's dynamic per-tensor scale:
@@ -89,6 +89,9 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
           aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.clone.default}
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 _MAXES = {aten.max.default, aten.amax.default}
+# ops an amax may read the value through: with abs they commute with rounding (Inductor's fused
+# code may skip a bfloat16 rounding before them: the max of the rounded values is the rounded max)
+_MONOTONE = {aten.abs.default, aten.neg.default}
 _SCALED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # amax dtypes whose float32 value is exact
 
 
@@ -294,6 +297,8 @@ def _match(start: fx.Node, position: dict) -> _Match | None:
         for node in _path(amax.args[0], wait, parent):
             if kinds.get(node) == "elementwise" and len(_tensor_operands(node)) > 1:
                 raise _Refused(f"amax {amax.name} of a scaled value ({node.name})")
+            if kinds.get(node) == "elementwise" and node.target not in _MONOTONE:
+                raise _Refused(f"amax {amax.name} of {node.name} ({_op_name(node)}), not of the value's abs")
     scale_nodes = _scale_nodes(casts, wait, parent, kinds, set(amaxes), set(parent))
     shard = start.args[0]
     shard_value = _val(shard)

@@ -169,6 +169,7 @@ def test_amaxes_of_one_group_share_one_all_reduce_and_groups_get_their_own(fake_
     ("full_width", "reads the gathered value at full width"),
     ("scaled_amax", "of a scaled value"),
     ("activation_scale", "a scale reads"),
+    ("sin_amax", "not of the value's abs"),
     ("uneven", "reads the gathered value at full width"),
 ])
 def test_what_it_cannot_prove_stays_with_a_reason(fake_pg, case, reason):
@@ -184,6 +185,11 @@ def test_what_it_cannot_prove_stays_with_a_reason(fake_pg, case, reason):
     def activation_scale(shard, x):
         w = _gathered(shard)
         return (w.to(torch.float32) * x.abs().max()).to(E4M3)
+
+    def sin_amax(shard, x):   # rounding does not commute with sin: a fused bf16 cast could change the max
+        w = _gathered(shard)
+        scale = 448.0 / w.sin().abs().max().to(torch.float32)
+        return (w.to(torch.float32) * scale).to(E4M3)
 
     def uneven(shard, x):   # DTensor's padded gather: a slice drops the other ranks' padding
         return _gathered(shard, torch.float32)[:13].to(torch.bfloat16)
