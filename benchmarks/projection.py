@@ -32,6 +32,12 @@ cores). ``--recapture`` calls ``capture`` once per option set instead, and
 ``--check-capture`` verifies on the first world size that both ways give the
 same node order.
 
+``--float8``: every linear but the output head converted by torchao's
+``convert_to_float8_training`` (dynamic per-tensor scaling; issue 42), and
+the rows are the original order, overlapc with ``narrow_gathers=False``
+(weights gathered in bf16, then cast) and overlapc's defaults (float8
+gathers); every row adds its all-gather bytes per step.
+
 The JSON holds ``provenance`` (benchmarks/provenance.py: commit, torch,
 machine, date, command), the model and, per world size, the rows below. The
 numbers are simulated, so a loaded machine changes only the wall times.
@@ -69,6 +75,10 @@ OPTION_SETS = {
     "overlapc_nobucket": {"bucket": None},
     "overlapc_bucket_module": {"bucket": "module"},
 }
+FLOAT8_OPTION_SETS = {
+    "overlapc, narrow off": {"narrow_gathers": False},
+    "overlapc (default)": {},
+}
 DEFAULT_ROW = "overlapc (default)"
 
 
@@ -87,6 +97,7 @@ def parse_args(argv=None):
                    help="check that schedule() on the captured graphs equals capture() with the options")
     p.add_argument("--hsdp", type=int, default=None, metavar="K",
                    help="also simulate HSDP over K nodes (K x world/K) for each world size above 8")
+    p.add_argument("--float8", action="store_true", help="torchao float8 linears (all but the output head)")
     p.add_argument("--json", default=None)
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child: one world size
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -105,6 +116,9 @@ def _build(args, mesh):
 
     with torch.device("meta"):
         model = Llama(LlamaConfig.llama2_7b(args.layers))
+    if args.float8:
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "output")
     overlapc.fsdp.shard(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     return model, (tokens, tokens)
@@ -154,7 +168,7 @@ def one_world_size(args) -> dict:
 
     def add_row(name, graphs, orders=None, gemm_only=False):
         step = exposed = bound = 0.0
-        peak = peak_mem = 0
+        peak = peak_mem = gathered = 0
         parts = {}
         for i, gm in enumerate(graphs):
             compute_ms = gemm_only_ms if gemm_only else None
@@ -164,17 +178,19 @@ def one_world_size(args) -> dict:
             bound += simulated_bound(gm, tl)
             peak = max(peak, tl.peak_in_flight_bytes)
             peak_mem = max(peak_mem, tl.peak_bytes)
+            gathered += sum(c.nbytes or 0 for c in overlapc.collectives(gm) if c.kind == "all_gather")
             parts[base[i].name] = {"step_ms": tl.step_ms, "exposed_ms": tl.exposed_ms,
                                    "peak_in_flight_bytes": tl.peak_in_flight_bytes,
                                    "peak_bytes": tl.peak_bytes, "collectives": tl.total, "hidden": tl.hidden}
         (gemm_rows if gemm_only else rows)[name] = {
             "step_ms": step, "exposed_ms": exposed, "exposed_pct": 100 * exposed / step,
-            "bound_ms": bound, "peak_in_flight_bytes": peak, "peak_bytes": peak_mem, "graphs": parts}
+            "bound_ms": bound, "peak_in_flight_bytes": peak, "peak_bytes": peak_mem, "graphs": parts,
+            "all_gather_bytes": gathered}
 
     add_row("original order", [r.gm for r in base], [r.before_order for r in base])
     add_row("original order", [r.gm for r in base], [r.before_order for r in base], gemm_only=True)
     checked = None
-    for name, options in OPTION_SETS.items():
+    for name, options in (FLOAT8_OPTION_SETS if args.float8 else OPTION_SETS).items():
         if args.recapture:
             recs = timed_capture(options)
             assert [r.name for r in recs] == [r.name for r in base]
@@ -244,7 +260,8 @@ def main(argv=None) -> int:
         return 0
 
     t_start = time.perf_counter()
-    log(f"Llama-2-7B shape, {args.layers} layers{'' if args.layers == 32 else ' (NOT the full 32)'}, "
+    log(f"Llama-2-7B shape{', float8 linears (torchao)' if args.float8 else ''}, "
+        f"{args.layers} layers{'' if args.layers == 32 else ' (NOT the full 32)'}, "
         f"bf16 params (param_dtype), fp32 reduce-scatter, batch {args.batch} x seq {args.seq} per GPU, "
         f"reshard_after_forward=True, meta device + fake process group")
     results = []
@@ -290,7 +307,7 @@ def main(argv=None) -> int:
                                               "elementwise/softmax free, as if perfectly fused")):
             print(f"  {title}")
             print(f"  {'order':26s} {'step ms':>9s} {'bound ms':>9s} {'/ bound':>8s} {'exposed ms':>11s} "
-                  f"{'exposed %':>10s} {'peak in-flight':>15s} {'peak memory':>12s}")
+                  f"{'exposed %':>10s} {'peak in-flight':>15s} {'peak memory':>12s} {'gathered':>10s}")
             for name, row in res[key].items():
                 if "error" in row:
                     print(f"  {name:26s} error: {row['error']}")
@@ -298,7 +315,7 @@ def main(argv=None) -> int:
                 print(f"  {name:26s} {row['step_ms']:9.2f} {row['bound_ms']:9.2f} "
                       f"{row['step_ms'] / row['bound_ms']:7.3f}x {row['exposed_ms']:11.2f} "
                       f"{row['exposed_pct']:9.2f}% {_gb(row['peak_in_flight_bytes']):>15s} "
-                      f"{_gb(row['peak_bytes']):>12s}")
+                      f"{_gb(row['peak_bytes']):>12s} {_gb(row.get('all_gather_bytes', 0)):>10s}")
             print()
     first = next((r for r in results if r["world_size"] == 8), None)
     if first is not None:
@@ -334,7 +351,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"provenance": provenance({"loadavg_at_write": os.getloadavg()}),
                        "model": {"name": "Llama-2-7B shape", "layers": args.layers, "dim": 4096, "heads": 32,
-                                 "ffn": 11008, "vocab": 32000, "param_dtype": "bfloat16",
+                                 "ffn": 11008, "vocab": 32000, "param_dtype": "bfloat16", "float8": args.float8,
                                  "reduce_dtype": "float32", "reshard_after_forward": True},
                        "batch_per_gpu": args.batch, "seq": args.seq, "device": "h100",
                        "results": results, "total_s": total}, f, indent=2)

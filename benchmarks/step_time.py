@@ -53,6 +53,17 @@ The DDP case (``--ddp``, on its own: a few minutes), same model, link and bounds
   peak memory    as below; DDP's buckets (allocated when DDP is built) live before the step,
                  so DDP eager's peak does not count them
 
+The float8 case (``--float8``, on its own; issue 42), same link and Llama:
+every linear but the output head converted by torchao's
+``convert_to_float8_training`` (dynamic per-tensor scaling), sharded with
+bf16 parameters and fp32 reductions:
+
+  overlapc_bf16      the same model without float8 (overlapc.fsdp.shard, param_dtype=bf16)
+  overlapc_fp8_wide  float8, narrow_gathers=False: weights gathered in bf16, then cast
+  overlapc_fp8       float8, the defaults: weights cast on the shard, gathered as float8 (uint8)
+  all-gather bytes   per variant, from its dumps (rank 0, forward + backward graphs)
+  losses             overlapc_fp8 equals overlapc_fp8_wide bit for bit; no bounds are run
+
 A variant whose effective OverlapConfig equals an earlier one's (overlapc_k3 =
 overlapc while the default is max_in_flight=3) is compiled and timed once and
 reported under both names ("same_as" in the JSON). Inductor's overlap scheduler
@@ -119,6 +130,7 @@ if HERE not in sys.path:
 from harness import concurrent_step, profile_step, run_worker_on_shaped_link, write_json  # noqa: E402
 
 DDP_VARIANTS = ["ddp_eager", "ddp_inductor", "overlapc_ddp", "overlapc_ddp_unlimited"]
+FLOAT8_VARIANTS = ["overlapc_bf16", "overlapc_fp8_wide", "overlapc_fp8"]
 MODEL_VARIANTS = [
     "fsdp2_eager", "inductor", "inductor_pinned", "inductor_reorder", "inductor_overlap_scheduler",
     "overlapc", "overlapc_auto_bytes", "overlapc_bucket_module", "overlapc_nobucket", "overlapc_k2", "overlapc_k3",
@@ -134,7 +146,8 @@ OVERLAPC_OPTIONS = {"overlapc": {}, "overlapc_auto_bytes": {"max_in_flight_bytes
                     "overlapc_count_none": {"max_in_flight": None},
                     "overlapc_count_only": {"max_in_flight": 2, "max_in_flight_bytes": None},
                     "overlapc_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None},
-                    "overlapc_ddp": {}, "overlapc_ddp_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None}}
+                    "overlapc_ddp": {}, "overlapc_ddp_unlimited": {"max_in_flight": None, "max_in_flight_bytes": None},
+                    "overlapc_bf16": {}, "overlapc_fp8_wide": {"narrow_gathers": False}, "overlapc_fp8": {}}
 INDUCTOR_OPTIONS = {"inductor": None, "inductor_pinned": {"reorder_for_peak_memory": False},
                     "inductor_reorder": {"reorder_for_compute_comm_overlap": True}}
 LOSS_RTOL = 1e-3
@@ -164,6 +177,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--ddp", action="store_true",
                    help=f"the DDP case instead: {DDP_VARIANTS} (replicate N x shard 1) and DDP's bounds")
+    p.add_argument("--float8", action="store_true",
+                   help=f"the float8 case instead: {FLOAT8_VARIANTS} (torchao float8 linears, bf16 parameters)")
     p.add_argument("--variants", nargs="*", default=None,
                    help=f"subset of {MODEL_VARIANTS} (with --ddp: of {DDP_VARIANTS}; bounds always run)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run (s)")
@@ -174,7 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--link", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    valid = DDP_VARIANTS if args.ddp else MODEL_VARIANTS
+    valid = DDP_VARIANTS if args.ddp else FLOAT8_VARIANTS if args.float8 else MODEL_VARIANTS
     for v in args.variants or []:
         if v not in valid:
             p.error(f"unknown variant {v!r}{' with --ddp' if args.ddp else ''}; valid: {', '.join(valid)}")
@@ -182,10 +197,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def variants_of(args) -> list[str]:
-    return list(args.variants or (DDP_VARIANTS if args.ddp else MODEL_VARIANTS))
+    every = DDP_VARIANTS if args.ddp else FLOAT8_VARIANTS if getattr(args, "float8", False) else MODEL_VARIANTS
+    return list(args.variants or every)
 
 
 def bounds_of(args) -> list[str]:
+    if getattr(args, "float8", False):
+        return []   # the bounds' steps are fp32's: the float8 case compares its variants only
     return BOUND_VARIANTS + (DDP_BOUND_VARIANTS if args.ddp else [])
 
 
@@ -194,8 +212,9 @@ def config_of(args) -> dict:
         "world_size": args.world_size, "rate": None if args.no_shape else args.rate,
         "dim": args.dim, "layers": args.layers, "heads": args.heads, "ffn": args.ffn,
         "vocab": args.vocab, "batch_per_rank": args.batch, "seq": args.seq, "optim": args.optim,
-        "steps": args.steps, "warmup": args.warmup, "dtype": "float32",
-        "case": "ddp" if args.ddp else "fsdp", "torch_threads_per_rank": 1,
+        "steps": args.steps, "warmup": args.warmup,
+        "dtype": "bf16 params, fp32 reduce, float8 linears" if getattr(args, "float8", False) else "float32",
+        "case": "ddp" if args.ddp else "float8" if getattr(args, "float8", False) else "fsdp", "torch_threads_per_rank": 1,
         **({"ddp_bucket_cap_mb": 25} if args.ddp else {"reshard_after_forward": True}),
         "variants": variants_of(args),
         "cpus": os.cpu_count(), "loadavg_at_report": list(os.getloadavg()),
@@ -332,6 +351,14 @@ def rank_main(rank: int, world_size: int, argd: dict) -> dict:
             model = overlapc.fsdp.shard(fresh(), replicate)
             options = {**OVERLAPC_OPTIONS[name], "profile": profile_path, "dump_dir": os.path.join(args.scratch, name)}
             return train_step(torch.compile(model, backend="overlapc", options=options), optimizer(model))
+        if name in FLOAT8_VARIANTS:
+            model = fresh()
+            if "fp8" in name:
+                from torchao.float8 import convert_to_float8_training
+                convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "output")
+            model = overlapc.fsdp.shard(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            options = {**OVERLAPC_OPTIONS[name], "profile": profile_path, "dump_dir": os.path.join(args.scratch, name)}
+            return train_step(torch.compile(model, backend="overlapc", options=options), optimizer(model))
         if name == "fsdp2_eager":
             from torch.distributed.fsdp import fully_shard
             model = fresh()
@@ -365,7 +392,7 @@ def rank_main(rank: int, world_size: int, argd: dict) -> dict:
         return train_step(compiled, optimizer(model))
 
     names = variants_of(args)
-    aliases = _same_config(names)
+    aliases = {} if args.float8 else _same_config(names)   # float8: same options, other models
     say("measured once: " + ", ".join(f"{a} = {b} (same OverlapConfig)" for a, b in aliases.items())
         if aliases else "every overlapc variant has its own config")
     names = [n for n in names if n not in aliases] + bounds_of(args)
@@ -427,8 +454,24 @@ def rank_main(rank: int, world_size: int, argd: dict) -> dict:
     say("peak memory per variant (rank 0): " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in peak_bytes.items()))
     estimates = _estimates(args.scratch, rank, [n for n in live if n in OVERLAPC_OPTIONS],
                            sum(1 for _ in reference.parameters())) if rank == 0 else {}
+    gathers = {n: _gather_bytes(os.path.join(args.scratch, n)) for n in live if n in OVERLAPC_OPTIONS} \
+        if rank == 0 else {}
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
-            "n_params": n_params, "aliases": aliases, "peak_bytes": peak_bytes, "estimates": estimates}
+            "n_params": n_params, "aliases": aliases, "peak_bytes": peak_bytes, "estimates": estimates,
+            "gather_bytes": gathers}
+
+
+def _gather_bytes(dump: str) -> dict:
+    """All-gather bytes of rank 0's graphs in ``dump`` (a variant's dump_dir), by dtype."""
+    by_dtype: dict[str, int] = {}
+    for graph in sorted(os.listdir(os.path.join(dump, "rank0"))) if os.path.isdir(os.path.join(dump, "rank0")) else []:
+        path = os.path.join(dump, "rank0", graph, "report.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                for row in json.load(f)["collectives"]:
+                    if row["kind"] == "all_gather":
+                        by_dtype[row["dtype"]] = by_dtype.get(row["dtype"], 0) + row["nbytes"]
+    return by_dtype
 
 
 def _estimates(scratch: str, rank: int, variants: list[str], parameters: int = 0) -> dict:
@@ -657,10 +700,12 @@ def report(args, per_rank: list[dict]) -> int:
 
     # losses: every sharded variant equals fsdp2_eager (or the first that ran) step by step, per rank
     sharded = [n for n in measured if n not in all_bounds and n not in errors]
+    if args.float8:   # bit for bit, float8 against float8 (the bf16 model computes other values)
+        sharded = [n for n in ("overlapc_fp8_wide", "overlapc_fp8") if n in sharded]
     worst, worst_at = 0.0, None
     ref = sharded[0] if sharded else None
     for res in per_rank:
-        for name in sharded + (["compute_only"] if "compute_only" not in errors else []):
+        for name in sharded + (["compute_only"] if "compute_only" in measured and "compute_only" not in errors else []):
             a, b = res["losses"][name], res["losses"][ref]
             upto = 1 if name == "compute_only" else len(b)  # unsharded: no gradient averaging after step 0
             for i in range(upto):
@@ -765,6 +810,15 @@ def report(args, per_rank: list[dict]) -> int:
             print(f"  [{'MET' if ok else 'NOT MET'}] {text}: {detail}")
         goals["others/overlapc"] = others
         goals["met"] = {text: ok for text, ok, _ in checks}
+    if args.float8 and {"overlapc_fp8", "overlapc_fp8_wide"} <= set(stats):
+        goals, checks = _float8_goals(stats, r0.get("gather_bytes", {}), worst)
+        print()
+        print("all-gather bytes per step (rank 0): " + ", ".join(
+            f"{n} {sum(b.values()) / 2**20:.2f} MiB {b}" for n, b in r0.get("gather_bytes", {}).items()))
+        print("goals:")
+        for text, ok, detail in checks:
+            print(f"  [{'MET' if ok else 'NOT MET'}] {text}: {detail}")
+        goals["met"] = {text: ok for text, ok, _ in checks}
     if "overlapc_ddp" in stats and bounds:
         goals, checks = _ddp_goals(stats, bounds)
         print()
@@ -780,13 +834,42 @@ def report(args, per_rank: list[dict]) -> int:
                "bounds": bounds or {"error": {b: errors.get(b) for b in BOUND_VARIANTS}},
                "bound_variants": {n: stats[n] for n in all_bounds if n in stats},
                "ratios": goals, "max_rel_loss_diff": worst,
-               "first_step_s": r0["compile_s"], "n_params": r0["n_params"]}
+               "first_step_s": r0["compile_s"], "n_params": r0["n_params"],
+               "gather_bytes": r0.get("gather_bytes", {})}
         write_json(args.json, out)
         print(f"wrote {args.json}")
     if worst > LOSS_RTOL:
         print(f"FAIL: losses differ by {worst:.2e} > {LOSS_RTOL:g} ({worst_at})", file=sys.stderr)
         return 2
     return 0
+
+
+def _float8_goals(stats: dict, gathers: dict, worst: float) -> tuple[dict, list]:
+    """The float8 case's ratios and (goal, met, detail) checks (issue 42): overlapc_fp8's
+    all-gather bytes, step and peak against overlapc_fp8_wide and overlapc_bf16."""
+    nan = float("nan")
+    fp8, wide = stats["overlapc_fp8"], stats["overlapc_fp8_wide"]
+    total = {n: sum(b.values()) for n, b in gathers.items()}
+    goals = {"fp8_wide/fp8 step": wide["median_s"] / fp8["median_s"]}
+    if total.get("overlapc_fp8") and total.get("overlapc_fp8_wide"):
+        goals["fp8/fp8_wide gather bytes"] = total["overlapc_fp8"] / total["overlapc_fp8_wide"]
+    if "overlapc_bf16" in stats:
+        goals["bf16/fp8 step"] = stats["overlapc_bf16"]["median_s"] / fp8["median_s"]
+        if fp8.get("peak_bytes") and stats["overlapc_bf16"].get("peak_bytes"):
+            goals["fp8/bf16 peak"] = fp8["peak_bytes"] / stats["overlapc_bf16"]["peak_bytes"]
+    if fp8.get("peak_bytes") and wide.get("peak_bytes"):
+        goals["fp8/fp8_wide peak"] = fp8["peak_bytes"] / wide["peak_bytes"]
+    byte_ratio, peak = goals.get("fp8/fp8_wide gather bytes"), goals.get("fp8/bf16 peak")
+    checks = [
+        ("float8 all-gather bytes <= 0.55x the unrewritten float8 model's", byte_ratio is not None and byte_ratio <= 0.55,
+         f"{byte_ratio if byte_ratio is not None else nan:.3f}x"),
+        ("overlapc_fp8 faster than overlapc_fp8_wide", goals["fp8_wide/fp8 step"] > 1.0,
+         f"fp8_wide/fp8 {goals['fp8_wide/fp8 step']:.3f}x"),
+        ("overlapc_fp8 peak <= overlapc_bf16's", peak is not None and peak <= 1.0,
+         f"fp8/bf16 {peak if peak is not None else nan:.3f}x"),
+        ("losses of overlapc_fp8 equal overlapc_fp8_wide's bit for bit", worst == 0.0, f"max rel diff {worst:.2e}"),
+    ]
+    return goals, checks
 
 
 def _ddp_goals(stats: dict, bounds: dict) -> tuple[dict, list]:

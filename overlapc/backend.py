@@ -279,6 +279,14 @@ def _distributed(module: torch.nn.Module) -> tuple[str, str]:
     return "", ""
 
 
+def _reads_parameters(example_inputs) -> bool:
+    """Whether a Dynamo graph reads a parameter or a DTensor (its inputs hold one): a graph
+    that reads neither, such as the cast of the inputs that ``fsdp.shard``'s ``param_dtype``
+    compiles on its own, has nothing to gather, so its lack of collectives says nothing."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(x, (torch.nn.Parameter, DTensor)) for x in example_inputs)
+
+
 def _input_names(gm: fx.GraphModule) -> list[str]:
     """Each Dynamo graph input as its source names it ("L['self'].layers[0].w"), else the placeholder's name."""
     names = []
@@ -350,6 +358,8 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     model = _compiled_model() if cfg.enabled else None
     if model is not None:
         model.graph_break(gm, index)
+        if not _reads_parameters(example_inputs):
+            model = None   # a prologue (fsdp.shard's cast of the inputs): no sign of missing collectives
     if cfg.enabled:
         warn_if_cut(gm)
     if cfg.inner == "aot_eager":

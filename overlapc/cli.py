@@ -245,6 +245,10 @@ def _common_options() -> argparse.ArgumentParser:
     common.add_argument("--regather", type=_regather, default=argparse.SUPPRESS, metavar="always|auto",
                         help="joint forward+backward graphs: re-gather every parameter in the backward "
                         "(always, the default) or keep a block's forward gathers where the peak allows (auto)")
+    common.add_argument("--no-narrow-gathers", dest="narrow_gathers", action="store_false",
+                        default=argparse.SUPPRESS,
+                        help="gather as traced: no cast of the shard before an all-gather whose result is only "
+                        "cast narrower (float8 weights; the default casts first and gathers the narrow bytes)")
     common.add_argument("--bucket", type=_byte_limit(("auto", "module", "none")), default=argparse.SUPPRESS,
                         metavar="auto|module|B|none",
                         help="merge collectives: up to the largest one (auto, the default), "
@@ -444,7 +448,7 @@ def _run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"rank {args.rank} is not in [0, {args.world_size})")
     options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket", "chunks",
-                                             "regather") if hasattr(args, k)}
+                                             "regather", "narrow_gathers") if hasattr(args, k)}
     try:
         cfg = OverlapConfig.from_options(options)
         profile = estimates(args)

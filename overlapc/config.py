@@ -53,6 +53,12 @@ class OverlapConfig:
     chunks: split collectives on the critical path into this many pipelined
         pieces (int >= 1; 1 = off), or "auto": per pattern, the count that the
         estimator (``profile``) puts fastest. See ``overlapc.passes.chunk``.
+    narrow_gathers: where an all-gather's result is used only through a cast to a
+        narrower dtype (a float8 linear's weight: scaled by its amax, clamped, cast),
+        cast the shard first and gather the narrow bytes, float8 as uint8 bits,
+        the amaxes combined by one max all-reduce per graph and group; values
+        bit-identical (``overlapc.passes.narrow`` lists the patterns). True (default)
+        or False.
     profile: estimates for reports and logs: a built-in "device:link" name
         (e.g. "h100:nvlink", "cpu:ethernet") or the path of a profile file
         written by ``overlapc calibrate``; None = the run's default
@@ -77,6 +83,7 @@ class OverlapConfig:
     bucket: str | int | None = _SCHEDULING.bucket
     regather: str = _SCHEDULING.regather
     chunks: int | str = _SCHEDULING.chunks
+    narrow_gathers: bool = _SCHEDULING.narrow_gathers
     profile: str | None = None
     inductor_mode: str | None = None
     on_error: str = _SCHEDULING.on_error

@@ -29,9 +29,11 @@ nothing else changes (in-place ops, buffer updates such as BatchNorm's running
 stats, and random ops run once, as without sharding). Any saved-tensor hooks
 already active (an outer activation checkpoint) still see every other saved
 tensor. Under ``torch.compile`` that forward runs in a selective activation
-checkpoint whose policy recomputes all-gathers, waits, casts and views and
-saves everything else: the backward graph holds the all-gathers again and
-only what the backward uses is saved. A parameter read outside its owner's
+checkpoint whose policy recomputes all-gathers, waits, views, casts (but a
+float8 cast of an activation), and the elementwise ops and full maxes computed
+from gathered parameters alone (a float8 weight's amax, scale, clamp and cast),
+and saves everything else: the backward graph holds the all-gathers again and only what
+the backward uses is saved. A parameter read outside its owner's
 forward is gathered there without these hooks, so it is kept.
 
 Design after SimpleFSDP (Zhang et al., arXiv:2411.00284).
@@ -601,5 +603,65 @@ def _recompute_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
+# Ops on a gathered parameter alone that are recomputed with it (float8 training scales, clamps
+# and casts the weight: torchao's dynamic per-tensor scaling reads its amax), beside what
+# _recompute_policy recomputes: elementwise ops and full reductions to a scalar.
+_WEIGHT_REDUCTIONS = {torch.ops.aten.max.default, torch.ops.aten.amax.default}
+
+
+class _WeightPolicy:
+    """``_recompute_policy``, refined for what derives from gathered parameters:
+
+    - an op whose tensor inputs all derive from gathered parameters alone (through the ops
+      recomputed here) and that is elementwise (not random) or a full max is recomputed, so
+      that the backward gathers the parameter again and recomputes what it needs (a float8
+      weight: its amax, scale, clamp and cast) instead of the forward saving a full-size
+      value derived from it;
+    - a cast to float8 of other compute (a float8 linear's cast of its input activation) is
+      saved, so the backward keeps its 1-byte result and not the fp32 value before it; every
+      other cast is recomputed as before.
+
+    One per checkpoint region: it remembers (by identity, weakly) the tensors the region
+    produced and those that derive from gathered parameters."""
+
+    def __init__(self):
+        from torch.utils.weak import WeakIdKeyDictionary
+        self.derived = WeakIdKeyDictionary()
+        self.produced = WeakIdKeyDictionary()
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        policy = _recompute_policy(ctx, op, *args, **kwargs)
+        inputs = _flat_tensors(args, kwargs)
+        from_weights = bool(inputs) and all(a in self.derived for a in inputs)
+        if op is torch.ops.aten._to_copy.default and _to_float8(kwargs) and not all(
+                a in self.derived or a not in self.produced for a in inputs):
+            policy = CheckpointPolicy.MUST_SAVE   # a float8 cast of other compute: keep the 1-byte value
+        elif policy is CheckpointPolicy.MUST_SAVE and from_weights and self._cheap(op):
+            policy = CheckpointPolicy.MUST_RECOMPUTE
+        outputs = _flat_tensors(ctx.op_output, {})
+        for out in outputs:
+            self.produced[out] = True
+        if op in _GATHER_OPS or policy is CheckpointPolicy.MUST_RECOMPUTE and from_weights:
+            for out in outputs:
+                self.derived[out] = True
+        return policy
+
+    @staticmethod
+    def _cheap(op) -> bool:
+        tags = getattr(op, "tags", ())
+        elementwise = torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+        return elementwise or op in _WEIGHT_REDUCTIONS
+
+
+def _to_float8(kwargs) -> bool:
+    dtype = kwargs.get("dtype")
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _flat_tensors(args, kwargs) -> list:
+    from torch.utils._pytree import tree_leaves
+    return [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+
+
 def _recompute_contexts():
-    return create_selective_checkpoint_contexts(_recompute_policy)
+    return create_selective_checkpoint_contexts(_WeightPolicy())

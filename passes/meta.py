@@ -31,7 +31,8 @@ BUCKETS = "overlapc_buckets"
 CHUNKS = "overlapc_chunks"
 REGATHER = "overlapc_regather"   # regather.RegatherChoice per block (keep_or_regather)
 SERIAL_PEAK = "overlapc_serial_peak"   # [bytes]: the serial peak of the graph before its rewrites
-REWRITE_NOTES = (DUPLICATES, BUCKETS, CHUNKS, REGATHER, SERIAL_PEAK)
+NARROW = "overlapc_narrow"   # narrow.NarrowNote per all-gather that gathers the narrow bytes
+REWRITE_NOTES = (DUPLICATES, BUCKETS, CHUNKS, REGATHER, SERIAL_PEAK, NARROW)
 
 
 def reason(node: fx.Node) -> str:

@@ -29,6 +29,7 @@ class ScheduleOptions:
     bucket: str | int | None = "auto"
     regather: str = "always"
     chunks: int | str = 1
+    narrow_gathers: bool = True
     on_error: str = "fallback"
     enabled: bool = True
 
@@ -70,6 +71,9 @@ def check_scheduling(config, owner: str) -> None:
     if config.chunks != "auto" and (isinstance(config.chunks, bool) or not isinstance(config.chunks, int)
                                     or config.chunks < 1):
         raise ValueError(f'{owner}.chunks must be an int >= 1 (1 = off) or "auto", got {config.chunks!r}')
+    if not isinstance(config.narrow_gathers, bool):
+        raise ValueError(f"{owner}.narrow_gathers must be True (gather the narrow bytes a cast after the "
+                         f"all-gather uses: float8 weights) or False, got {config.narrow_gathers!r}")
     if config.on_error not in ON_ERROR:
         raise ValueError(f"{owner}.on_error must be one of {ON_ERROR}, got {config.on_error!r}")
     if not isinstance(config.enabled, bool):

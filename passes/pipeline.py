@@ -67,7 +67,8 @@ class ScheduleResult:
         ran (after bucketing and chunking rewrote the graph, that graph's order).
     duplicates, buckets, chunks, regather: this run's rewrite notes (``merge_duplicates``'
         merged names, ``BucketNote``s, ``ChunkNote``s, ``RegatherChoice``s; also appended
-        to ``gm.meta``, ``passes/meta.py``).
+        to ``gm.meta``, ``passes/meta.py``). narrowed: the ``narrow.NarrowResult`` of
+        ``narrow_gathers`` (all-gathers that now gather float8 bytes, and those left with a reason).
     reasons: (node name, why the core placed it) per placed start and wait (also
         each node's ``meta.REASON``). error: the ScheduleError that rolled the graph back
         (on_error="fallback"), else None.
@@ -88,6 +89,7 @@ class ScheduleResult:
     reasons: tuple[tuple[str, str], ...] = ()
     error: ScheduleError | None = None
     structure: Structure | None = None
+    narrowed: object = None
 
 
 def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget:
@@ -313,6 +315,25 @@ class _Rewritten:
     buckets: tuple = ()
     chunks: tuple = ()
     regather: tuple = ()
+    narrowed: object = None
+
+
+def _narrow(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot):
+    """``narrow_gathers`` when ``cfg`` asks for it (one INFO line for what it rewrote, one per
+    gather it left at full width with the reason); its NarrowResult, else None."""
+    if not cfg.narrow_gathers:
+        return None
+    from overlapc.passes.narrow import narrow_gathers
+    result = narrow_gathers(gm, before_rewrite=snapshot)
+    if result.rewritten:
+        before = sum(n.bytes_before for n in result.rewritten)
+        after = sum(n.bytes_after for n in result.rewritten)
+        dtypes = sorted({f"{n.dtype} (as {n.wire})" if n.wire != n.dtype else n.dtype for n in result.rewritten})
+        log.info("overlapc: %d all-gathers gather %s after a cast on the shard: %d -> %d bytes; %d amax "
+                 "all-reduce(s)", len(result.rewritten), ", ".join(dtypes), before, after, result.amax_reduces)
+    for skip in result.skipped:
+        log.info("overlapc: all-gather %s stays at full width: %s", skip.gather, skip.reason)
+    return result
 
 
 def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=None,
@@ -322,6 +343,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     ``estimator``: what ``chunks="auto"`` estimates with; ``bucketing=False``: no buckets
     although ``cfg.bucket`` asks for them (its duplicate merging stays)."""
     duplicates, buckets, chunks, regather = [], [], [], ()
+    narrowed = _narrow(gm, cfg, snapshot)   # first: bucketing and the budget see the gathers as they will run
     within_peak = cfg.max_in_flight_bytes == "serial-peak"
     s = Structure(gm) if within_peak or cfg.bucket is not None else None
     room = serial_headroom(s, cfg) if within_peak and s.movable else None   # of the graph as handed in
@@ -354,7 +376,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
             s = Structure(gm)
             room = _rewritten_room(gm, s, cfg, room)
     before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or rewritten \
-        else None
+        or narrowed is not None and narrowed.modified else None
     retry_unbucketed = bool(buckets) and within_peak and cfg.bucket != "module"
     try:
         placed = _reorder(gm, lambda built: budget_for(built, cfg, room if built is s else None), s=s,
@@ -363,7 +385,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         if not retry_unbucketed:
             raise
         raise _BucketsRaisePeak(len(buckets), error) from error
-    return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather)
+    return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather, narrowed)
 
 
 def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, before: Headroom | None):
@@ -387,7 +409,7 @@ def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, befo
 def _without_rewrites(cfg: ScheduleOptions) -> ScheduleOptions:
     """``cfg`` with the rewrites off (no buckets, no pieces, every re-gather kept): what
     ``run`` schedules when a rewrite failed, before it leaves the graph unscheduled."""
-    return dataclasses.replace(cfg, bucket=None, chunks=1, regather="always")
+    return dataclasses.replace(cfg, bucket=None, chunks=1, regather="always", narrow_gathers=False)
 
 
 class _BucketsRaisePeak(Exception):
@@ -489,8 +511,9 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
             if plain == cfg:
                 raise
             _restore(gm, saved[0] if saved else None, original, notes)
-            log.warning("overlapc: scheduled without buckets, pipelined pieces or kept gathers (bucket=None, "
-                        "chunks=1, regather=\"always\"): with them the pass failed: %s: %s",
+            log.warning("overlapc: scheduled without buckets, pipelined pieces, kept gathers or narrow gathers "
+                        "(bucket=None, chunks=1, regather=\"always\", narrow_gathers=False): with them the pass "
+                        "failed: %s: %s",
                         type(error).__name__, error)
             done = _run_passes(gm, plain, snapshot, estimator)
     except Exception as error:
@@ -512,7 +535,7 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
         gm.recompile()
     return ScheduleResult(gm, placed.collectives, placed.modified, placed.peaks, done.before or before,
                           done.duplicates, done.buckets, done.chunks, done.regather, placed.reasons,
-                          structure=placed.structure)
+                          structure=placed.structure, narrowed=done.narrowed)
 
 
 def schedule(gm: fx.GraphModule, config=None, *, estimator=None,

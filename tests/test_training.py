@@ -164,7 +164,9 @@ def _job_says_when_overlap_is_off(rank, world_size, port):
     fully_shard(fsdp2, mesh=mesh)
     torch.manual_seed(0)
     models = {"fsdp2": fsdp2, "ddp": torch.nn.parallel.DistributedDataParallel(Encoder()),
-              "simple_fsdp": _fresh(mesh), "broken": overlapc.fsdp.shard(_Broken(), mesh)}
+              "simple_fsdp": _fresh(mesh), "broken": overlapc.fsdp.shard(_Broken(), mesh),
+              # param_dtype casts the inputs in a graph of its own, before the model's: no collective there
+              "simple_fsdp_bf16": overlapc.fsdp.shard(Encoder(), mesh, param_dtype=torch.bfloat16)}
     for name, model in models.items():
         records.lines.clear()
         _train(model, rank, options)
@@ -187,7 +189,7 @@ def test_says_once_when_overlap_is_off_and_names_graph_breaks():
         assert "overlapc.fsdp.shard(model, mesh)" in warnings_["fsdp2"][0]
         assert "nothing to schedule in DistributedDataParallel(Encoder): graph fw_" in warnings_["ddp"][0]
         assert "(DDP replicas)" in warnings_["ddp"][0] and "dp_replicate" in warnings_["ddp"][0]
-        assert warnings_["simple_fsdp"] == []
+        assert warnings_["simple_fsdp"] == [] and warnings_["simple_fsdp_bf16"] == [], warnings_
         assert len(warnings_["broken"]) == 1 and "graph break in _Broken after graph " in warnings_["broken"][0]
         assert "test_training.py:" in warnings_["broken"][0] and "overlap cannot cross it" in warnings_["broken"][0]
         assert any(m.startswith("[rank 0] fw_") and "moved" in m for m in infos), infos
