@@ -93,14 +93,16 @@ class Liveness:
             if waits:
                 self.held_until[node] = waits
 
-    def live_bytes(self, order: list[fx.Node]) -> list[int]:
+    def live_bytes(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
-        inputs not yet freed)."""
-        return self._live_along(order)[0]
+        inputs not yet freed). ``pos``: node -> position in ``order``, when the caller has it."""
+        return self._live_along(order, pos)[0]
 
-    def _live_along(self, order: list[fx.Node]) -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
+    def _live_along(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) \
+            -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
         """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
-        pos = {node: index for index, node in enumerate(order)}
+        if pos is None:
+            pos = {node: index for index, node in enumerate(order)}
         last = self._last_use(order, pos)
         change = [0] * (len(order) + 1)
         for r, nbytes in self.size.items():
