@@ -498,15 +498,24 @@ class _Serial:
                 self._emit(start)
 
     def run(self) -> list[fx.Node]:
-        s = self.s
-        spine = [n for n in s.nodes if n not in self.members]
+        s, members, placed, due_at = self.s, self.members, self.placed, self.due_at
+        order, blocked_on = self.order, self.blocked_on
+        spine = [n for n in s.nodes if n not in members]
+        last = len(spine) - 1
         for index, node in enumerate(spine):
-            due = self._due(node)
-            for start in due:   # chains first: what they pull in is read before ``node``
-                self._prepare(start)
-            for start in due:
-                self._put(start)
-            self._place(node)
-            if node.op != "placeholder" or index + 1 == len(spine) or spine[index + 1].op != "placeholder":
+            # ``_due`` only where ``node`` reads a bundle member or has waits due (few spine nodes)
+            if node in due_at or any(i in members for i in node._input_nodes):
+                due = self._due(node)
+                for start in due:   # chains first: what they pull in is read before ``node``
+                    self._prepare(start)
+                for start in due:
+                    self._put(start)
+            order.append(node)   # ``_place``
+            placed.add(node)
+            for start in blocked_on.get(node, ()):
+                self.missing[start] -= 1
+                if not self.missing[start]:
+                    self._became_ready(start)
+            if self.ready and (node.op != "placeholder" or index == last or spine[index + 1].op != "placeholder"):
                 self._flush()
         return self.order
