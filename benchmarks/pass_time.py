@@ -14,8 +14,27 @@ bucket="auto", max_in_flight_bytes="serial-peak") and max_in_flight=2.
 Graphs are built with torch.fx directly (make_fx on 100k nodes takes minutes)
 with meta tensors as node values.
 
+``--dynamo-70b`` (opt-in: the capture takes 2-3 minutes and about 2 GiB) adds the
+forward and backward graphs of a 70B-shaped Llama (``llama.LlamaConfig.llama3_70b``,
+80 layers, seq 8192, batch 1) captured by Dynamo + AOTAutograd the way the backend
+does (``overlapc.backend.capture`` on meta tensors, ``overlapc.fsdp.shard`` over a
+fake process group of world 64, bf16 parameters, fp32 reductions). Each graph is
+scheduled on a copy by overlapc (``schedule`` with the defaults, CPU seconds as for
+the synthetic rows) and by Inductor's own FX overlap scheduler
+(``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing`` with
+collective bucketing, as ``aten_distributed_optimizations.enable_overlap_scheduling``
+runs it; on a CPU-only machine its GPU bandwidth / FLOP/s queries answered with the
+profile's numbers, compute estimated analytically, collectives by overlapc's cost
+model, as ``step_time.py`` does), and each result, and the graph as captured, is
+estimated by ``overlapc.simulate`` at ``--profile`` (default h100:nvlink): exposed
+communication, step and peak live bytes. Inductor's scheduler runs here on the
+graph AOTAutograd hands to Inductor, before Inductor's own post-grad rewrites
+(which run before it in a real compile). A scheduler that raises gets its error in
+the row.
+
     python benchmarks/pass_time.py [--sizes 1000 10000 100000] [--families synthetic mixed]
                                    [--repeat 3] [--json out.json]
+                                   [--dynamo-70b [--layers 80] [--profile h100:nvlink]]
 
 The JSON holds ``provenance`` (benchmarks/provenance.py: commit, torch, machine,
 date, command, plus the load average at the start and end: wall-clock timings
@@ -154,22 +173,132 @@ def time_family(family: str, sizes: list[int], repeat: int) -> list[dict]:
     return results
 
 
+def capture_llama(layers: int = 80, world: int = 64, seq: int = 8192) -> list:
+    """The forward and backward graphs (``backend.GraphRecord``) of a 70B-shaped Llama
+    with ``layers`` blocks, captured on meta tensors under a fake process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import overlapc.fsdp
+    from llama import Llama, LlamaConfig
+    from overlapc.backend import capture
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.llama3_70b(layers))
+    overlapc.fsdp.shard(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return capture(model, (tokens, tokens), {"enabled": False})
+
+
+def _inductor_overlap(gm: fx.GraphModule, profile) -> fx.GraphModule:
+    """Inductor's FX overlap scheduler with collective bucketing on ``gm``, with the
+    CPU-only stand-ins of ``step_time._overlap_scheduler_options`` (undone after)."""
+    import functools
+
+    import torch._inductor.scheduler
+    import torch._inductor.utils
+    import torch.utils._runtime_estimation
+    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+
+    from step_time import _collective_ms
+
+    rates = (torch._inductor.utils, torch._inductor.scheduler, torch.utils._runtime_estimation)
+    saved = [(m, name, getattr(m, name)) for m in rates for name in ("get_gpu_dram_gbps", "get_device_tflops")]
+    for module in rates:
+        module.get_gpu_dram_gbps = lambda: profile.device.mem_gbps
+        module.get_device_tflops = lambda dtype: profile.device.tflops
+    try:
+        return schedule_overlap_bucketing(
+            gm, collective_bucketing=True, compute_estimator="analytical", enable_fusion_regions=False,
+            insert_overlap_deps=False, custom_runtime_estimation=functools.partial(_collective_ms, profile.link))
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def time_dynamo_70b(layers: int, profile_name: str) -> list[dict]:
+    """Rows for the captured 70B-shaped forward and backward: as captured, overlapc,
+    Inductor's overlap scheduler (module docstring)."""
+    import copy
+    import traceback
+
+    from overlapc import costmodel
+    from overlapc.simulate import simulate
+
+    profile = costmodel.resolve(profile_name)
+    begin = time.perf_counter()
+    records = capture_llama(layers)
+    capture_s = time.perf_counter() - begin
+    print(f"captured {len(records)} graphs in {capture_s:.0f} s: "
+          + ", ".join(f"{r.name} {len(r.gm.graph.nodes)} nodes" for r in records), flush=True)
+    cfg = overlapc.OverlapConfig(on_error="raise")
+    schedulers = {
+        "overlapc": lambda gm: overlapc.schedule(gm, cfg, recompile=False),
+        "inductor": lambda gm: _inductor_overlap(gm, profile),
+    }
+    rows = []
+    for record in records:
+        base = {"graph": record.name, "nodes_in": len(record.gm.graph.nodes), "layers": layers,
+                "capture_s": round(capture_s, 1), "profile": profile_name}
+        for name in ("as captured", *schedulers):
+            row = {**base, "scheduler": name}
+            gm = copy.deepcopy(record.gm)
+            if name in schedulers:
+                gc.collect()
+                start_cpu = time.process_time()
+                try:
+                    gm = schedulers[name](gm)
+                except Exception as error:   # noqa: BLE001 - the table says why, measured
+                    row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"
+                    row["error_trace"] = traceback.format_exc(limit=-4)
+                row["pass_cpu_s"] = round(time.process_time() - start_cpu, 3)
+            if "error" not in row:
+                timeline = simulate(gm, profile)
+                row.update(nodes=len(gm.graph.nodes), collectives=timeline.total,
+                           exposed_ms=round(timeline.exposed_ms, 3), step_ms=round(timeline.step_ms, 3),
+                           peak_gib=round(timeline.peak_bytes / 2**30, 3), peak_bytes=timeline.peak_bytes)
+            rows.append(row)
+            print(f"{record.name:>6} {name:>12} " + (f"pass {row['pass_cpu_s']:7.3f} s CPU  " if name in schedulers
+                                                     else " " * 22)
+                  + (f"ERROR {row['error']}" if "error" in row else
+                     f"exposed {row['exposed_ms']:10.3f} ms  step {row['step_ms']:10.3f} ms  "
+                     f"peak {row['peak_gib']:8.3f} GiB  {row['collectives']} collectives"), flush=True)
+            del gm
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
-    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=["synthetic", "mixed"])
+    parser.add_argument("--families", nargs="*", choices=sorted(FAMILIES), default=["synthetic", "mixed"],
+                        help="synthetic families to time (none: only --dynamo-70b)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--dynamo-70b", action="store_true",
+                        help="also the Dynamo-captured forward/backward of a 70B-shaped Llama, overlapc beside "
+                             "Inductor's overlap scheduler (about 3 minutes to capture)")
+    parser.add_argument("--layers", type=int, default=80, help="blocks of the --dynamo-70b model")
+    parser.add_argument("--profile", default="h100:nvlink", help="cost profile of the --dynamo-70b estimates")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    print(f"{'family':>10} {'nodes':>8} {'collectives':>12} {'pass s':>8} {'min s':>8} {'cpu s':>8} "
-          f"{'recompile s':>12}  pass runs")
+    if args.families:
+        print(f"{'family':>10} {'nodes':>8} {'collectives':>12} {'pass s':>8} {'min s':>8} {'cpu s':>8} "
+              f"{'recompile s':>12}  pass runs")
     results = [row for family in args.families for row in time_family(family, args.sizes, args.repeat)]
+    dynamo = time_dynamo_70b(args.layers, args.profile) if args.dynamo_70b else None
     if args.json:
         record = provenance({"sizes": args.sizes, "families": args.families, "repeat": args.repeat,
+                             "dynamo_70b": args.dynamo_70b, "layers": args.layers, "profile": args.profile,
                              "loadavg_before": load_before, "loadavg_after": os.getloadavg()})
+        payload = {"provenance": record, "results": results}
+        if dynamo is not None:
+            payload["dynamo_70b"] = dynamo
         with open(args.json, "w") as out:
-            json.dump({"provenance": record, "results": results}, out, indent=2)
+            json.dump(payload, out, indent=2)
         print(f"wrote {args.json}")
 
 

@@ -247,23 +247,26 @@ def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, bool, b
     merged starts' names, first-kept."""
     from overlapc.passes.collectives import group_of, wait_nodes
     runs: list[list[fx.Node]] = []
-    open_run: dict[tuple, list[fx.Node]] = {}   # identical starts so far, by their arguments
+    run_of: dict[fx.Node, list[fx.Node]] = {}   # mergeable start -> its run (identical starts so far)
     last: dict[str, fx.Node] = {}                # the latest start of each group
     for node, _, barrier in marks:
         if barrier:
-            open_run.clear()
+            run_of.clear()
             last.clear()
             continue
         group = group_of(node)
         waits = wait_nodes(node)
         if len(waits) == 1 and waits[0].args[0] is node and len(node.users) == 1:
-            key = (node.target, _key(node.args), _key(node.kwargs))
-            run = open_run.get(key)
-            if run is not None and run[-1] is last.get(group):
+            # a run goes on only from the group's latest start (identical arguments name the
+            # same group): compare with that one, the input nodes first (no arguments hashed)
+            previous = last.get(group)
+            run = run_of.get(previous)
+            if run is not None and _identical(previous, node):
                 run.append(node)
             else:
-                open_run[key] = run = [node]
+                run = [node]
                 runs.append(run)
+            run_of[node] = run
         last[group] = node
     merged = [run for run in runs if len(run) > 1]   # graph order of their first start
     if not merged:
@@ -285,6 +288,13 @@ def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, bool, b
     log.info("overlapc: merged %d identical collectives into %d: %s",
              sum(len(n) - 1 for n in names), len(names), "; ".join(", ".join(n) for n in names))
     return names
+
+
+def _identical(a: fx.Node, b: fx.Node) -> bool:
+    """Whether starts ``a`` and ``b`` have the same op and arguments (``_key``: nodes by
+    identity, lists as tuples); the input nodes are compared first, unhashed."""
+    return (a.target == b.target and list(a._input_nodes) == list(b._input_nodes)
+            and _key(a.args) == _key(b.args) and _key(a.kwargs) == _key(b.kwargs))
 
 
 def _key(value):

@@ -80,12 +80,15 @@ class _Order:
         self.s, self.nodes = s, order
         self.pos = {node: index for index, node in enumerate(order)}
         self.first: dict[fx.Node, int] = {}
+        pos = self.pos
         for wait, consumers in s.consumers.items():
-            end = self.pos[s.nodes[s.region_end(wait)]]
-            self.first[wait] = min([self.pos[u] for u in consumers] + [end])
-        self.next_spine = [len(order)] * (len(order) + 1)
-        for index in reversed(range(len(order))):
-            self.next_spine[index] = index if order[index] not in s.bundled else self.next_spine[index + 1]
+            end = pos[s.nodes[s.region_end(wait)]]
+            self.first[wait] = min(min([pos[u] for u in consumers]), end) if consumers else end
+        next_spine = self.next_spine = [len(order)] * (len(order) + 1)
+        bundled, index = s.bundled, len(order)
+        for node in reversed(order):
+            index -= 1
+            next_spine[index] = index if node not in bundled else next_spine[index + 1]
 
     def consumer_key(self, c) -> tuple[int, int]:
         """(position of the first consumer in this order, the order in which that
@@ -140,7 +143,7 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     flight, peak_count = _check_bounds(o, budget)
     room = budget.headroom   # built on this structure: its liveness and serial order serve here too
     liveness = room.liveness if room is not None else Liveness(s.nodes)
-    live = liveness.live_bytes(order)
+    live = liveness.live_bytes(order, o.pos)
     peak = max(live, default=0)
     if budget.within_peak:
         serial_peak = room.peak if room is not None else liveness.peak_bytes(serial_order(s, asap=True))
@@ -191,10 +194,12 @@ def check_compute_order(before: list[fx.Node], after: list[fx.Node]) -> None:
 
     The error names the node that moved, its op, and its old and new position
     next to the compute it passed."""
-    kinds = _OrderClasses()
-    kind = {n: kinds.of(n) for n in before}   # one lookup per node from here on
+    kind = _OrderClasses().of_each(before)   # one lookup per node from here on
     fixed_before = [n for n in before if kind[n] == "compute"]
     fixed_after = [n for n in after if kind[n] == "compute"]
+    late = [n for n in before if kind[n] == "late-only"]
+    if fixed_after == fixed_before and not late:   # Nodes compare by identity: the common case, no position needed
+        return
     old, new = {n: i for i, n in enumerate(before)}, {n: i for i, n in enumerate(after)}
     rank_before = {n: i for i, n in enumerate(fixed_before)}
     rank_after = {n: i for i, n in enumerate(fixed_after)}
@@ -208,8 +213,8 @@ def check_compute_order(before: list[fx.Node], after: list[fx.Node]) -> None:
                 f"{moved.name} at {new[moved]}, {passed.name} at {new[passed]}", node=moved, position=new[moved])
     seen_before = _compute_counts(before, kind)
     seen_after = _compute_counts(after, kind)
-    for node in before:
-        if kind[node] == "late-only" and seen_after[node] < seen_before[node]:
+    for node in late:
+        if seen_after[node] < seen_before[node]:
             passed = fixed_before[seen_after[node]]
             raise ScheduleError(
                 f"elementwise compute carried with a start moved before {passed.name} (op {passed.target}), "
@@ -240,6 +245,15 @@ class _OrderClasses:
             self._class[node] = self._classify(node)
         return self._class[node]
 
+    def of_each(self, nodes: list[fx.Node]) -> dict[fx.Node, str]:
+        """Node -> class, for every node of ``nodes`` (``of`` each, without a call per node;
+        nodes classified on the way, as users of others, are in it too)."""
+        known, classify = self._class, self._classify
+        for node in nodes:
+            if node not in known:
+                known[node] = classify(node)
+        return known
+
     def _classify(self, node: fx.Node) -> str:
         start, wait, barrier = role(node)
         if barrier is None and (start is not None or wait or is_cheap(node) or in_input_chain(node)):
@@ -268,7 +282,7 @@ class _OrderClasses:
 def _on_results_alone(node: fx.Node) -> bool:
     """Whether every input of ``node`` is a wait, a placeholder, an attribute or
     a cheap node over those, and at least one is a wait."""
-    found, frontier, seen = False, list(node.all_input_nodes), set()
+    found, frontier, seen = False, list(node._input_nodes), set()
     while frontier:
         i = frontier.pop()
         if i in seen:
@@ -280,7 +294,7 @@ def _on_results_alone(node: fx.Node) -> bool:
         elif i.op not in ("placeholder", "get_attr"):
             if not is_cheap(i) or barrier is not None:
                 return False
-            frontier.extend(i.all_input_nodes)
+            frontier.extend(i._input_nodes)
     return found
 
 
@@ -330,10 +344,12 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     waits_left = {c.start: len(c.waits) for c in s.movable}
     peak_count = 0
     here = 0   # s.pos of the last spine node
+    bundled, pos, start_of, wait_of = s.bundled, s.pos, s.coll_of_start.get, s.coll_of_wait.get
     for node in o.nodes:
-        if node not in s.bundled:
-            here = s.pos[node]
-        c = s.coll_of_start.get(node)
+        if node not in bundled:
+            here = pos[node]
+            continue   # neither a start nor a wait (both are bundled)
+        c = start_of(node)
         if c is not None:
             flight.open(c)
             count = flight.count(c.group, c.kind)
@@ -351,7 +367,7 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
                                        f"limit {limit}, with {others[0].start.name} still open"
                                        + (f", and {flight.total} bytes in flight exceed the memory headroom "
                                           f"{budget.headroom.least(here, due)}" if budget.headroom else ""))
-        c = s.coll_of_wait.get(node)
+        c = wait_of(node)
         if c is not None:
             waits_left[c.start] -= 1
             if waits_left[c.start] == 0:
@@ -482,15 +498,24 @@ class _Serial:
                 self._emit(start)
 
     def run(self) -> list[fx.Node]:
-        s = self.s
-        spine = [n for n in s.nodes if n not in self.members]
+        s, members, placed, due_at = self.s, self.members, self.placed, self.due_at
+        order, blocked_on = self.order, self.blocked_on
+        spine = [n for n in s.nodes if n not in members]
+        last = len(spine) - 1
         for index, node in enumerate(spine):
-            due = self._due(node)
-            for start in due:   # chains first: what they pull in is read before ``node``
-                self._prepare(start)
-            for start in due:
-                self._put(start)
-            self._place(node)
-            if node.op != "placeholder" or index + 1 == len(spine) or spine[index + 1].op != "placeholder":
+            # ``_due`` only where ``node`` reads a bundle member or has waits due (few spine nodes)
+            if node in due_at or any(i in members for i in node._input_nodes):
+                due = self._due(node)
+                for start in due:   # chains first: what they pull in is read before ``node``
+                    self._prepare(start)
+                for start in due:
+                    self._put(start)
+            order.append(node)   # ``_place``
+            placed.add(node)
+            for start in blocked_on.get(node, ()):
+                self.missing[start] -= 1
+                if not self.missing[start]:
+                    self._became_ready(start)
+            if self.ready and (node.op != "placeholder" or index == last or spine[index + 1].op != "placeholder"):
                 self._flush()
         return self.order

@@ -72,14 +72,17 @@ class Liveness:
     def _add(self, node: fx.Node) -> None:
         """Decide where ``node``'s output lives (its root storage, the bytes it allocates)
         and which storages it reads, from its inputs' decisions (made before)."""
-        root, size = self.root, self.size
+        root, size, inlined = self.root, self.size, self.inlined
         inputs = node._input_nodes
-        read = _expand([root[i] for i in inputs], self.inlined)
-        facts = _facts(node)
+        read = [root[i] for i in inputs]
+        if inlined and not inlined.keys().isdisjoint(read):
+            read = _expand(read, inlined)
+        entry = _FACTS_BY_TARGET.get(id(node.target)) if node.op == "call_function" else None
+        facts = entry[1] if entry is not None and entry[0] is node.target else _facts(node)
         if inputs and (facts.waits or facts.aliases):
             root[node] = root[next(iter(inputs))]
         elif facts.pointwise and _fuses_away(node, facts, self._fusable, read):
-            root[node], size[node], self.inlined[node] = node, 0, read
+            root[node], size[node], inlined[node] = node, 0, read
         elif facts.pointwise and (reused := _reused_input(node, facts, size, self._extents)) is not None:
             root[node] = reused   # Inductor writes the output into that input's buffer
         else:
@@ -93,14 +96,16 @@ class Liveness:
             if waits:
                 self.held_until[node] = waits
 
-    def live_bytes(self, order: list[fx.Node]) -> list[int]:
+    def live_bytes(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
-        inputs not yet freed)."""
-        return self._live_along(order)[0]
+        inputs not yet freed). ``pos``: node -> position in ``order``, when the caller has it."""
+        return self._live_along(order, pos)[0]
 
-    def _live_along(self, order: list[fx.Node]) -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
+    def _live_along(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) \
+            -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
         """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
-        pos = {node: index for index, node in enumerate(order)}
+        if pos is None:
+            pos = {node: index for index, node in enumerate(order)}
         last = self._last_use(order, pos)
         change = [0] * (len(order) + 1)
         for r, nbytes in self.size.items():
@@ -259,10 +264,12 @@ def _nbytes(node: fx.Node, extents: dict[tuple, int]) -> int:
     size hints for symbolic sizes (no guard), 0 for data-dependent (unbacked) sizes and
     non-tensors; a tuple or list sums its tensors. ``extents``: a cache of the bytes of
     each (sizes, strides, dtype) seen, for one graph's tensors."""
-    value = node_value(node)
+    value = node.meta["val"] if "val" in node.meta else node_value(node)
+    if isinstance(value, torch.Tensor):
+        return _cached_extent(value, extents)
     if isinstance(value, (list, tuple)):
         return sum(_cached_extent(v, extents) for v in value if isinstance(v, torch.Tensor))
-    return _cached_extent(value, extents) if isinstance(value, torch.Tensor) else 0
+    return 0
 
 
 def _cached_extent(tensor: torch.Tensor, extents: dict[tuple, int]) -> int:

@@ -108,6 +108,7 @@ class _Core:
         self.step = 0   # index in self.spine of the spine node placed next
         self.ready_step: dict[fx.Node, int] = {}
         self.held_back: dict[fx.Node, str] = {}
+        self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
         # is issued at a chain point, a spine node between the earliest point its
@@ -388,10 +389,13 @@ class _Core:
         ahead of its consumer, its window is a lone pointwise op that Inductor fuses
         into the consumer, past the wait: gpu_check's window check): then all it holds
         is counted, as under "auto"."""
-        due = max(self.s.due(c), self.here)
-        whole = c.start in self.gate or any(w in self.chained for w in c.waits) or piece_of(c) != c.start.name \
-            or c.kind == "all_gather"
-        if self.budget.within_peak and not whole:
+        fixed = self._fixed.get(c.start)
+        if fixed is None:   # what does not change while the core runs: where it is due, how it is counted
+            whole = c.start in self.gate or any(w in self.chained for w in c.waits) \
+                or piece_of(c) != c.start.name or c.kind == "all_gather"
+            fixed = self._fixed[c.start] = (self.s.due(c), whole)
+        due = max(fixed[0], self.here)
+        if self.budget.within_peak and not fixed[1]:
             nodes = self.s.nodes
             return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])
         return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
@@ -492,7 +496,10 @@ class _Core:
     def run(self) -> list[fx.Node]:
         s = self.s
         placed, waits_at, gates_at = self.placed, self.waits_at, self.gates_at
-        for index, node in enumerate(self.spine):
+        order, blocked_on, pos, barriers = self.order, self.blocked_on, s.pos, s.is_barrier
+        spine, move_starts = self.spine, self.move_starts
+        last = len(spine) - 1
+        for index, node in enumerate(spine):
             self.step = index
             due = waits_at.get(node)
             if due:
@@ -513,19 +520,22 @@ class _Core:
                 if i not in placed:
                     self._ensure(i)
             self.step = index + 1   # what this node makes ready can go right after it
-            self._place(node)
-            self.here = s.pos[node]
-            if not self.move_starts and node in self.managed:
+            order.append(node)   # ``_place``
+            placed.add(node)
+            for start in blocked_on.get(node, ()):
+                self._became_ready(start)
+            self.here = pos[node]
+            if not move_starts and node in self.managed:
                 self.flight.open(self.managed[node])
                 self.reasons[node] = "not moved"
-            if node in s.is_barrier:
+            if node in barriers:
                 self.region += 1
                 self._release(self.region)
                 self.dirty = True
-            following = self.spine[index + 1] if index + 1 < len(self.spine) else None
-            if node.op == "placeholder" and following is not None and following.op == "placeholder":
+            if node.op == "placeholder" and index < last and spine[index + 1].op == "placeholder":
                 continue   # keep placeholders together at the top
-            self._issue_ready()
+            if self.dirty and move_starts:
+                self._issue_ready()
         if len(self.order) != len(s.nodes):
             raise AssertionError("overlapc internal error: schedule lost nodes")
         return self.order

@@ -1,0 +1,82 @@
+"""The shortcuts the pass takes for speed agree with the straightforward computation."""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.fx as fx
+
+F = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def _meta(*shape):
+    return torch.empty(shape, device="meta")
+
+
+def _random_gathers(rng: random.Random) -> fx.GraphModule:
+    """All-gathers of a few inputs over two groups (same or different sizes), some read by
+    two waits or by more than their wait, with in-place writes into graph inputs (barriers)
+    between them: runs of identical collectives, broken by groups and barriers."""
+    graph = fx.Graph()
+    inputs = []
+    for i in range(3):
+        inputs.append(graph.placeholder(f"x{i}"))
+        inputs[-1].meta["val"] = _meta(4, 8)
+    outputs = []
+    for _ in range(rng.randint(1, 30)):
+        choice = rng.random()
+        if choice < 0.1:
+            write = graph.call_function(aten.add_.Tensor, (rng.choice(inputs), 1.0))
+            write.meta["val"] = _meta(4, 8)
+            continue
+        x, group = rng.choice(inputs), rng.choice(["0", "1"])
+        size = 2 if rng.random() < 0.8 else 4
+        start = graph.call_function(F.all_gather_into_tensor.default, (x, size, group))
+        start.meta["val"] = _meta(4 * size, 8)
+        for _ in range(2 if rng.random() < 0.1 else 1):
+            wait = graph.call_function(F.wait_tensor.default, (start,))
+            wait.meta["val"] = _meta(4 * size, 8)
+            outputs.append(wait)
+        if rng.random() < 0.1:
+            outputs.append(start)
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _runs_by_key(gm: fx.GraphModule) -> list[tuple[str, ...]]:
+    """The runs ``bucket._merge_identical_runs`` merges, found as it did before it compared
+    each start with its group's previous one only: every mergeable start's arguments
+    hashed (``_key``), a run going on while the group's latest start ends it."""
+    from overlapc.passes.bucket import _key, _starts_and_barriers
+    from overlapc.passes.collectives import group_of, wait_nodes
+    runs, open_run, last = [], {}, {}
+    for node, _, barrier in _starts_and_barriers(gm):
+        if barrier:
+            open_run.clear()
+            last.clear()
+            continue
+        group = group_of(node)
+        waits = wait_nodes(node)
+        if len(waits) == 1 and waits[0].args[0] is node and len(node.users) == 1:
+            key = (node.target, _key(node.args), _key(node.kwargs))
+            run = open_run.get(key)
+            if run is not None and run[-1] is last.get(group):
+                run.append(node)
+            else:
+                open_run[key] = run = [node]
+                runs.append(run)
+        last[group] = node
+    return [tuple(n.name for n in run) for run in runs if len(run) > 1]
+
+
+def test_identical_runs_match_the_keyed_search():
+    from overlapc.passes.bucket import _merge_identical_runs, _starts_and_barriers
+    rng = random.Random(40)
+    merged_some = 0
+    for _ in range(200):
+        gm = _random_gathers(rng)
+        expected = _runs_by_key(gm)
+        assert _merge_identical_runs(gm, _starts_and_barriers(gm), None) == expected
+        merged_some += bool(expected)
+    assert merged_some > 20   # the graphs do exercise merging
