@@ -604,12 +604,15 @@ class SpineRoom:
     """The headroom (``Headroom``) at each node of a spine, and the first spine
     index in a range where a given number of bytes fits: where a chained
     start's own buffers (its upstream results and its input chain) may appear
-    without raising the peak. ``first_fitting`` is O(log n) (a sparse table of
-    maxima)."""
+    without raising the peak; and the first where it does not: where an upstream
+    result may not stay live in flight. ``first_fitting`` and ``first_short`` are
+    O(log n) (sparse tables of maxima and minima)."""
 
     def __init__(self, headroom: Headroom, positions: list[int]):
         """``positions``: ``s.pos`` of each spine node, in spine order."""
-        self._most = RangeTable([headroom.least(p, p) for p in positions], max).query
+        self._levels = [headroom.least(p, p) for p in positions]
+        self._most = RangeTable(self._levels, max).query
+        self._fewest = None   # RangeTable of minima, built on the first ``first_short``
 
     def first_fitting(self, first: int, last: int, nbytes: int) -> int | None:
         """Smallest spine index in first..last whose headroom is at least ``nbytes``, or None."""
@@ -618,6 +621,22 @@ class SpineRoom:
         while first < last:
             middle = (first + last) // 2
             if self._most(first, middle) >= nbytes:
+                last = middle
+            else:
+                first = middle + 1
+        return first
+
+    def first_short(self, first: int, last: int, nbytes: int) -> int | None:
+        """Smallest spine index in first..last whose headroom is below ``nbytes``, or None."""
+        if nbytes <= 0 or first > last:
+            return None
+        if self._fewest is None:
+            self._fewest = RangeTable(self._levels, min).query
+        if self._fewest(first, last) >= nbytes:
+            return None
+        while first < last:
+            middle = (first + last) // 2
+            if self._fewest(first, middle) < nbytes:
                 last = middle
             else:
                 first = middle + 1

@@ -39,7 +39,7 @@ import torch.fx as fx
 from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.memory import Headroom, SpineRoom
-from overlapc.passes.structure import Structure
+from overlapc.passes.structure import Structure, holds_output
 
 UNBOUNDED = Budget(None, {}, {})
 MODES = ("schedule", "sink", "serial")
@@ -209,7 +209,8 @@ class _Core:
         (at hi with ``late_chains``), or, with a ``chain_room``, the first index
         from there on where B's own buffers (its upstream results and what its
         start bundle allocates, beyond the bytes in flight that count them while
-        the chain passes from one collective to the next) fit the headroom, else hi.
+        the chain passes from one collective to the next) fit the headroom, else hi,
+        or sooner where the upstream results may not stay live (``_roomy_gate``).
         Serial mode uses the same chain points.
         When hi < lo, B is not gated: its chained waits stay at their targets."""
         s, spine = self.s, self.spine
@@ -245,9 +246,7 @@ class _Core:
                     lo = max(lo, index[s.spine_target[wait]])
             if chained and lo <= hi:
                 gate = hi if self.late_chains else lo + (hi - lo) // 2
-                if room is not None:
-                    gate = room.first_fitting(gate, hi, self._chain_bytes(c.start, chained))
-                self.gate[c.start] = hi if gate is None else gate
+                self.gate[c.start] = gate if room is None else self._roomy_gate(room, gate, hi, c.start, chained)
                 self.chained.update(chained)
                 for wait in chained:
                     self.readers.setdefault(wait, []).append(c.start)
@@ -256,6 +255,29 @@ class _Core:
                 for wait in chained:   # not gated: each chained wait stays at its target
                     lo = max(lo, index[s.spine_target[wait]])
                 earliest[c.start] = lo
+
+    def _roomy_gate(self, room: SpineRoom, first: int, hi: int, start: fx.Node, chained: list[fx.Node]) -> int:
+        """The chain point of gated ``start`` (reading the waits ``chained``) from spine
+        index ``first`` (halfway) on: the first index up to ``hi`` where its chain's own
+        bytes fit the headroom (``_chain_bytes``), unless an index before it has less
+        headroom than the upstream results no held bytes count (``_uncounted_results``):
+        the chain point goes there, the latest that does not keep those upstream
+        collectives in flight, their results live, across that node. ``hi`` when
+        neither comes."""
+        fits = room.first_fitting(first, hi, self._chain_bytes(start, chained))
+        short = room.first_short(first, hi if fits is None else fits, self._uncounted_results(chained))
+        found = [index for index in (fits, short) if index is not None]
+        return min(found, default=hi)
+
+    def _uncounted_results(self, chained: list[fx.Node]) -> int:
+        """Bytes of the results of the collectives whose waits ``chained`` are, that their
+        held bytes do not count (``structure.holds_output``: an all-reduce's, an
+        all-to-all's, a reduce-scatter's). Their reader, the gated start's bundle, moves
+        with the chain point, so until it those results stay live with the collectives
+        in flight, where issuing and waiting them back to back frees them first."""
+        s, size = self.s, self.chain_room.liveness.size
+        ups = dict.fromkeys(s.coll_of_wait[w] for w in chained)
+        return sum(size.get(c.start, 0) for c in ups if not holds_output(c))
 
     def _chain_bytes(self, start: fx.Node, chained: list[fx.Node]) -> int:
         """Bytes that gated ``start``'s chain point adds beyond what is counted in

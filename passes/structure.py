@@ -238,9 +238,14 @@ def held_bytes(c: Collective) -> int:
     collective's result (a chain, whose start goes to a chain point, possibly
     before where it stood), its output too. Unknown sizes count 0."""
     inputs = tensor_nbytes([node_value(i) for i in c.start._input_nodes]) or 0
-    if c.kind == "all_gather" or _reads_a_wait(c.start):
-        return (c.nbytes or 0) + inputs
-    return inputs
+    return (c.nbytes or 0) + inputs if holds_output(c) else inputs
+
+
+def holds_output(c: Collective) -> bool:
+    """Whether ``held_bytes(c)`` counts ``c``'s output (an all-gather's, or a chained
+    start's); for any other kind it counts the input alone, the output being live
+    anyway from the start to its reader, unless that reader moves later with the wait."""
+    return c.kind == "all_gather" or _reads_a_wait(c.start)
 
 
 def carries_compute(node: fx.Node, is_wait) -> bool:
