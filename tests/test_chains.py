@@ -194,7 +194,8 @@ def check_schedule(make_graph, inputs, cfg):
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     overlapc.verify(gm, cfg)
-    independent_checks(gm, cfg, before if cfg.bucket is None else None)
+    kept = set(gm.graph.nodes)   # a rewrite (buckets, narrow gathers) replaced nodes: no order before
+    independent_checks(gm, cfg, before if all(n in kept for n in before) else None)
     again = make_graph()
     overlapc.schedule(again, cfg)
     assert order(again) == order(gm)
