@@ -36,9 +36,7 @@ consecutive members. A bucket closes before a member when
   peak the unbucketed graph would have;
 * either way: the bucket could not be issued before its first result is
   needed (a member's input is ready only after another member's first real
-  consumer), or the member reads a member's result through its start bundle
-  (the next level of a chain: reduce-scatters and all-reduces of one chain
-  level merge, as HSDP's and loss-parallel's do, never two levels);
+  consumer), or the member's result or input is tied to another collective;
 * in every mode: the bucket would lose a member's hiding interval
   (``_keeps_hiding``): a bucket is issued when its last input is ready and waited
   before its first result is needed, so the kernels a member could hide under
@@ -100,9 +98,8 @@ collective's shapes contradict its group size.
 
 Left alone: coalesced and ``_out`` collectives, all-to-all,
 collectives with several waits or symbolic/unknown shapes, the pieces of a
-chunked collective (``passes/chunk/``'s notes name them), and all-gathers in a
-chain (their result feeds, or their input comes from, another collective's
-bundle: the copy-out would stand inside it).
+chunked collective (``passes/chunk/``'s notes name them), and collectives
+whose result feeds another collective's input chain directly.
 """
 from __future__ import annotations
 
@@ -365,7 +362,6 @@ class _Member:
     ready: int                 # position of the last node its start bundle reads (-1: none)
     target: int                # position of its wait's first real consumer (or region end)
     target_node: fx.Node
-    after: tuple[fx.Node, ...] = ()   # starts of the collectives whose results its start bundle reads (a chain)
 
     @functools.cached_property
     def source(self) -> str:
@@ -414,16 +410,14 @@ def _member(s: Structure, c: Collective) -> _Member | None:
     _check_shapes(c, value, out)
     target = s.target[wait]
     inputs = s.bundle_inputs[start]
+    if target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
+            u in s.start_of_member for u in s.consumers[wait]):
+        return None   # tied to another collective's bundle: moving one would move the other
     gathered = c.kind == "all_gather"
-    chained = target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
-        u in s.start_of_member for u in s.consumers[wait])
-    if chained and gathered:
-        return None   # its copy-out would stand inside another collective's bundle
     return _Member(
         c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
         nbytes=(out if gathered else value).numel() * value.element_size(),
         ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
-        after=tuple(s.coll_of_wait[s.wait_of_member[i]].start for i in inputs if i in s.wait_of_member),
     )
 
 
@@ -469,7 +463,7 @@ def _split(lane: list[_Member], bucket: str | int, largest: int, kernels: Kernel
                 headroom is None or _fits_headroom(buckets[-1], m, headroom)):
             buckets[-1].add(m)
         else:
-            buckets.append(_Bucket([m], m.ready, m.target, m.nbytes, m, m.target, m.ready, {m.c.start}))
+            buckets.append(_Bucket([m], m.ready, m.target, m.nbytes, m, m.target, m.ready))
     return [b.members for b in buckets if len(b.members) > 1]
 
 
@@ -485,11 +479,9 @@ class _Bucket:
     soonest: _Member    # the (first) member with the earliest target
     last_target: int    # the latest target
     first_ready: int    # the earliest ready position
-    starts: set[fx.Node] = dataclasses.field(default_factory=set)   # the members' starts (membership only)
 
     def add(self, m: _Member) -> None:
         self.members.append(m)
-        self.starts.add(m.c.start)
         self.ready, self.target = max(self.ready, m.ready), min(self.target, m.target)
         self.nbytes += m.nbytes
         self.soonest = m if m.target < self.soonest.target else self.soonest
@@ -500,8 +492,6 @@ def _joins(open_bucket: _Bucket, m: _Member, bucket: str | int, largest: int) ->
     """Whether ``m`` may join ``open_bucket``."""
     if max(m.ready, open_bucket.ready) >= min(m.target, open_bucket.target):
         return False   # one member's input is ready only after another's result is needed
-    if any(start in open_bucket.starts for start in m.after):
-        return False   # the next level of a chain: its start bundle reads a member's result
     limit = {"auto": largest, "module": DEFAULT_BUCKET_BYTES}.get(bucket, bucket)
     fits = open_bucket.nbytes + m.nbytes <= limit
     if bucket != "module" and not fits:
@@ -631,7 +621,6 @@ class _Rewrite:
         self.count = itertools.count()
         self.fake = FakeValues(gm)
         self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
-        self.result_of: dict[fx.Node, fx.Node] = {}   # a replaced wait -> the node that stands for it
 
     def all_gather(self, members: list[_Member]) -> BucketNote:
         """One all-gather for ``members``; of several dtypes, it moves their bytes
@@ -643,7 +632,7 @@ class _Rewrite:
         first, world = members[0], members[0].c.group_size
         anchor = min(m.target for m in members)
         self._move_input_chains(members, anchor)
-        shard = self._new(anchor, OPS.pack.default, (self._inputs(members), 1, *([True] if as_bytes else [])),
+        shard = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1, *([True] if as_bytes else [])),
                           like=first.c.start, input_chain=True)
         start = self._new(anchor, F.all_gather_into_tensor.default,
                           (shard, world, _argument(first.c.start, 2, "group_name")),
@@ -678,7 +667,7 @@ class _Rewrite:
         first, world = members[0], members[0].c.group_size
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, (self._inputs(members), world), like=first.c.start,
+        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], world), like=first.c.start,
                          input_chain=True)
         sizes = [m.value.numel() // world for m in members]
         start = self._new(anchor, F.reduce_scatter_tensor.default,
@@ -696,7 +685,7 @@ class _Rewrite:
         first = members[0]
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, (self._inputs(members), 1), like=first.c.start,
+        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
                          input_chain=True)
         start = self._new(anchor, F.all_reduce.default,
                           (flat, _argument(first.c.start, 1, "reduce_op"), _argument(first.c.start, 2, "group_name")),
@@ -752,16 +741,10 @@ class _Rewrite:
                 if node is not m.c.start:
                     self._place(node, anchor)
 
-    def _inputs(self, members: list[_Member]) -> list[fx.Node]:
-        """The members' inputs as the graph now stands: an input that was the wait of a
-        collective bucketed before (one level up a chain) is that bucket's result."""
-        return [self.result_of.get(m.input, m.input) for m in members]
-
     def _replace(self, m: _Member, result: fx.Node, anchor: int) -> None:
         """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now
         on; the views of the wait that stood before ``anchor`` move after ``result``."""
         m.wait.replace_all_uses_with(result)
-        self.result_of[m.wait] = result
         for view in self.s.wait_bundle[m.wait][1:]:
             if self.s.pos[view] < anchor:
                 self._place(view, anchor)

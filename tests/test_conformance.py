@@ -28,11 +28,13 @@ MEMORY_FIRST = "memory-first"                 # deliberate: upstream's order rai
 GATHER_BUDGET = "gather-budget"               # gap: all-gathers keep the whole-held serial-peak budget
 AUTO_CAP = "auto-cap"                         # deliberate: bucket="auto" caps a bucket at the largest member
 BUCKETS_OFF = "buckets-off"                   # deliberate: the configuration turns buckets off
+BUCKET_GRANULARITY = "bucket-granularity"     # deliberate: upstream splits a block's collectives in two buckets
+CHAINED_BUCKETS = "chained-buckets"           # gap: collectives in a chain are never bucketed
 RAISE_COMMS = "raise-comms"                   # deliberate: a start's compute producer is not moved earlier
 COMPUTE_REORDER = "compute-reorder"           # deliberate: compute is not reordered to feed a collective
-PREFETCH_PRIORITY = "prefetch-priority"       # deliberate: upstream hides the larger first, against consumer order
+PREFETCH_PRIORITY = "prefetch-priority"       # gap: prefetch order by consumer, not by estimated gain
 COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + one collective, never *_coalesced
-COMPUTE_ORDER = "compute-order"               # a compute node moved: only carried compute may (README guarantee 0)
+COMPUTE_ORDER = "compute-order"               # never expected: a compute node moved (README guarantee 0)
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
 EARLY_ISSUE = "early-issue"                   # deliberate: a start goes as early as inputs and bounds allow
 IN_PLACE_ORDER = "in-place-order"             # deliberate: upstream's all_reduce_ waits for readers of its input
@@ -56,9 +58,9 @@ EXPECTED = {
     "aten_reduce_scatter_bucketing": _unbucketed(),
     "aten_bucketing_wait_sink": _unbucketed(MEMORY_FIRST),
     "aten_bucketing_split_for_overlap_blocking_no_deps": _unbucketed(SAME_GRAPH),
-    "aten_bucketing_split_for_overlap": _unbucketed(MEMORY_FIRST),
+    "aten_bucketing_split_for_overlap": _unbucketed(BUCKET_GRANULARITY),
     "aten_bucket_exposed_with_hidden_single_overlap": _unbucketed(MEMORY_FIRST),
-    "aten_bucketing_split_for_overlap_blocking_deps_inductor": _unbucketed(MEMORY_FIRST),
+    "aten_bucketing_split_for_overlap_blocking_deps_inductor": _unbucketed(BUCKET_GRANULARITY),
     "aten_multidtype_bucketing": _unbucketed(),
     "aten_basic_all_reduce_bucketing": _unbucketed(),
     "compute_raise_comms": _all(RAISE_COMMS),
@@ -71,7 +73,7 @@ EXPECTED = {
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": {"module": SAME_GRAPH},
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_exposed": _unbucketed(),
     "unit_can_bucket_all_reduce": _unbucketed(),
-    "unit_manual_bucket_splits_dependent_all_reduce": _unbucketed(),
+    "unit_manual_bucket_splits_dependent_all_reduce": _unbucketed(CHAINED_BUCKETS),
     "unit_no_cross_type_bucketing_ar_and_rs": _unbucketed(),
     "unit_reduce_scatter_coalesced_mode": _all(COALESCED_OP),
     "unit_all_gather_coalesced_mode_falls_back": _unbucketed(),
@@ -83,8 +85,8 @@ EXPECTED = {
     "unit_fusion_regions_hide_collective": _all(GATHER_BUDGET),
     "unit_no_memory_limit_prefetches_across_compute_gap": _all(GATHER_BUDGET),
     "unit_prefetch_prioritizes_larger_hidden_time": _all(PREFETCH_PRIORITY),
-    "unit_wait_user_repair_runs_once_after_all_bucket_groups": _unbucketed(COMPUTE_REORDER),
-    "collectives_reorder_peak_memory_bucketed": _unbucketed(MEMORY_FIRST),
+    "unit_wait_user_repair_runs_once_after_all_bucket_groups": _unbucketed(CHAINED_BUCKETS),
+    "collectives_reorder_peak_memory_bucketed": _unbucketed(BUCKET_GRANULARITY),
     "collectives_all_gather_bucket_multidtype": _unbucketed(),
 }
 
@@ -105,6 +107,7 @@ UPSTREAM_EXPECTED: dict[str, str] = {
     "compute_reorder_compute_for_overlap_custom_runtime_estimation": COMPUTE_REORDER,
     "simple_no_change_when_already_optimal": MEMORY_FIRST,
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": SAME_GRAPH,
+    "unit_manual_bucket_splits_dependent_all_reduce": CHAINED_BUCKETS,
     "unit_reduce_scatter_coalesced_mode": NO_EQUIVALENT,
     "unit_can_bucket_with_convert_dtype_as_hiding_nodes": EARLY_ISSUE,
     "unit_active_wait_not_scheduled_recursively_b_first": CONSUMER_ORDER,
