@@ -369,8 +369,11 @@ def independent_checks(gm, cfg, before=None):
     """The guarantees, recomputed here from the graph without overlapc's scheduling
     code (``overlapc.collectives`` names the collectives; first consumers, regions,
     bounds, held bytes, live bytes and the serial reference are computed here).
-    ``before``: the nodes in their order before scheduling, when no rewrite ran."""
+    ``before``: the nodes in their order before scheduling; not compared with where a
+    rewrite (buckets, narrow gathers) replaced some of them."""
     nodes = list(gm.graph.nodes)
+    if before is not None and not set(before) <= set(nodes):
+        before = None
     pos = {n: i for i, n in enumerate(nodes)}
     region, found, rows = _placeable(gm, nodes, pos)
     region_end = {}
