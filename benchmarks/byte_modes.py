@@ -5,7 +5,7 @@ and the forward and backward graphs the CLI's examples capture at world 8
 under the fake process group (``overlapc.backend.capture`` with overlapc off,
 so each graph is scheduled here from the order AOTAutograd left). Each graph
 is scheduled once per mode (everything else at overlapc's defaults) and
-estimated by ``overlapc.simulate`` with one profile (default h100:nvlink).
+estimated by ``overlapc.estimate.simulate`` with one profile (default h100:nvlink).
 Nothing runs on a device; the numbers are estimates, not timings.
 
     python benchmarks/byte_modes.py [--examples examples/llama.py:build ...] [--json out.json]
@@ -20,8 +20,9 @@ import json
 import torch.distributed as dist
 
 import overlapc
-from overlapc import backend, costmodel
-from overlapc.simulate import simulate
+from overlapc import backend
+from overlapc.estimate import costmodel
+from overlapc.estimate.simulate import simulate
 
 import pass_time  # noqa: E402 - benchmarks/ is this script's directory
 

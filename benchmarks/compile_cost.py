@@ -123,7 +123,7 @@ def _job(rank, world_size, model_name, variant, cache_dir):
         overlapc.fsdp._recompute_contexts.cache_hash = "overlapc.fsdp._recompute_contexts"
     if backend == "overlapc":
         import overlapc.backend
-        from overlapc import rankcheck
+        from overlapc.backend import rankcheck
         # the function the backend calls for the pass (renamed schedule -> schedule_graph)
         _timed(overlapc.backend, "schedule_graph" if hasattr(overlapc.backend, "schedule_graph") else "schedule",
                ours, "pass")

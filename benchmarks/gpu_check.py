@@ -11,7 +11,7 @@ time is recorded with its error and the next one runs:
    over the fake process group of world size 8 on CUDA tensors, compiled with
    backend="overlapc" (max_in_flight=2) through Inductor's real CUDA path; the
    generated wrapper code of the forward and backward is read with
-   ``overlapc.inductor_order``: consumer order of the all-gathers, most
+   ``overlapc.backend.inductor_order``: consumer order of the all-gathers, most
    collectives in flight per kind (<= max_in_flight), every start waited,
    starts with no compute before their wait, and each collective's compute
    window (``window_breaks``: the compute overlapc placed between a start and
@@ -27,7 +27,7 @@ time is recorded with its error and the next one runs:
    collectives over a real NCCL group of world size 1 (127.0.0.1 TCPStore),
    compiled with backend="overlapc" (``dump_dir``), profiled with
    torch.profiler (CPU + CUDA); the Chrome trace read by ``overlapc analyze``
-   (``overlapc.analyze``), plus the kernels seen on streams other than the
+   (``overlapc.explain.analyze``), plus the kernels seen on streams other than the
    compute stream. (NCCL on one rank may copy instead of launching nccl kernels.)
 4. ``calibrate``: ``overlapc calibrate --quick`` in that NCCL group (compute only:
    one rank), writing a profile next to the JSON.
@@ -260,7 +260,7 @@ def part_order(ctx: dict) -> dict:
     """Compile the scheduled Llama; read its forward and backward wrapper code."""
     from torch._inductor.utils import run_and_get_code
 
-    from overlapc import inductor_order
+    from overlapc.backend import inductor_order
 
     fake_group(8)
     device = ctx["device"]
@@ -416,7 +416,7 @@ def part_trace(ctx: dict) -> dict:
     """Profile a compiled step in a real world-size-1 group; read the trace with overlapc analyze."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from overlapc import analyze
+    from overlapc.explain import analysis_output, analyze
 
     device = ctx["device"]
     real_group("gloo" if ctx["dry_run"] else "nccl")
@@ -442,7 +442,7 @@ def part_trace(ctx: dict) -> dict:
     trace = ctx["json"].with_name(ctx["json"].stem + "_trace.json")
     prof.export_chrome_trace(str(trace))
     analysis = analyze.analyze(str(trace), dump=str(dump))
-    doc = analyze.to_json(analysis)
+    doc = analysis_output.to_json(analysis)
     events = json.loads(trace.read_text())["traceEvents"]
     streams: dict[str, set] = {}
     for e in events:
@@ -459,7 +459,7 @@ def part_trace(ctx: dict) -> dict:
             "format": doc["format"], "steps": doc["steps"], "collectives": len(doc["collectives"]),
             "matched_to_dump": matched, "nccl_kernels": nccl,
             "streams": {s: sorted(names)[:12] for s, names in sorted(streams.items())},
-            "text": analyze.format_text(analysis).splitlines()[:40]}
+            "text": analysis_output.format_text(analysis).splitlines()[:40]}
 
 
 def part_calibrate(ctx: dict) -> dict:

@@ -112,7 +112,7 @@ def profile_step(step, trace: str | None = None) -> tuple[int, int]:
     torch.profiler's CPU events (profile_memory): allocations and frees of this
     process in time order, summed; the peak of that sum. A TorchDispatchMode
     would not do: with one active, the compiled function runs eagerly. ``trace``:
-    also write the profile there as a Chrome trace (for ``overlapc.analyze``)."""
+    also write the profile there as a Chrome trace (for ``overlapc.explain.analyze``)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()

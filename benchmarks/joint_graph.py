@@ -20,7 +20,7 @@ backward in one graph) under the fake process group, then:
 * any ``--options`` given, each as one more overlapc row (over the adapter's
   defaults).
 
-Every graph is estimated by one simulator (``overlapc.simulate``) with one
+Every graph is estimated by one simulator (``overlapc.estimate.simulate``) with one
 profile (``--profile``, default h100:nvlink): step, exposed communication,
 peak live bytes (also exact, ``peak_bytes``); overlapc rows also give the peak
 of the graph's serial order (``serial_peak_bytes``: each collective waited
@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 
 import overlapc
-from overlapc import costmodel
+from overlapc.estimate import costmodel
 from overlapc.integrations import torchtitan as overlapc_torchtitan
 from overlapc.passes import invariants
 from overlapc.passes.memory import Liveness
 from overlapc.passes.structure import Structure
-from overlapc.simulate import simulate
+from overlapc.estimate.simulate import simulate
 
 WORLD = 8
 

@@ -29,7 +29,7 @@ CPU stand-ins are ``joint_graph.cpu_stand_ins`` (graph_trainer's bucketing
 pass is handed the ``--profile`` device's DRAM bandwidth and FLOP/s, H100 by
 default), plus, as graph_trainer's ``apply_compile`` does,
 ``reorder_for_peak_memory=False`` globally; Inductor compiles with one
-thread. ``overlapc.backend.route_gloo_all_gathers`` is installed in every rank
+thread. ``overlapc.torch_compat.route_gloo_all_gathers`` is installed in every rank
 (gloo's coalesced all-gather corrupts the heap with many in flight), for all
 variants alike.
 
@@ -162,8 +162,8 @@ def order_kept(name: str):
 
 def rank_job(rank: int, world_size: int, options: dict) -> dict:
     """One rank: trace, init, compile the variants, check values, time them interleaved."""
-    from overlapc import costmodel
-    from overlapc.backend import route_gloo_all_gathers
+    from overlapc.estimate import costmodel
+    from overlapc.torch_compat import route_gloo_all_gathers
     from overlapc.launch import progress
     from torchtitan.experiments.graph_trainer.make_fx_tracer import run_traced
 

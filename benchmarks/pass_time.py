@@ -26,7 +26,7 @@ collective bucketing, as ``aten_distributed_optimizations.enable_overlap_schedul
 runs it; on a CPU-only machine its GPU bandwidth / FLOP/s queries answered with the
 profile's numbers, compute estimated analytically, collectives by overlapc's cost
 model, as ``step_time.py`` does), and each result, and the graph as captured, is
-estimated by ``overlapc.simulate`` at ``--profile`` (default h100:nvlink): exposed
+estimated by ``overlapc.estimate.simulate`` at ``--profile`` (default h100:nvlink): exposed
 communication, step and peak live bytes. Inductor's scheduler runs here on the
 graph AOTAutograd hands to Inductor, before Inductor's own post-grad rewrites
 (which run before it in a real compile). A scheduler that raises gets its error in
@@ -226,8 +226,8 @@ def time_dynamo_70b(layers: int, profile_name: str) -> list[dict]:
     import copy
     import traceback
 
-    from overlapc import costmodel
-    from overlapc.simulate import simulate
+    from overlapc.estimate import costmodel
+    from overlapc.estimate.simulate import simulate
 
     profile = costmodel.resolve(profile_name)
     begin = time.perf_counter()

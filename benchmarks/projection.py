@@ -21,7 +21,7 @@ gradient all-reduce over InfiniBand: ``profile("h100",
 For each world size the forward and backward graphs are captured the way the
 backend builds them (``overlapc.backend.capture``: Dynamo, AOTAutograd with
 Inductor's decompositions, overlapc.schedule) and simulated with
-``overlapc.simulate.simulate``; a step is forward + backward (their simulated
+``overlapc.estimate.simulate.simulate``; a step is forward + backward (their simulated
 times summed). Rows: the original order (``order=before_order``, what the
 graphs look like before overlapc) and overlapc with max_in_flight 1/2/3/None.
 
@@ -131,9 +131,9 @@ def one_world_size(args) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import overlapc
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     from overlapc.backend import capture
-    from overlapc.simulate import simulate
+    from overlapc.estimate.simulate import simulate
 
     n = args.one
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)

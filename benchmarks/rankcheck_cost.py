@@ -46,7 +46,7 @@ def _job(rank, world_size, depth, repeat):
     import torch.distributed as dist
 
     import llama
-    from overlapc import rankcheck
+    from overlapc.backend import rankcheck
     from overlapc.backend import capture
     from overlapc.config import OverlapConfig
 

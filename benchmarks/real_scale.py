@@ -12,7 +12,7 @@ copy of that graph and timed in CPU seconds (``time.process_time``):
 * "overlapc": ``overlapc.integrations.torchtitan.overlapc_pass`` with the
   adapter's defaults (``DEFAULTS``), or ``--options``.
 
-Each result is estimated by ``overlapc.simulate`` at ``--profile`` (default
+Each result is estimated by ``overlapc.estimate.simulate`` at ``--profile`` (default
 h100:nvlink): exposed communication, step, peak live bytes. The overlapc row
 also counts the WARNING lines overlapc logged (a serial fallback, a collective
 left in place) and the serial order's peak of the graph handed in.
@@ -38,7 +38,7 @@ import time
 import torch.distributed as dist
 
 import joint_graph
-from overlapc import costmodel
+from overlapc.estimate import costmodel
 from overlapc.integrations import torchtitan as overlapc_torchtitan
 
 

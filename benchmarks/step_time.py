@@ -103,7 +103,7 @@ estimated step of a variant is the sum of its graphs' simulated step times
 inductor_pinned's is the same graphs' unscheduled order (step_ms_before of an
 overlapc variant that does not rewrite the graph) plus the same. The table
 prints estimate / measured, and each overlapc variant's exposed communication:
-measured by ``overlapc.analyze`` on the trace of its profiled (untimed) step,
+measured by ``overlapc.explain.analyze`` on the trace of its profiled (untimed) step,
 and estimated (the graphs' exposed_ms_after).
 
 Every multi-process part notices a dead rank and reports it (no hangs): the
@@ -480,11 +480,11 @@ def _estimates(scratch: str, rank: int, variants: list[str], parameters: int = 0
     backend dumped while compiling (``dump_dir``): the sums over the graphs of their
     simulated step and exposed times in the scheduled order, the step adding
     ``costmodel.outside_ms(parameters)`` with the calibrated profile (``scratch``/profile.json;
-    0 without one); the measurement is ``overlapc.analyze`` of the variant's profiled
+    0 without one); the measurement is ``overlapc.explain.analyze`` of the variant's profiled
     (untimed) step, when its trace is there. "inductor_pinned" gets the unscheduled order of
     the first variant that neither buckets nor chunks (the same graphs)."""
-    from overlapc import costmodel
-    from overlapc.analyze import analyze
+    from overlapc.estimate import costmodel
+    from overlapc.explain.analyze import analyze
     from overlapc.config import OverlapConfig
 
     profile = os.path.join(scratch, "profile.json")
@@ -530,7 +530,7 @@ def _overlap_scheduler_options(profile_path: str) -> dict:
 
     import functools
 
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
 
     profile = costmodel.load_profile(profile_path)
     for module in (torch._inductor.utils, torch._inductor.scheduler, torch.utils._runtime_estimation):
@@ -546,7 +546,7 @@ def _overlap_scheduler_options(profile_path: str) -> dict:
 def _collective_ms(link, node, override_size=None):
     """overlapc's estimate of a collective node (``override_size`` bytes when given,
     as Inductor asks for a bucket), or None for compute (Inductor estimates it)."""
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     from overlapc.collectives import scan
 
     found = scan([node], {node: 0}, first_consumers=False)

@@ -230,7 +230,8 @@ def rank_main(rank: int, world: int, argd: dict) -> dict:
     import moe
     import moe_dropless
     import tp_sp
-    from overlapc import calibrate, costmodel
+    from overlapc import calibrate
+    from overlapc.estimate import costmodel
 
     builders = {
         "tp_sp": lambda: tp_sp.build(dim=args.dim, heads=args.tp_heads, hidden=args.tp_hidden,

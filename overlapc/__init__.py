@@ -5,9 +5,9 @@ works after ``import overlapc``), so a plain import stays cheap.
 """
 import importlib
 
+from overlapc.api import schedule, verify
 from overlapc.collectives import Collective, collectives
 from overlapc.config import OverlapConfig
-from overlapc.api import schedule, verify
 from overlapc.passes.pipeline import ScheduleError
 
 __all__ = ["OverlapConfig", "Collective", "collectives", "schedule", "verify", "ScheduleError", "fsdp"]

@@ -8,7 +8,7 @@ cost model and log no report. This layer builds what they are handed (the
 estimator ``chunks="auto"`` chooses piece counts with, from the config's
 profile, or the profile every rank agreed on: ``use_profile``), runs them, and
 logs one INFO line per graph (DEBUG: one line per collective) from the result,
-with the report (``overlapc.report``) built once per graph from the result's
+with the report (``overlapc.explain.report``) built once per graph from the result's
 ``Structure``; the backend dumps that same report.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ _agreed_profiles: dict = {}
 
 
 def use_profile(spec: str | None, profile) -> None:
-    """Schedule with ``profile`` (a ``costmodel.Profile``) wherever a config names
+    """Schedule with ``profile`` (an ``estimate.Profile``) wherever a config names
     ``spec``: ``rankcheck.share_profile`` installs rank 0's profile here, so that
     every rank's chunk pass chooses its piece counts from the same numbers."""
     _agreed_profiles[spec] = profile
@@ -60,8 +60,8 @@ def estimator_for(cfg: OverlapConfig):
     (nothing to estimate: a profile file is not read)."""
     if cfg.chunks != "auto":
         return None
-    from overlapc import costmodel
-    return costmodel.resolve(schedule_profile(cfg.profile))
+    from overlapc import estimate
+    return estimate.resolve(schedule_profile(cfg.profile))
 
 
 def schedule_graph(gm: fx.GraphModule, config: OverlapConfig | dict | None = None, *,
@@ -81,7 +81,7 @@ def schedule_graph(gm: fx.GraphModule, config: OverlapConfig | dict | None = Non
     informed = bool(result.collectives) and log.isEnabledFor(logging.INFO)
     if not (report or informed):
         return Scheduled(result)
-    from overlapc import report as reports
+    from overlapc.explain import report as reports
     rows, summary = reports.study(gm, list(result.before), cfg.profile, structure=result.structure)
     if informed:
         _log(rows, summary, counted)
@@ -91,7 +91,7 @@ def schedule_graph(gm: fx.GraphModule, config: OverlapConfig | dict | None = Non
 def _log(rows: list, summary: dict, counted: int | None) -> None:
     """The INFO line of a scheduled graph (with the collective count before rewrites,
     ``counted``, when bucketing or chunking ran), at DEBUG one line per collective."""
-    from overlapc import report
+    from overlapc.explain import report
     rewritten = f"collectives {counted} -> {summary['collectives']} (buckets/chunks); " \
         if counted is not None else ""
     log.info("overlapc: %s%s; %s", rewritten, report.summary_line(summary), report.memory_text(summary))

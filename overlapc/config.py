@@ -62,7 +62,7 @@ class OverlapConfig:
     profile: estimates for reports and logs: a built-in "device:link" name
         (e.g. "h100:nvlink", "cpu:ethernet") or the path of a profile file
         written by ``overlapc calibrate``; None = the run's default
-        (``overlapc.costmodel.default_for``): "cpu:ethernet" when the backend
+        (``overlapc.estimate.costmodel.default_for``): "cpu:ethernet" when the backend
         compiles for CPU tensors over gloo, else "h100:nvlink".
     inductor_mode: an Inductor mode ("default", "reduce-overhead",
         "max-autotune", ...) to combine with overlapc options, or None.
@@ -72,7 +72,7 @@ class OverlapConfig:
     dump_dir: where the backend writes per-rank, per-graph artifacts
         (env OVERLAPC_DUMP_DIR), or None.
     check_ranks: before a compiled graph runs, check through the c10d Store
-        that every rank compiled the same collectives (``overlapc.rankcheck``):
+        that every rank compiled the same collectives (``overlapc.backend.rankcheck``):
         True, False, or None = on when the default process group has more
         than one rank.
     check_ranks_timeout: seconds a rank waits there for the others (> 0).

@@ -16,13 +16,14 @@ decides whether the installed torch needs it and the behaviour it works around:
 - ``inductor_keeps_order``: the same, for a caller that turns Inductor's
   peak-memory reordering back on inside (torchtitan graph_trainer's full
   Inductor pass; for the duration of a with block).
-- ``save_seeded_ops_in_checkpoints`` / ``SaveSeededOps``: the DeviceMesh saved
+- ``save_seeded_ops_in_checkpoints``: the DeviceMesh saved
   as a tensor when a checkpointed seeded op is recomputed (torch >= 2.13,
-  which passes the mesh into graphs as an opaque input; per compile).
+  which passes the mesh into graphs as an opaque input; per compile: the
+  backend's joint-graph pass ``overlapc.backend.compiler.SaveSeededOps``).
 - ``route_gloo_all_gathers``: gloo's coalesced all-gather corrupting the heap
   with many in flight (seen on 2.13; process-wide, installed by the backend
   when it compiles for a gloo group, never at import).
-- ``fake_cuda_patches``: what a fake CUDA device (``overlapc.cuda_capture.fake_h100``)
+- ``fake_cuda_patches``: what a fake CUDA device (``overlapc.backend.cuda_capture.fake_h100``)
   needs besides on the installed build (``~tensor``'s C binding takes a CUDA device
   guard; for the duration of the fake device only).
 - ``quiet_checkpoint_context_warning``: torch's warning on every
@@ -164,7 +165,7 @@ def release() -> str:
 
 def fake_cuda_patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, value) patches a fake CUDA device needs on the installed torch,
-    for ``overlapc.cuda_capture.fake_h100`` to apply and undo: the C binding of
+    for ``overlapc.backend.cuda_capture.fake_h100`` to apply and undo: the C binding of
     ``~tensor`` takes a CUDA device guard, which a build without a usable CUDA runtime
     cannot give (torch 2.13's embedding-backward decomposition inverts a mask on fake
     CUDA tensors), so it goes through ``torch.bitwise_not``, the same op without the guard."""
@@ -212,17 +213,6 @@ def save_seeded_ops_in_checkpoints(graph: fx.Graph) -> int:
                 saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked += 1
     return marked
-
-
-class SaveSeededOps(custom_graph_pass.CustomGraphPass):
-    """Inductor joint-graph pass running ``save_seeded_ops_in_checkpoints``."""
-
-    def __call__(self, graph: fx.Graph) -> None:
-        save_seeded_ops_in_checkpoints(graph)
-
-    def uuid(self) -> str:
-        from overlapc import rankcheck
-        return f"overlapc.SaveSeededOps {rankcheck.source_hash()}"
 
 
 # ---------------------------------------------------------------- gloo all-gathers (process-wide, on compile)

@@ -13,7 +13,7 @@ tests/fake_cuda.py CASE OUT.json`` compiles one of ``CASES`` there and writes
 its wrapper codes; ``tests/test_cuda_codegen.py`` runs that in a subprocess.
 
 The fake device (``fake_h100``, ``FakeH100``, ``H100``) and the re-trace onto it
-(``on_cuda``) are the product's (``overlapc.cuda_capture``, whose docstring lists
+(``on_cuda``) are the product's (``overlapc.backend.cuda_capture``, whose docstring lists
 the private torch internals they lean on), imported here under the same names.
 For training graphs (autograd on fake CUDA tensors needs a device): Dynamo with
 ``aot_autograd`` (Inductor's decompositions, its min-cut partitioner) captures
@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from overlapc.cuda_capture import H100, FakeH100, fake_h100, on_cuda  # noqa: F401  (this module's names)
+from overlapc.backend.cuda_capture import H100, FakeH100, fake_h100, on_cuda  # noqa: F401  (this module's names)
 
 
 # ---------------------------------------------------------------- training graphs through the fake H100
@@ -138,8 +138,8 @@ def _example(name: str):
 
 def _inductor_patches() -> dict:
     """overlapc's Inductor patches for the installed torch."""
-    import overlapc.backend as backend
-    return backend.inductor_patches() if hasattr(backend, "inductor_patches") else dict(backend.INDUCTOR_PATCHES)
+    from overlapc.torch_compat import inductor_patches
+    return inductor_patches()
 
 
 MAX_IN_FLIGHT = 2

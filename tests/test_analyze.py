@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from graphs import Encoder
 from multiproc import init_gloo, run_ranks
-from overlapc import analyze, costmodel
+import overlapc.cli as cli
+from overlapc.explain import analysis_output, analyze
+from overlapc.estimate import costmodel
 
 
 def _profiled_rank(rank, world_size, port, folder):
@@ -74,36 +76,33 @@ def test_gloo_trace_of_a_compiled_step(tmp_path, capsys):
         sequences.append([(m.name, m.kind) for m in result.collectives])
     assert sequences[0] == sequences[1]
 
-    assert analyze.run(_args(paths[0], dump, "json")) == 0
+    assert _analyze(paths[0], dump, "json") == 0
     document = json.loads(capsys.readouterr().out)
     assert document["schema"] == analyze.SCHEMA and len(document["steps"]) == 2
-    assert analyze.run(_args(paths[0], dump, "text")) == 0
+    assert _analyze(paths[0], dump, "text") == 0
     text = capsys.readouterr().out
     assert "step 1:" in text and "exposed communication" in text and "fw_0" in text
 
-    events = analyze.timeline(analyze.analyze(paths[0], dump))["traceEvents"]
+    events = analysis_output.timeline(analyze.analyze(paths[0], dump))["traceEvents"]
     for pid in (1, 2):   # every matched collective measured and estimated, once per step
         assert sum(1 for e in events if e["ph"] == "X" and e["pid"] == pid and e["cat"] == "comm"
                    and e["args"]["graph"]) == 2 * sum(len(expected[g]) for g in expected)
 
-    lines = analyze.comparison_text(analyze.analyze(paths[0], dump)).splitlines()   # what `make demo` prints
+    lines = analysis_output.comparison_text(analyze.analyze(paths[0], dump)).splitlines()   # what `make demo` prints
     assert lines[0].startswith("step 1: measured ") and "estimated" in lines[0]
     assert lines[1].startswith("  fw_0: measured ") and lines[2].startswith("  bw_0: measured ")
     assert "issuing " in lines[1] and "compute (the rest) " in lines[1]
     assert lines[-1].startswith("median of 2 steps: measured ")
     analysis = analyze.analyze(paths[0], dump)
-    with_outside = analyze.comparison_text(analysis, outside_ms=1.5).splitlines()
+    with_outside = analysis_output.comparison_text(analysis, outside_ms=1.5).splitlines()
     graphs = analysis.steps[0].estimated_step_ms
     assert f"estimated {graphs + 1.5:.1f} ms = graphs {graphs:.1f} + outside 1.5 " in with_outside[0]
 
 
-def _args(trace, dump=None, fmt="text", profile=None, timeline=None):
-    import argparse
-    parser = argparse.ArgumentParser()
-    analyze.add_arguments(parser)
-    return parser.parse_args([trace, *(["--dump", dump] if dump else []), "--format", fmt,
-                              *(["--profile", profile] if profile else []),
-                              *(["--timeline", timeline] if timeline else [])])
+def _analyze(trace, dump=None, fmt="text", profile=None, timeline=None) -> int:
+    """``overlapc analyze`` with these flags, in-process; its exit code."""
+    return cli.main(["analyze", trace, *(["--dump", dump] if dump else []), "--format", fmt,
+                     *(["--profile", profile] if profile else []), *(["--timeline", timeline] if timeline else [])])
 
 
 # -- a synthetic CUDA-format trace -----------------------------------------------------------------
@@ -183,9 +182,9 @@ def test_timeline_puts_measured_spans_beside_the_estimated_ones(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(_cuda_trace()))
     out = tmp_path / "timeline.json"
-    assert analyze.run(_args(str(path), str(tmp_path / "dump"), timeline=str(out))) == 0
+    assert _analyze(str(path), str(tmp_path / "dump"), timeline=str(out)) == 0
     document = json.loads(out.read_text())
-    assert document["otherData"]["schema"] == analyze.TIMELINE_SCHEMA
+    assert document["otherData"]["schema"] == analysis_output.TIMELINE_SCHEMA
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
     assert names == {(1, 0): "compute", (1, 1): "communication", (2, 0): "compute", (2, 1): "communication"}
     spans = {(e["pid"], e["cat"], e["name"]): (e["ts"], e["dur"]) for e in document["traceEvents"] if e["ph"] == "X"}
@@ -201,7 +200,7 @@ def test_timeline_puts_measured_spans_beside_the_estimated_ones(tmp_path):
     assert spans[2, "comm", "all_gather_into_tensor"] == (20, 100)         # 10 + 0.01 ms, 0.1 ms long
     assert spans[2, "comm", "all_reduce"] == (pytest.approx(78), pytest.approx(100))   # 58 + 0.02 ms
     assert spans[2, "exposed", "wait all_gather_into_tensor"] == (pytest.approx(70), 50)   # ends at 120 us
-    assert analyze.run(_args(str(path), str(tmp_path / "dump"), timeline=str(tmp_path / "no" / "t.json"))) == 2
+    assert _analyze(str(path), str(tmp_path / "dump"), timeline=str(tmp_path / "no" / "t.json")) == 2
 
 
 def test_cuda_trace_without_dump_lists_ops_by_kind():
@@ -218,15 +217,15 @@ def test_bad_input(tmp_path, capsys):
     (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": []}))
     for name, message in (("x.json", "is not JSON"), ("empty.json", "no communication ops"),
                           ("missing.json", "cannot read trace")):
-        assert analyze.run(_args(str(tmp_path / name))) == 2
+        assert _analyze(str(tmp_path / name)) == 2
         assert message in capsys.readouterr().err
     path = tmp_path / "t.json"
     path.write_text(json.dumps(_cuda_trace()))
-    assert analyze.run(_args(str(path), str(tmp_path / "nodump"))) == 2
+    assert _analyze(str(path), str(tmp_path / "nodump")) == 2
     assert "no dump folder" in capsys.readouterr().err
     (tmp_path / "bad" / "fw_0").mkdir(parents=True)
     (tmp_path / "bad" / "fw_0" / "report.json").write_text('{"collectives": [{"kind": "all_gather"}]}')
-    assert analyze.run(_args(str(path), str(tmp_path / "bad"))) == 2
+    assert _analyze(str(path), str(tmp_path / "bad")) == 2
     assert "is not an overlapc report.json" in capsys.readouterr().err
 
 

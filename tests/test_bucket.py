@@ -429,7 +429,7 @@ def test_without_module_information_module_mode_uses_the_default_target(fake_pg)
 
 
 def test_schedule_and_verify_on_bucketed_captured_graphs(tiny_graphs, caplog):
-    from overlapc import report
+    from overlapc.explain import report
     for name in ("fw_0", "bw_0"):
         for cfg in (overlapc.OverlapConfig(bucket="module", on_error="raise"),
                     overlapc.OverlapConfig(bucket=1024, max_in_flight=1, max_in_flight_bytes=None,
@@ -770,7 +770,7 @@ def test_the_transformer_forward_compiled_by_inductor_gathers_each_parameter_onc
     no graph falls back to the unscheduled order."""
     import overlapc.backend as backend
     import overlapc.fsdp
-    from overlapc.demo import TinyTransformer
+    from overlapc.cli.demo import TinyTransformer
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)
     model = overlapc.fsdp.shard(TinyTransformer(2, 32, 4), mesh)

@@ -9,9 +9,10 @@ import torch
 import overlapc.cli as cli
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from overlapc import calibrate, costmodel
+from overlapc import calibrate
+from overlapc.estimate import costmodel
 from overlapc.collectives import collectives
-from overlapc.simulate import simulate
+from overlapc.estimate.simulate import simulate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLGATHER = os.path.join(REPO, "examples", "allgather.py") + ":build"

@@ -473,7 +473,7 @@ def test_auto_picks_the_count_the_estimator_puts_fastest(tp_batch_graphs):
     chain): they take one count, the least summed estimate."""
     import dataclasses
 
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     from overlapc.passes.chunk.estimate import CANDIDATES
     balanced = costmodel.profile("cpu", "ethernet", tflops=1e-5, link_gbps=0.002, latency_us=1.0)
     latency_bound = costmodel.profile("cpu", "ethernet", link_gbps=1000.0, latency_us=5000.0)
@@ -505,7 +505,7 @@ def test_auto_chain_estimate_counts_every_piece_of_the_fed_pipeline(tp_batch_gra
     feeder's), and left alone nothing feeds it: the chain's estimate with k pieces is at
     least the link time of every collective's bytes, and with 1 piece the collectives
     and the compute in series."""
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     from overlapc.passes.chunk.estimate import _comm_ms
     prof = costmodel.profile("cpu", "ethernet", tflops=1e-4, link_gbps=0.002, latency_us=0.0)   # link-bound
     gm = copy.deepcopy(tp_batch_graphs["fw_0"])
@@ -525,7 +525,7 @@ def test_pipeline_estimate_overlaps_pieces(fake_pg):
     """One piece: all-gather, then the matmul, then the reduce-scatter, serially.
     Four pieces, compute-bound, no latency: only the first gather piece and the last
     scatter piece are exposed."""
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     from overlapc.passes.chunk.plan import Planner
     from overlapc.passes.chunk.estimate import pipeline_ms
 

@@ -116,10 +116,10 @@ def test_torchtitan_llama_is_one_pipeline_per_block_forward_and_backward(llama_g
 def _train(rank, world_size, port):
     import torch._dynamo
     init_gloo(rank, world_size, port)
-    from overlapc.backend import route_gloo_all_gathers
+    from overlapc.torch_compat import route_gloo_all_gathers
     import json
     import tempfile
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     from test_chunk_training import _step, count_collectives
     route_gloo_all_gathers()
     sys.path.insert(0, os.path.join(ROOT, "examples"))

@@ -267,7 +267,7 @@ def test_rows_not_sent_back_are_left_alone_with_why(fake_pg):
 
 
 def test_auto_estimates_assuming_balanced_routing(fake_pg):
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     gm = _trace(_moe)
     before = copy.deepcopy(gm)
     slow_link = costmodel.profile(device="cpu", link="ethernet", tflops=1e-5, link_gbps=0.002, latency_us=1.0)

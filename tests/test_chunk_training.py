@@ -30,7 +30,7 @@ def chunking_backend(chunks, notes: list):
     from overlapc.passes.chunk import chunk_collectives
 
     def compile_graph(gm, example_inputs):
-        from overlapc import costmodel
+        from overlapc.estimate import costmodel
         notes.extend(chunk_collectives(gm, chunks, costmodel.profile(**AUTO_PROFILE)))
         gm.recompile()
         return make_boxed_func(gm.forward)
@@ -83,7 +83,7 @@ def _ranks(rank, world_size, port):
     import torch
     import torch._dynamo
     init_gloo(rank, world_size, port)
-    from overlapc.backend import route_gloo_all_gathers
+    from overlapc.torch_compat import route_gloo_all_gathers
     route_gloo_all_gathers()   # several all-gathers in flight (see README, Known issues)
     out = {}
     for name, build in _models().items():

@@ -206,8 +206,8 @@ def test_report_header_names_the_profile_and_profile_beats_device(capsys):
 def test_demo_dispatches_lazily(monkeypatch):
     seen = []
     stand_in = types.SimpleNamespace(main=lambda argv: seen.append(argv) or 0)
-    monkeypatch.setitem(sys.modules, "overlapc.demo", stand_in)
-    monkeypatch.setattr(overlapc, "demo", stand_in, raising=False)   # set once a test imported the real one
+    monkeypatch.setitem(sys.modules, "overlapc.cli.demo", stand_in)
+    monkeypatch.setattr(cli, "demo", stand_in, raising=False)   # set once a test imported the real one
     assert cli.main(["demo", "--steps", "3"]) == 0 and seen == [["--steps", "3"]]
 
 
@@ -400,13 +400,13 @@ def test_report_quiet_prints_the_summaries_only(capsys):
 
 
 def _parsers():
-    parser = cli._parser()
+    parser = cli.parser.build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return parser, commands.choices
 
 
 def test_help_teaches_every_command(capsys):
-    import overlapc.demo as demo
+    import overlapc.cli.demo as demo
     parser, commands = _parsers()
     assert "pydoc" not in parser.format_help() and "examples:" in parser.format_help()
     commands = {**commands, "demo": demo._arguments()}

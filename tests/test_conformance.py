@@ -184,7 +184,7 @@ def _job_values(rank, world_size, port):
     """Every case under every configuration and its upstream setup: scheduled outputs equal the unscheduled
     graph's, bit for bit, on this rank's inputs. Returns the mismatches."""
     init_gloo(rank, world_size, port)
-    from overlapc.backend import route_gloo_all_gathers
+    from overlapc.torch_compat import route_gloo_all_gathers
 
     route_gloo_all_gathers()
     mismatches = []

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from overlapc import costmodel
-from overlapc.simulate import simulate
+from overlapc.estimate import costmodel
+from overlapc.estimate.simulate import simulate
 
 F = torch.ops._c10d_functional
 

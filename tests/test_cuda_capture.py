@@ -1,7 +1,7 @@
 """The graphs a GPU profile's estimates read are the ones the CUDA compile makes.
 
 ``overlapc report``/``dump``/``timeline``/``--html`` capture through
-``overlapc.cuda_capture`` when the profile's device is a GPU (the default h100)
+``overlapc.backend.cuda_capture`` when the profile's device is a GPU (the default h100)
 and through CPU dispatch when it is cpu (``--dispatch`` chooses explicitly);
 every output names the dispatch. The CLI runs in-process (``overlapc.cli.main``)
 on examples/llama.py at world size 8; the fake H100 patches process-wide and
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import overlapc.cli as cli
-from overlapc import costmodel, cuda_capture
+from overlapc.estimate import costmodel
+from overlapc.backend import cuda_capture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(REPO, "examples", "llama.py") + ":build"

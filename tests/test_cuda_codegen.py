@@ -7,7 +7,7 @@ with Inductor's CUDA backend, overlapc's schedule running as Inductor's
 post-grad pass under overlapc's Inductor patches, in a process of its own (the
 fakes are process-wide). The wrapper code that comes back (Python launching
 Triton kernels, cuBLAS matmuls and the collectives) is read with
-``overlapc.inductor_order`` and checked against the schedule overlapc placed:
+``overlapc.backend.inductor_order`` and checked against the schedule overlapc placed:
 
 - every collective started in the same order and kinds as scheduled, and waited;
 - all-gathers started in the order of their first use (consumer order);
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from overlapc import inductor_order
+from overlapc.backend import inductor_order
 
 HERE = Path(__file__).resolve().parent
 MAX_IN_FLIGHT = 2

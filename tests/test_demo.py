@@ -3,7 +3,7 @@ is the ratio of those medians, and each estimate is set beside its own measureme
 import argparse
 import types
 
-from overlapc import demo
+from overlapc.cli import demo
 
 
 def _header(overlapc_ms, inductor_ms, original_ms=60.0, after_ms=30.0, outside_ms=2.0):

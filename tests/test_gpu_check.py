@@ -100,8 +100,8 @@ def test_runs_from_a_checkout_without_an_install(tmp_path):
         spec = importlib.util.spec_from_file_location("gpu_check", {str(SCRIPT)!r})
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        import overlapc.passes.scheduler, overlapc.inductor_order, overlapc.fsdp
-        print(module.IMPORTED_FROM, overlapc.passes.scheduler.__file__, overlapc.inductor_order.__file__)
+        import overlapc.passes.scheduler, overlapc.backend.inductor_order, overlapc.fsdp
+        print(module.IMPORTED_FROM, overlapc.passes.scheduler.__file__, overlapc.backend.inductor_order.__file__)
     """)
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": ""})
@@ -111,4 +111,4 @@ def test_runs_from_a_checkout_without_an_install(tmp_path):
     source, scheduler, order = done.stdout.split()
     assert source == "checkout"
     assert Path(scheduler) == ROOT / "passes" / "scheduler.py"
-    assert Path(order) == ROOT / "overlapc" / "inductor_order.py"
+    assert Path(order) == ROOT / "overlapc" / "backend" / "inductor_order.py"

@@ -1,7 +1,7 @@
-"""overlapc.html_report: the schedule page of the Llama example (examples/llama.py).
+"""overlapc.explain.html_report: the schedule page of the Llama example (examples/llama.py).
 
 Without a browser: the page is self-contained, holds both orders of every graph,
-and the numbers it draws are the simulation's (``overlapc.simulate`` run here,
+and the numbers it draws are the simulation's (``overlapc.estimate.simulate`` run here,
 and pixel positions recomputed from them). With a real headless Chromium
 (Debian's ``chromium`` package; .ci/run installs it): the page is loaded with
 a measuring script appended, which reports the rendered boxes of the lanes and
@@ -19,10 +19,14 @@ import zlib
 
 import pytest
 
-from overlapc import backend, cli, costmodel, html_report
+from overlapc import backend
+from overlapc.cli import UsageError
+from overlapc.cli.targets import fake_process_group, html_for_target, load_target
+from overlapc.estimate import costmodel
+from overlapc.explain import html_report
 from overlapc.passes.memory import peak_bytes
-from overlapc.report import write_artifacts
-from overlapc.simulate import checked_order, simulate
+from overlapc.explain.report import write_artifacts
+from overlapc.estimate.simulate import checked_order, simulate
 
 TARGET = os.path.join(os.path.dirname(__file__), "..", "examples", "llama.py") + ":build"
 PROFILE = "cpu:ethernet"   # compute and communication of comparable size: both lanes have something to show
@@ -31,8 +35,8 @@ PROFILE = "cpu:ethernet"   # compute and communication of comparable size: both 
 @pytest.fixture(scope="module")
 def llama():
     """The Llama example's records (forward and backward, world size 8) and their page."""
-    build = cli._load(TARGET)
-    with cli._process_group(8, 0):
+    build = load_target(TARGET)
+    with fake_process_group(8, 0):
         model, inputs = build()
         records = backend.capture(model, inputs)
         page = html_report.html_for_records(records, PROFILE, title="llama")
@@ -132,13 +136,13 @@ def test_budget_line_is_the_peak_before_plus_the_in_flight_budget(llama):
         svg = [p for p in page.split('<svg class="memory"')[1:] if f'data-graph="{record.name}"' in p[:200]][0]
         assert f'<g class="budget-line" data-bytes="{bound}"' in svg and "(serial-peak)" in svg
         assert f'<g class="peak-line" data-bytes="{before}"' in svg
-    with cli._process_group(8, 0):
+    with fake_process_group(8, 0):
         auto = html_report.graph_view("fw_0", records[0].gm, records[0].before_order, PROFILE,
                                       {"max_in_flight_bytes": "auto"})
         limits = budget_for(Structure(records[0].gm), OverlapConfig(max_in_flight_bytes="auto")).max_bytes
         before = peak_bytes(checked_order(records[0].gm, records[0].before_order))
     assert (auto.budget_bytes, auto.in_flight_budget) == (before + sum(limits.values()), sum(limits.values()))
-    with cli._process_group(8, 0):
+    with fake_process_group(8, 0):
         unlimited = html_report.graph_view("fw_0", records[0].gm, records[0].before_order, PROFILE,
                                            {"max_in_flight_bytes": None})
     assert unlimited.budget_bytes is None
@@ -173,7 +177,7 @@ def _cpu_trace(records, folder: str) -> str:
 
 def test_measured_spans_beside_the_estimated(llama, tmp_path):
     records, _ = llama
-    with cli._process_group(8, 0):
+    with fake_process_group(8, 0):
         for record in records:
             write_artifacts(record, str(tmp_path / record.name), PROFILE)
         trace = _cpu_trace(records, str(tmp_path))
@@ -202,17 +206,17 @@ def test_measured_spans_beside_the_estimated(llama, tmp_path):
 def test_write_html_is_deterministic(llama, tmp_path):
     records, page = llama
     path = tmp_path / "page.html"
-    with cli._process_group(8, 0):
+    with fake_process_group(8, 0):
         html_report.write_html(str(path), records, PROFILE, title="llama")
     assert path.read_text(encoding="utf-8") == page
 
 
 def test_html_for_target(tmp_path):
-    page = html_report.html_for_target(TARGET, 8, options={"bucket": None}, profile="h100:ib")
+    page = html_for_target(TARGET, 8, options={"bucket": None}, profile="h100:ib")
     assert "max_in_flight_bytes=serial-peak, bucket=None" in page and "built-in h100:ib" in page
     assert page.count('<section class="graph"') == 2
-    with pytest.raises(cli.UsageError, match="no such file"):
-        html_report.html_for_target("examples/nothing.py:build", 8)
+    with pytest.raises(UsageError, match="no such file"):
+        html_for_target("examples/nothing.py:build", 8)
 
 
 # -- in a real browser ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Compute overlapc places between a collective's start and its wait stays there in the
-code Inductor generates (``overlapc.inductor_order.window_breaks``), for CPU (C++ kernels)
+code Inductor generates (``overlapc.backend.inductor_order.window_breaks``), for CPU (C++ kernels)
 and CUDA (a fake H100, in a process of its own: ``python tests/test_inductor_windows.py
 SPECS.json OUT.json``).
 
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:        # run as a script for the CUDA case
     sys.path.insert(0, str(HERE.parent))
 
-from overlapc import inductor_order  # noqa: E402
+from overlapc.backend import inductor_order  # noqa: E402
 
 F = torch.ops._c10d_functional
 WORLD = 8
@@ -129,7 +129,7 @@ def compile_and_read(gm, options: dict, extra_patches: dict | None = None, fake=
     patches = {**inductor_patches(), "post_grad_custom_post_pass": schedule, "fx_graph_cache": False,
                **(extra_patches or {})}
     if fake is not None:
-        from overlapc.cuda_capture import on_cuda
+        from overlapc.backend.cuda_capture import on_cuda
         gm, inputs = on_cuda(gm)
     else:
         inputs = [torch.randn(n.meta["val"].shape) for n in gm.graph.find_nodes(op="placeholder")]
@@ -341,7 +341,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from overlapc.cuda_capture import fake_h100
+    from overlapc.backend.cuda_capture import fake_h100
 
     specs_file, out = argv
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)

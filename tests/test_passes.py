@@ -347,7 +347,7 @@ def test_the_passes_return_one_result_and_log_no_report(fake_pg, caplog):
 
 
 def test_chunks_auto_needs_an_estimator_below_overlapc_schedule(fake_pg):
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
     original = body(gm)
     auto = overlapc.OverlapConfig(chunks="auto", on_error="raise")

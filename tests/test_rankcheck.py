@@ -1,4 +1,4 @@
-"""The cross-rank schedule check (overlapc.rankcheck).
+"""The cross-rank schedule check (overlapc.backend.rankcheck).
 
 Unit tests: the skeleton the backend computes per graph (fake process group),
 and the Store protocol with ranks as threads on one HashStore. End to end:
@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as fc
 
 import overlapc
 from multiproc import init_gloo, run_ranks
-from overlapc import rankcheck
+from overlapc.backend import rankcheck
 
 
 class Gathered(torch.nn.Module):
@@ -246,9 +246,9 @@ def test_any_difference_fails_every_rank_at_the_first_differing_collective(refer
 # -- every schedule input: the options from OverlapConfig's fields, the profile's content ------------
 
 def _profile_file(path, link_gbps, latency_us, issue_us=0.0):
-    """A profile file (``overlapc.costmodel.PROFILE_SCHEMA``) at ``path`` with these link numbers."""
+    """A profile file (``overlapc.estimate.costmodel.PROFILE_SCHEMA``) at ``path`` with these link numbers."""
     import json
-    from overlapc import costmodel
+    from overlapc.estimate import costmodel
     with open(path, "w") as out:
         json.dump({"schema": costmodel.PROFILE_SCHEMA,
                    "device": {"name": "cpu", "tflops": 1e-5, "mem_gbps": 20.0},
@@ -337,21 +337,21 @@ def _job_different_profiles(rank, world_size, port, folder):
     import os
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    import overlapc.backend
-    from overlapc import costmodel
+    import overlapc.backend.compiler
+    from overlapc.estimate import costmodel
     from overlapc.passes.chunk import chunk_collectives
     init_gloo(rank, world_size, port)
     path = (_pipelines if rank == 0 else _one_piece)(os.path.join(folder, f"rank{rank}.json"))
     args = [torch.randn(32, 64), torch.randn(64, 128), torch.randn(128, 64)]
     # what this rank's own profile would choose, without the check
     alone = [n.chunks for n in chunk_collectives(make_fx(_sp_block)(*args), "auto", costmodel.resolve(path))]
-    scheduled, schedule_graph = [], overlapc.backend.schedule_graph
+    scheduled, schedule_graph = [], overlapc.backend.compiler.schedule_graph
 
     def recording(gm, cfg, **kwargs):
         out = schedule_graph(gm, cfg, **kwargs)
         scheduled.append([(n.name, str(n.target)) for n in gm.graph.nodes])
         return out
-    overlapc.backend.schedule_graph = recording
+    overlapc.backend.compiler.schedule_graph = recording
     options = {"chunks": "auto", "profile": path, "inner": "aot_eager", "on_error": "raise",
                "check_ranks_timeout": 120}
     out = torch.compile(_sp_block, backend="overlapc", options=options)(*args)

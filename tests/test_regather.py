@@ -177,7 +177,7 @@ def test_bad_regather_values_are_refused(bad):
 
 
 def test_the_report_says_which_blocks_were_kept(fake_pg):
-    from overlapc import report
+    from overlapc.explain import report
     gm = _schedule(traced(early_peak=True, loss_peak=False))
     records = report.rewrites(gm)
     text = report.rewrites_text({"rewrites": records, "collectives": 3})

@@ -9,7 +9,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import overlapc
-from overlapc import costmodel, report
+from overlapc.estimate import costmodel
+from overlapc.explain import report
 
 F = torch.ops._c10d_functional
 
@@ -126,7 +127,7 @@ def test_summary_before_and_after(fake_pg):
     # one more 8x8 weight is live at a time after scheduling (gathered during the 10 ms mm)
     assert s["peak_bytes_after"] - s["peak_bytes_before"] == 8 * 8 * 4
     assert report.memory_text(s).startswith(
-        f"peak memory {report._size(s['peak_bytes_before'])} -> {report._size(s['peak_bytes_after'])} (")
+        f"peak memory {report.size_text(s['peak_bytes_before'])} -> {report.size_text(s['peak_bytes_after'])} (")
     assert sum(r.exposed_ms for r in report.rows(gm, before, **LAYER_COSTS)) == s["exposed_ms_after"]
     assert report.summary_line(s) == \
         "moved 3 of 3 collectives; hidden 0 -> 1 of 3 by estimate with h100:nvlink (exposed 12.0 -> 6.0 ms)"

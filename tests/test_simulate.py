@@ -10,8 +10,8 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import overlapc
-from overlapc import costmodel
-from overlapc.simulate import simulate
+from overlapc.estimate import costmodel
+from overlapc.estimate.simulate import simulate
 
 F = torch.ops._c10d_functional
 
@@ -235,7 +235,7 @@ def test_link_per_mesh_dim_and_group_labels(fake_pg):
         costmodel.collective_ms(found["all_gather"], costmodel.LINKS["nvlink"]))
     assert times["all_reduce"].duration_ms == pytest.approx(
         costmodel.collective_ms(found["all_reduce"], costmodel.LINKS["ib"]))
-    from overlapc import report
+    from overlapc.explain import report
     names = [n.name for n in gm.graph.nodes]
     assert sorted(r.group for r in report.rows(gm, names, p)) == ["replicate", "shard"]
     with pytest.raises(ValueError, match="per mesh dim"):

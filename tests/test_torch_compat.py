@@ -85,7 +85,7 @@ def state():
 untouched = state()
 import overlapc
 for module in pkgutil.walk_packages(overlapc.__path__, "overlapc."):
-    if not module.name.startswith("overlapc.integrations"):   # optional dependencies
+    if not module.name.startswith("overlapc.integrations") and not module.name.endswith(".__main__"):   # optional dependencies; __main__ runs the CLI
         importlib.import_module(module.name)
 imported = state()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import overlapc
-from overlapc import costmodel
+from overlapc.estimate import costmodel
 from overlapc.collectives import collectives, module_path, role
 from overlapc.integrations import torchtitan as overlapc_torchtitan
 from graphs import random_inputs

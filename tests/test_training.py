@@ -54,7 +54,7 @@ def _job_fp32(rank, world_size, port):
     fully_shard(reference.block, mesh=mesh)
     fully_shard(reference, mesh=mesh)
     result["fsdp2"] = _train(reference, rank)
-    from overlapc.backend import route_gloo_all_gathers
+    from overlapc.torch_compat import route_gloo_all_gathers
     result["backend_routed_gloo"] = not route_gloo_all_gathers()   # False: already installed
     dist.destroy_process_group()
     return result
@@ -84,7 +84,7 @@ def _job_bf16_and_fallback(rank, world_size, port):
 
 def _job_many_all_gathers_in_flight(rank, world_size, port, route, rounds):
     """``rounds`` times: 32 functional all-gathers in flight, some compute, then their waits."""
-    from overlapc.backend import route_gloo_all_gathers
+    from overlapc.torch_compat import route_gloo_all_gathers
     init_gloo(rank, world_size, port)
     if route:
         route_gloo_all_gathers()

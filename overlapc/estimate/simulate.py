@@ -35,7 +35,7 @@ not yet fully waited hold (an all-gather's output and input, another
 collective's input). Peak memory is the memory tracker's
 (``overlapc.passes.memory``) liveness peak along the order.
 
-Costs come from ``overlapc.costmodel`` for the given Profile (each group's link
+Costs come from ``overlapc.estimate.costmodel`` for the given Profile (each group's link
 is ``Profile.link_for(group)``), or from the
 ``compute_ms(node)`` / ``comm_ms(collective)`` callables when given (tests and
 what-if studies set exact costs this way; a given ``comm_ms`` is the
@@ -49,8 +49,8 @@ from typing import Callable
 
 import torch.fx as fx
 
-from overlapc import costmodel
 from overlapc.collectives import Collective, collectives
+from overlapc.estimate import costmodel
 from overlapc.passes.inflight import InFlight
 from overlapc.passes.memory import peak_bytes
 from overlapc.passes.structure import held_bytes

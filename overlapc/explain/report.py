@@ -13,7 +13,7 @@ report.txt);
 ``write_artifacts(record, folder)`` writes the four files per graph that
 ``overlapc dump`` and the backend's ``dump_dir`` produce.
 
-Both orders are simulated (``overlapc.simulate``), once per graph: ``study``
+Both orders are simulated (``overlapc.estimate.simulate``), once per graph: ``study``
 returns rows and summary together, and ``rows``/``summary`` reuse its latest
 result. A *compute node* is a node
 with estimated cost > 0 that is not a collective start, a wait, or a member of
@@ -120,13 +120,13 @@ from typing import Callable
 
 import torch.fx as fx
 
-from overlapc import costmodel
 from overlapc.collectives import KINDS as COLLECTIVE_KINDS
 from overlapc.collectives import Collective, alias_closure, module_path, real_consumers
+from overlapc.estimate import costmodel
+from overlapc.estimate.simulate import HIDDEN_FRACTION, HIDDEN_MS, Timeline, checked_order, simulate
 from overlapc.passes import meta
 from overlapc.passes.inflight import replay
 from overlapc.passes.structure import Structure
-from overlapc.simulate import HIDDEN_FRACTION, HIDDEN_MS, Timeline, checked_order, simulate
 
 SCHEMA = "overlapc.report/1"
 KINDS = tuple(COLLECTIVE_KINDS)   # the order tables list kinds in
@@ -412,7 +412,7 @@ def in_flight_text(summary: dict) -> str:
     """'peak in flight per group: all_gather 1 -> 2 (4.0KiB -> 8.0KiB); ...' for the kinds
     the graph has; "" when it has none."""
     parts = [f"{kind} {v['count_before']} -> {v['count_after']} "
-             f"({_size(v['bytes_before'])} -> {_size(v['bytes_after'])})"
+             f"({size_text(v['bytes_before'])} -> {size_text(v['bytes_after'])})"
              for kind, v in summary.get("in_flight", {}).items()]
     return f"peak in flight per group: {'; '.join(parts)}" if parts else ""
 
@@ -447,7 +447,7 @@ def rewrites_text(summary: dict, compact: bool = False) -> str:
              + f"{merged + buckets} merged into {buckets} buckets, {split} pieces added by chunking"]
     for r in records:
         if r["rewrite"] == "regather":
-            what = f"forward gathers kept for the backward ({_size(r['nbytes'])}), " \
+            what = f"forward gathers kept for the backward ({size_text(r['nbytes'])}), " \
                    f"{len(r['regathers'])} re-gathers dropped" if r["kept"] else \
                 "re-gathered (keeping its gathers would raise the peak)"
             lines.append(f"regather {r['block'] or '?'}: {what}")
@@ -467,7 +467,7 @@ def rewrites_text(summary: dict, compact: bool = False) -> str:
                     + ", ".join(f"{k}: {ms:.3f}ms" for k, ms in r["estimates"])
             lines.append(f"chunk {r['pattern']} ({', '.join(r['starts'])}, group {r['group']}): {state}")
         else:
-            kind, group, size = r.get("kind", "?"), r.get("group", "?"), _size(r.get("nbytes"))
+            kind, group, size = r.get("kind", "?"), r.get("group", "?"), size_text(r.get("nbytes"))
             sources = r.get("sources") or ()
             named = sources if sources and all(sources) else r.get("modules")
             if compact and any(named or ()):   # the parameters moved where known, else their modules
@@ -509,8 +509,8 @@ def memory_text(summary: dict) -> str:
     """'peak memory 327.0MiB -> 331.2MiB (1.013x); in flight 0B -> 24.0MiB'."""
     before, after = summary["peak_bytes_before"], summary["peak_bytes_after"]
     ratio = f" ({after / before:.3f}x)" if before else ""
-    return (f"peak memory {_size(before)} -> {_size(after)}{ratio}; in flight "
-            f"{_size(summary['peak_in_flight_bytes_before'])} -> {_size(summary['peak_in_flight_bytes_after'])}")
+    return (f"peak memory {size_text(before)} -> {size_text(after)}{ratio}; in flight "
+            f"{size_text(summary['peak_in_flight_bytes_before'])} -> {size_text(summary['peak_in_flight_bytes_after'])}")
 
 
 def _ms(value: float) -> str:
@@ -518,7 +518,8 @@ def _ms(value: float) -> str:
     return f"{value:.1f}" if value >= 0.1 or value == 0 else f"{value:.2g}"
 
 
-def _size(nbytes: int | None) -> str:
+def size_text(nbytes: int | None) -> str:
+    """``nbytes`` for people: "512B", "1.5KiB", ... up to GiB; "?" for None."""
     if nbytes is None:
         return "?"
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -551,7 +552,7 @@ def format_table(rows: list[Row]) -> str:
     table = [header]
     for r in rows:
         table.append((
-            r.name, r.kind, r.group, _size(r.nbytes), r.dtype or "?",
+            r.name, r.kind, r.group, size_text(r.nbytes), r.dtype or "?",
             f"{r.issue_before}->{r.issue_after}", f"{_pos(r.wait_before)}->{_pos(r.wait_after)}",
             f"{r.compute_nodes}/{r.compute_ms:.3f}ms", f"{r.comm_ms:.3f}",
             f"{r.exposed_ms_before:.3f}->{r.exposed_ms:.3f}",
@@ -575,7 +576,7 @@ def format_compact(rows: list[Row], width: int = WIDTH) -> str:
     be wider loses the middle of its module, then of its why. Deterministic."""
     header = ("collective", "kind", "group", "bytes", "issued at", "exposed ms", "why", "module")
     table = [header] + [(
-        r.name, KIND_SHORT.get(r.kind, r.kind), r.group, _size(r.nbytes), f"{r.issue_before}->{r.issue_after}",
+        r.name, KIND_SHORT.get(r.kind, r.kind), r.group, size_text(r.nbytes), f"{r.issue_before}->{r.issue_after}",
         f"{_ms(r.exposed_ms_before)}->{_ms(r.exposed_ms)}", compact_why(r), r.module or "-") for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for column in (7, 6):   # module, then why: shrink until the widest line fits
@@ -656,7 +657,7 @@ def write_artifacts(record, folder: str, profile: costmodel.Profile | str | None
     (``format_graph_wide`` and a last line naming the profile's source) and report.json
     (``to_json``). ``profile`` as in ``rows``; ``built``: the graph's (rows, summary) with
     that profile when the caller built them (the backend, from its schedule), else built
-    here. ``dispatch`` (``overlapc.cuda_capture.Dispatch.as_dict()``, when the caller knows how
+    here. ``dispatch`` (``overlapc.backend.cuda_capture.Dispatch.as_dict()``, when the caller knows how
     the graph was captured) adds a "dispatch: ..." line to report.txt and a "dispatch" entry
     to report.json. Same record and profile -> same bytes."""
     rows_, summary_ = built if built is not None else study(record.gm, record.before_order, profile)

@@ -1,7 +1,8 @@
 """The torch.compile backend: AOTAutograd -> overlapc.schedule -> Inductor.
 
-``torch.compile(model, backend="overlapc", options={...})`` finds this module
-through the ``torch_dynamo_backends`` entry point, so no import of overlapc is
+``torch.compile(model, backend="overlapc", options={...})`` finds
+``overlapc_backend`` through the ``torch_dynamo_backends`` entry point
+(``overlapc.backend:overlapc_backend``, the package's name for it), so no import of overlapc is
 needed (and importing it registers nothing twice). torch.compile rejects
 ``mode=`` together with ``options=``; name the Inductor mode among the options
 instead, and its Inductor settings are applied with overlapc's own::
@@ -12,7 +13,7 @@ instead, and its Inductor settings are applied with overlapc's own::
 ``options={"profile": "cpu:ethernet" | "path/to/profile.json"}`` sets the
 estimates of the per-graph INFO line and of the ``dump_dir`` reports (a
 built-in "device:link" or a file written by ``overlapc calibrate``; default
-cpu:ethernet for CPU tensors over gloo, else h100:nvlink: ``costmodel.default_for``).
+cpu:ethernet for CPU tensors over gloo, else h100:nvlink: ``estimate.default_for``).
 
 With ``inner="inductor"`` (default) the schedule runs as Inductor's
 ``post_grad_custom_post_pass`` on the forward and backward graphs, after
@@ -23,7 +24,7 @@ which moves each all-gather back next to its wait, 2.14's
 ``enable_simple_overlap``, ...). Everything else in Inductor is unchanged. The pass's ``uuid()`` carries the config, so
 Inductor's FX graph cache keys on it.
 
-Per graph, before it is compiled: the cross-rank check (``overlapc.rankcheck``,
+Per graph, before it is compiled: the cross-rank check (``overlapc.backend.rankcheck``,
 option ``check_ranks``), and one WARNING per compiled model whose graphs hold
 no collectives although its parameters are distributed (FSDP2, DDP, DTensor);
 a graph break in a DTensor-sharded model gets a WARNING too, and so does a
@@ -48,14 +49,13 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-from overlapc import rankcheck
+from overlapc.api import schedule_graph
+from overlapc.backend import rankcheck
+from overlapc.backend.cuts import MODULE_CALLS, warn_if_cut
 from overlapc.collectives import name_inputs
 from overlapc.config import OverlapConfig
-from overlapc.api import schedule_graph
-from overlapc.passes import pipeline
 from overlapc.torch_compat import (
-    SaveSeededOps, inductor_patches, route_gloo_all_gathers, save_seeded_ops_in_checkpoints, warn_if_untested,
-    with_joint_pre_pass,
+    inductor_patches, route_gloo_all_gathers, save_seeded_ops_in_checkpoints, warn_if_untested, with_joint_pre_pass,
 )
 
 log = logging.getLogger("overlapc")
@@ -115,7 +115,7 @@ def _tag_log_records() -> None:
         log.addFilter(_RankAndGraph())
 
 
-def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
+def schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
                          sink: Callable[[GraphRecord], None] | None, recompile: bool = True) -> None:
     """Schedule ``gm`` in place; hand the before/after record to ``sink`` and dump_dir."""
     want_record = sink is not None or cfg.dump_dir
@@ -130,7 +130,7 @@ def _schedule_and_record(gm: fx.GraphModule, cfg: OverlapConfig,
     if sink is not None:
         sink(record)
     if cfg.dump_dir:
-        from overlapc.report import write_artifacts
+        from overlapc.explain.report import write_artifacts
         folder = os.path.join(cfg.dump_dir, f"rank{_rank()}", record.name)
         write_artifacts(record, folder, cfg.profile, built=(done.rows, done.summary))
         log.info("overlapc: wrote %s", folder)
@@ -147,7 +147,7 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
         gm = graph.owning_module
         if gm is None:
             raise RuntimeError("overlapc: post-grad graph has no owning GraphModule")
-        _schedule_and_record(gm, self.cfg, self.sink, recompile=False)  # Inductor reads the graph
+        schedule_and_record(gm, self.cfg, self.sink, recompile=False)  # Inductor reads the graph
 
     def uuid(self) -> str:
         """Changes with the config, the content of the profile the schedule reads (a
@@ -156,15 +156,25 @@ class SchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
                               f"{rankcheck.source_hash()}".encode()).hexdigest()
 
 
+class SaveSeededOps(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Inductor joint-graph pass running ``save_seeded_ops_in_checkpoints``."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        save_seeded_ops_in_checkpoints(graph)
+
+    def uuid(self) -> str:
+        return f"overlapc.SaveSeededOps {rankcheck.source_hash()}"
+
+
 def _uses_gloo() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
 
 
-def _named(kind: str, compile_fn: Callable, index: int, cfg: OverlapConfig | None = None,
+def per_graph(kind: str, compile_fn: Callable, index: int, cfg: OverlapConfig | None = None,
            input_names: list[str] | None = None, model: "_Model | None" = None) -> Callable:
     """Wrap an AOT/Inductor compiler so the schedule pass knows which graph it
-    sees; with ``cfg`` asking for it, check the ranks first (``overlapc.rankcheck``).
+    sees; with ``cfg`` asking for it, check the ranks first (``overlapc.backend.rankcheck``).
     The check sits here, not in the post-grad pass, so an Inductor FX graph cache
     hit (which skips the pass) cannot skip it. ``model``: say once when the
     compiled model's graphs hold no collectives although its parameters are distributed."""
@@ -231,7 +241,6 @@ class _Model:
 
 
 _models: "weakref.WeakKeyDictionary[torch.nn.Module, _Model]" = weakref.WeakKeyDictionary()
-_MODULE_CALLS = ("__call__", "_call_impl", "_wrapped_call_impl")
 
 
 def _compiled_model() -> _Model | None:
@@ -239,7 +248,7 @@ def _compiled_model() -> _Model | None:
     OptimizedModule's ``self``) and what makes its parameters distributed; None
     for a compiled function. Inspected once per model."""
     frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name in _MODULE_CALLS and isinstance(
+    while frame is not None and not (frame.f_code.co_name in MODULE_CALLS and isinstance(
             frame.f_locals.get("self"), torch._dynamo.eval_frame.OptimizedModule)):
         frame = frame.f_back   # only module-call frames have their locals read
     if frame is None:
@@ -287,7 +296,7 @@ def _reads_parameters(example_inputs) -> bool:
     return any(isinstance(x, (torch.nn.Parameter, DTensor)) for x in example_inputs)
 
 
-def _input_names(gm: fx.GraphModule) -> list[str]:
+def input_names_of(gm: fx.GraphModule) -> list[str]:
     """Each Dynamo graph input as its source names it ("L['self'].layers[0].w"), else the placeholder's name."""
     names = []
     for node in gm.graph.find_nodes(op="placeholder"):
@@ -322,15 +331,15 @@ def _aot_eager(cfg: OverlapConfig, index: int, sink=None, decompositions=None,
     def compile_graph(gm, example_inputs, *args, **kwargs):
         if drop_dead_compute(gm):
             gm.recompile()
-        _schedule_and_record(gm, cfg, sink)
+        schedule_and_record(gm, cfg, sink)
         return make_boxed_func(gm.forward)
 
     def partition(joint, *args, **kwargs):
         save_seeded_ops_in_checkpoints(joint.graph)
         return default_partition(joint, *args, **kwargs)
 
-    return aot_autograd(fw_compiler=_named("fw", compile_graph, index, cfg, input_names, model),
-                        bw_compiler=_named("bw", compile_graph, index, cfg, input_names, model),
+    return aot_autograd(fw_compiler=per_graph("fw", compile_graph, index, cfg, input_names, model),
+                        bw_compiler=per_graph("bw", compile_graph, index, cfg, input_names, model),
                         partition_fn=partition, decompositions=decompositions)
 
 
@@ -347,14 +356,14 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     cfg = _profile_for_run(OverlapConfig.from_options(options), example_inputs)
     mode = _inductor_mode(cfg, mode)
     if cfg.profile is not None:
-        from overlapc import costmodel
-        costmodel.resolve(cfg.profile)   # a bad path fails now, not in the first dump
+        from overlapc import estimate
+        estimate.resolve(cfg.profile)   # a bad path fails now, not in the first dump
     warn_if_untested()
     index = _next_index()
     log.info("overlapc: compiling graph %d (fw_%d, bw_%d) with %s", index, index, index, cfg)
     if cfg.enabled and _uses_gloo():
         route_gloo_all_gathers()
-    names = _input_names(gm)
+    names = input_names_of(gm)
     model = _compiled_model() if cfg.enabled else None
     if model is not None:
         model.graph_break(gm, index)
@@ -375,7 +384,7 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
                        with_joint_pre_pass(torch._inductor.config.joint_custom_pre_pass, SaveSeededOps()))
         if cfg.dump_dir:
             patches["fx_graph_cache"] = False  # a cache hit would skip the pass and its dump
-    inner = _named("fw", compile_fx_inner, index, cfg, names, model)
+    inner = per_graph("fw", compile_fx_inner, index, cfg, names, model)
     if not rankcheck.enabled(cfg):
         seen = _graphs_seen["n"]
         compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
@@ -389,14 +398,14 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
 
 def _profile_for_run(cfg: OverlapConfig, example_inputs) -> OverlapConfig:
     """``cfg`` with the profile that fits this run when its options name none
-    (``costmodel.default_for``: CPU numbers for CPU tensors over gloo), so the INFO lines
+    (``estimate.default_for``: CPU numbers for CPU tensors over gloo), so the INFO lines
     and dumps estimate this run; the config INFO line and every summary name it."""
     if cfg.profile is not None or not _uses_gloo():
         return cfg
-    from overlapc import costmodel
+    from overlapc import estimate
     devices = sorted({t.device.type for t in example_inputs if isinstance(t, torch.Tensor)} - {"cpu"})
-    chosen = costmodel.default_for(devices[0] if devices else "cpu", str(torch.distributed.get_backend()))
-    return cfg if chosen == costmodel.DEFAULT else dataclasses.replace(cfg, profile=chosen)
+    chosen = estimate.default_for(devices[0] if devices else "cpu", str(torch.distributed.get_backend()))
+    return cfg if chosen == estimate.DEFAULT else dataclasses.replace(cfg, profile=chosen)
 
 
 def _inductor_mode(cfg: OverlapConfig, mode: str | None) -> str | None:
@@ -436,7 +445,7 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
 
     def backend(gm, example_inputs):
         return _aot_eager(cfg, next(graphs), sink=records.append, decompositions=select_decomp_table(),
-                          input_names=_input_names(gm))(gm, example_inputs)
+                          input_names=input_names_of(gm))(gm, example_inputs)
 
     run_step(model, example_inputs, backend, note)
     return records
@@ -540,178 +549,3 @@ _graphs_seen = {"n": 0}   # fw/bw graphs handed to overlapc's per-graph wrapper 
 # -- where overlap is cut: a sharded model compiled in pieces -----------------------------------
 
 _cut_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OVERLAPC_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, pipeline.__file__))
-_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
-
-
-def warn_if_cut(gm: fx.GraphModule) -> bool:
-    """One WARNING (rank 0) per model when Dynamo graph ``gm`` holds only part of a
-    sharded model: a module compiled on its own (``model.layers[i] =
-    torch.compile(block)``), a module Dynamo compiled alone because it skipped
-    the model's forward (a graph break inside a loop over blocks), or a compiled
-    function that reads only some of the model's parameters. Overlap stops at
-    every graph's edge, so it names where the cut is (file:line), what was
-    compiled, and which parameters' all-gathers can no longer be prefetched.
-    Returns True when ``gm`` is such a piece. A graph of the whole model (or of
-    its forward's pieces around a graph break: ``_Model.graph_break`` says those)
-    is not."""
-    try:
-        params = _graph_parameters(gm)
-        if not params:
-            return False
-        stack_modules = _stack_modules()
-        frame_locals, code, reachable = _compiled_frame()
-        root = _root_module(params, stack_modules, reachable)
-        compiled = _unwrap(frame_locals.get("self"))
-        if root is None or compiled is root:
-            return False
-        ids = {id(p) for p in params}
-        sharded = [(n.replace("._orig_mod", ""), id(p)) for n, p in root.named_parameters() if _is_dtensor(p)]
-        mine = [n for n, i in sharded if i in ids]
-        if len(mine) == len(sharded):
-            return False
-        sharded = [n for n, _ in sharded]
-    except Exception as error:   # noqa: BLE001 - a diagnosis must never break a compile
-        log.debug("overlapc: could not tell whether the graph holds the whole model: %s", error)
-        return False
-    if root not in _cut_warned:
-        _cut_warned.add(root)
-        if _rank() == 0:
-            log.warning("overlapc: %s", _cut_message(root, mine, sharded, compiled, code, stack_modules))
-    return True
-
-
-def _cut_message(root, mine: list[str], sharded: list[str], compiled, code, stack_modules) -> str:
-    part = ", ".join(_cover(mine, sharded)[:6])
-    others = _cover([n for n in sharded if n not in set(mine)], sharded)
-    model = type(root).__name__
-    wrapped = [m for m, optimized in stack_modules if optimized]
-    if compiled is not None and wrapped and wrapped[0] is compiled:
-        how = f"{part} is compiled on its own (torch.compile on the module, not on {model})"
-    elif root in wrapped:
-        how = (f"Dynamo runs {model}.forward uncompiled and compiles each module it calls on its own"
-               f"{_dynamo_skip_reason()}")
-    else:
-        how = f"the compiled {'module' if compiled is not None else 'function'} " \
-              f"{getattr(code, 'co_name', '?')} reads only {part}'s parameters"
-    return (f"graphs of {model} are cut at {_user_line()}: {how}. This graph holds {len(mine)} of the model's "
-            f"{len(sharded)} sharded parameters ({part}); overlap stops at its edges: the all-gathers of "
-            f"{', '.join(others[:6])}{', ...' if len(others) > 6 else ''} cannot be issued during its compute "
-            f"(they start when their own graph, or the eager code around it, starts), and what runs "
-            f"uncompiled gathers without prefetch. Compile the whole model (torch.compile(model), no graph "
-            f"break inside the loop over blocks: torch._dynamo.explain(model)(*inputs) lists them) to let "
-            f"overlapc schedule across blocks")
-
-
-def _graph_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
-    """The DTensor parameters Dynamo graph ``gm`` takes as inputs (real objects, by identity)."""
-    found = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        example = getattr(node.meta.get("grapharg"), "example", None)
-        if isinstance(example, torch.nn.Parameter) and _is_dtensor(example):
-            found.append(example)
-    return found
-
-
-def _is_dtensor(value) -> bool:
-    from torch.distributed.tensor import DTensor
-    return isinstance(value, DTensor)
-
-
-def _unwrap(module):
-    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-        return module._orig_mod
-    return module if isinstance(module, torch.nn.Module) else None
-
-
-def _stack_modules() -> list[tuple[torch.nn.Module, bool]]:
-    """(module, called through an OptimizedModule) of every module call on the Python
-    stack, innermost first (only module-call frames have their locals read)."""
-    found: list[tuple[torch.nn.Module, bool]] = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in _MODULE_CALLS:
-            module = frame.f_locals.get("self")
-            optimized = isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-            module = _unwrap(module)
-            if module is not None:
-                if found and found[-1][0] is module:
-                    found[-1] = (module, found[-1][1] or optimized)
-                else:
-                    found.append((module, optimized))
-        frame = frame.f_back
-    return found
-
-
-def _compiled_frame() -> tuple[dict, object, list]:
-    """(locals, code, the modules it can reach by name: locals, closure cells, globals)
-    of the frame Dynamo is compiling, from its ``_compile`` call on the stack (torch
-    2.13 and 2.14 name it and its arguments so); ({}, None, []) when not found."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_compile" and frame.f_code.co_filename.endswith(
-                os.path.join("_dynamo", "convert_frame.py")):
-            values = frame.f_locals
-            frame_locals = dict(values.get("locals") or {})
-            cells = [getattr(c, "cell_contents", None) for c in values.get("closure") or ()]
-            reachable = [*frame_locals.values(), *cells, *(values.get("globals") or {}).values()]
-            modules = [m for m in map(_unwrap, reachable) if m is not None]
-            return frame_locals, values.get("code"), modules
-        frame = frame.f_back
-    return {}, None, []
-
-
-def _root_module(params: list[torch.Tensor], stack_modules, reachable: list):
-    """The outermost module (calling the compiled code, or reachable from the compiled
-    frame) whose parameters include all of ``params``; None when there is none."""
-    wanted = {id(p) for p in params}
-    candidates = [m for m, _ in reversed(stack_modules)] + reachable
-    for module in candidates:
-        if wanted <= {id(p) for p in module.parameters()}:
-            return module
-    return None
-
-
-def _cover(chosen: list[str], everything: list[str], prefix: tuple = ()) -> list[str]:
-    """The fewest module paths (or parameter names) whose parameters, among
-    ``everything``, are exactly ``chosen``: ["embed", "layers.0"]. In ``everything``'s order."""
-    chosen_set = set(chosen)
-    groups: dict[str, list[str]] = {}
-    for name in everything:
-        parts = name.split(".")
-        if tuple(parts[:len(prefix)]) == prefix and len(parts) > len(prefix):
-            groups.setdefault(parts[len(prefix)], []).append(name)
-    paths = []
-    for key, names in groups.items():
-        mine = [n for n in names if n in chosen_set]
-        if len(mine) == len(names):
-            paths.append(".".join((*prefix, key)))
-        elif mine:
-            paths += _cover(mine, names, (*prefix, key))
-    return paths
-
-
-def _user_line() -> str:
-    """file:line of the innermost frame on the stack outside torch, overlapc and the
-    standard library: the user code that called the compiled piece."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith((_TORCH_DIR, _STDLIB_DIR, *_OVERLAPC_DIRS)) and not name.startswith("<"):
-            return f"{name}:{frame.f_lineno} ({frame.f_code.co_name})"
-        frame = frame.f_back
-    return "an unknown line"
-
-
-def _dynamo_skip_reason() -> str:
-    """Dynamo's latest reason for skipping a frame (its graph-break counters), as
-    "; Dynamo: frame skipped: forward (file line N) after: <first reason>", or ""."""
-    import re
-    reasons = list(torch._dynamo.utils.counters.get("unimplemented", {}))
-    for text in reversed(reasons):
-        skipped = re.search(r"frame skipped: (\S+) \((.+) line (\d+)\)", text)
-        if skipped:
-            first = text.strip().splitlines()[0][:160]
-            return f" (Dynamo skipped {skipped.group(1)} at {skipped.group(2)}:{skipped.group(3)} after: {first})"
-    return ""

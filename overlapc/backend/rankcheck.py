@@ -124,17 +124,17 @@ def share_profile(store, rank: int, world: int, n: int, graph: str, cfg: Overlap
     ``cfg.check_ranks_timeout``."""
     if not profile_decides(cfg):
         return
-    from overlapc import api, costmodel
+    from overlapc import api, estimate
     key = f"{_PREFIX}/{n}/profile"
     if rank == 0:   # read afresh: a recalibrated file counts from the next graph on
-        profile = costmodel.resolve(cfg.profile)
-        store.set(key, _encode_profile(profile))
+        profile = estimate.resolve(cfg.profile)
+        store.set(key, estimate.profile_to_text(profile))
     else:
         store.set(f"{_PREFIX}/{n}/rank{rank}", "")   # arrived (agree sets it too)
         where = f"graph {graph} (the {_ordinal(n + 1)} graph with collectives compiled on each rank)"
         timeout = timedelta(seconds=cfg.check_ranks_timeout)
         _wait(store, [key], timeout, rank, world, f"{_PREFIX}/{n}/", where, f"rank 0's profile for {where}", [])
-        profile = _decode_profile(store.get(key).decode())
+        profile = estimate.profile_from_text(store.get(key).decode(), "rank 0's profile")
     api.use_profile(cfg.profile, profile)
 
 
@@ -147,28 +147,12 @@ def profile_digest(cfg: OverlapConfig) -> str:
     """sha256 of the content of the profile the schedule of ``cfg`` reads (rank 0's
     when ranks shared it, else ``cfg.profile`` resolved): its device and link
     numbers, not its name or path, so a recalibrated file changes it."""
-    from overlapc import api, costmodel
-    profile = costmodel.resolve(api.schedule_profile(cfg.profile))
+    from overlapc import api, estimate
+    profile = estimate.resolve(api.schedule_profile(cfg.profile))
     content = dataclasses.asdict(profile)
     content.pop("name")
     content.pop("source")
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _encode_profile(profile) -> str:
-    return json.dumps(dataclasses.asdict(profile), sort_keys=True)
-
-
-def _decode_profile(text: str):
-    """The Profile ``_encode_profile`` wrote (tuples come back from JSON lists)."""
-    from overlapc import costmodel
-    document = json.loads(text)
-
-    def link(fields: dict):
-        return costmodel.LinkProfile(**{**fields, "per_kind": tuple(tuple(k) for k in fields["per_kind"])})
-    return costmodel.Profile(costmodel.DeviceProfile(**document["device"]), link(document["link"]),
-                             document["name"], f"rank 0's profile ({document['source']})",
-                             tuple((key, link(value)) for key, value in document["links"]))
 
 
 def agree(store, rank: int, world: int, n: int, graph: str, steps: list[Step], events: list[str],
@@ -283,9 +267,10 @@ def _group(name: str) -> str:
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
     """sha256 of overlapc's own source (overlapc/ and its passes, sub-folders included); once per process."""
+    import overlapc
     import overlapc.passes
     digest = hashlib.sha256()
-    for folder in (os.path.dirname(__file__), os.path.dirname(overlapc.passes.__file__)):
+    for folder in (os.path.dirname(overlapc.__file__), os.path.dirname(overlapc.passes.__file__)):
         for root, dirs, files in os.walk(folder):
             dirs.sort()
             for name in sorted(files):

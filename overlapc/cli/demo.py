@@ -11,7 +11,7 @@ unless flags say otherwise) and under plain Inductor. After one compiling step
 each, the two models train in alternating steps (the first of each pair
 alternates too), so a burst of load on a shared machine hits both alike; the
 step times are the medians over the pairs. Then ``PROFILED`` more overlapc
-steps run under torch.profiler (``overlapc.analyze`` reads the trace).
+steps run under torch.profiler (``overlapc.explain.analyze`` reads the trace).
 
 Rank 0 prints, in three parts: a header block (model and mesh, whether the
 losses are equal, the measured step of overlapc vs Inductor and their ratio;
@@ -22,7 +22,7 @@ communication in both), one compact
 table per graph (``report.format_graph``; its "before" is the order the
 scheduler was handed, after bucketing), and only with ``--verbose`` the
 details: losses and times per step, the wide tables, and per profiled step
-the estimated vs the measured time (``overlapc.analyze``; profiled steps carry
+the estimated vs the measured time (``overlapc.explain.analyze``; profiled steps carry
 the profiler's cost, which the calibration leaves out). A step's estimate is
 its graphs' simulated times plus what runs outside them:
 ``costmodel.outside_ms`` (the calibrated per-step and per-parameter costs) and
@@ -34,7 +34,7 @@ folder, never to the terminal. The ranks run under ``overlapc.launch``: a rank t
 raises has its traceback printed, one that dies or hangs ends the demo with its
 name and the end of its log (where a hung rank's stacks go).
 ``--keep DIR`` keeps the folder: logs, profile, schedule dumps, traces, and
-``schedule.html`` (``overlapc.html_report``: the timelines before and after, live
+``schedule.html`` (``overlapc.explain.html_report``: the timelines before and after, live
 bytes and the profiled run beside the estimate).
 """
 from __future__ import annotations
@@ -189,8 +189,8 @@ def _estimates(mesh, args, data, options: dict, profile: str) -> dict:
     collectives run on gloo, so all take part)."""
     import overlapc.fsdp
     from overlapc import backend as overlapc_backend
-    from overlapc import costmodel
-    from overlapc.simulate import simulate
+    from overlapc.estimate import costmodel
+    from overlapc.estimate.simulate import simulate
 
     calibrated = costmodel.load_profile(profile)
     timelines = {}
@@ -205,11 +205,11 @@ def _estimates(mesh, args, data, options: dict, profile: str) -> dict:
 
 
 def _write_page(rank: int, mesh, args, data, options: dict, profile: str, trace: str, dump_dir: str) -> None:
-    """``DIR/schedule.html`` (``overlapc.html_report``) of rank 0's graphs with its profiled run.
+    """``DIR/schedule.html`` (``overlapc.explain.html_report``) of rank 0's graphs with its profiled run.
     Every rank captures the model once more (aot_eager: the collectives run on gloo, so all take part)."""
     import overlapc.fsdp
     from overlapc import backend as overlapc_backend
-    from overlapc import html_report
+    from overlapc.explain import html_report
 
     torch.manual_seed(0)
     model = overlapc.fsdp.shard(TinyTransformer(args.layers, args.width, args.heads), mesh)
@@ -223,8 +223,10 @@ def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str
                   parameters: int, estimates: dict) -> str:
     """Rank 0's three parts: the header block (estimates with ``profile``: ``_estimates``), a compact
     table per graph (the dumps': the profile calibrated before compiling), details (--verbose)."""
-    from overlapc import costmodel, report
-    from overlapc.analyze import analyze, comparison_text
+    from overlapc.estimate import costmodel
+    from overlapc.explain import report
+    from overlapc.explain.analysis_output import comparison_text
+    from overlapc.explain.analyze import analyze
 
     graphs = _graphs(os.path.join(dump_dir, "rank0"))
     calibrated = costmodel.load_profile(profile)
@@ -257,7 +259,7 @@ def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str
 
 def _graphs(folder: str) -> list:
     """(name, rows, summary) of each graph the backend dumped into ``folder``, forward first."""
-    from overlapc import report
+    from overlapc.explain import report
 
     graphs = []
     for graph in sorted(os.listdir(folder), key=lambda g: (g[:2] != "fw", g)):
@@ -275,7 +277,7 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
     the graphs' simulated steps plus what runs outside them (``outside_ms``), beside the measured
     Inductor / overlapc ratio (of the medians); each estimate is also checked against its measured
     step."""
-    from overlapc.report import _size
+    from overlapc.explain.report import size_text
 
     (o_losses, o_times), (i_losses, i_times) = results["overlapc"], results["inductor"]
     pairs = list(zip(o_times[1:], i_times[1:]))
@@ -306,7 +308,7 @@ def _header(args, world_size: int, results: dict, graphs: list, outside_ms: floa
         f"per pair {pair_ratio:.2f}x)",
         f"estimated    Inductor's order {before:.1f} ms ({before / inductor_ms:.2f}x measured), overlapc's "
         f"{after:.1f} ms ({after / overlapc_ms:.2f}x): gain {before / after:.2f}x, measured {ratio:.2f}x",
-        f"peak memory  original order {_size(peak[0])}, overlapc's order {_size(peak[1])} "
+        f"peak memory  original order {size_text(peak[0])}, overlapc's order {size_text(peak[1])} "
         f"({peak[1] / peak[0]:.3f}x; estimated live bytes of the largest graph)",
         f"exposed comm estimated {sum(t.exposed_ms for t in original.values()):.1f} (Inductor's order) "
         f"-> {sum(a for _, _, a in exposed):.1f} ms per step ({per_graph})",

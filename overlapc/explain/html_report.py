@@ -3,7 +3,7 @@
 The page needs no network: its CSS is inline and its pictures are inline SVG
 drawn here (no script; tooltips are SVG ``<title>`` elements). Per graph:
 
-* **Timeline**: the simulated run (``overlapc.simulate``) of the order before
+* **Timeline**: the simulated run (``overlapc.estimate.simulate``) of the order before
   scheduling and of overlapc's order, on one time axis: a "compute" lane (each
   node that costs time; the compute stream's stalls on waits marked as
   *exposed*, red) and one lane per process group's link (each collective from
@@ -16,12 +16,12 @@ drawn here (no script; tooltips are SVG ``<title>`` elements). Per graph:
   (summed over groups). Under "auto" more may be in flight where it fits under
   the graph's memory peak (``passes/memory.Headroom``), so the line is the plan,
   not a hard ceiling. No budget line when the byte budget is unlimited.
-* **Table**: one row per collective (``overlapc.report.Row``), compact.
+* **Table**: one row per collective (``overlapc.explain.report.Row``), compact.
 * With a profiler trace (what ``overlapc analyze`` reads): per graph, one run
   of it (the median of the runs the trace holds) measured beside the
   estimate: the graph's run, the issue and wait spans on the compute thread
   and each collective as it ran, above the estimated run, stalls and
-  collectives (``overlapc.analyze.Analysis``; estimates from the dump).
+  collectives (``overlapc.explain.analyze.Analysis``; estimates from the dump).
 
 API::
 
@@ -46,8 +46,9 @@ import tempfile
 
 import torch.fx as fx
 
-from overlapc import costmodel
-from overlapc.simulate import Timeline, checked_order, simulate
+from overlapc.estimate import costmodel
+from overlapc.estimate.simulate import Timeline, checked_order, simulate
+from overlapc.explain.report import size_text
 
 KIND_COLOURS = {"all_gather": "#2f6fb3", "reduce_scatter": "#e07b1a", "all_reduce": "#7a4bb0",
                 "all_to_all": "#22936a", "broadcast": "#c2457f"}
@@ -84,8 +85,8 @@ def graph_view(name: str, gm: fx.GraphModule, before_order: list[str], profile=N
     draws. ``config``: the OverlapConfig (or options dict) it was scheduled with, for the budget
     line (default: OverlapConfig's defaults). Call it while the graph's process groups exist, so
     groups are named by their mesh dims."""
-    from overlapc import report
     from overlapc.config import OverlapConfig
+    from overlapc.explain import report
     from overlapc.passes.memory import Liveness
 
     profile = costmodel.resolve(profile)
@@ -164,17 +165,6 @@ def _e(value) -> str:
 
 def _ms(value: float) -> str:
     return f"{value:.3f}" if abs(value) >= 0.001 or value == 0 else f"{value:.2g}"
-
-
-def _size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "?"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return ""
 
 
 def _colour(kind: str) -> str:
@@ -302,7 +292,7 @@ def _link_lane(view: GraphView, key: str, group: str, axis: _Axis, y: float) -> 
         if c.collective.group != group:
             continue
         kind = c.collective.kind
-        title = (f"{name} ({kind}, {_size(c.collective.nbytes)}): issued {_ms(c.issue_ms)} ms, runs "
+        title = (f"{name} ({kind}, {size_text(c.collective.nbytes)}): issued {_ms(c.issue_ms)} ms, runs "
                  f"{_ms(c.start_ms)}-{_ms(c.end_ms)} ms, compute waits {_ms(c.exposed_ms)} ms")
         if c.start_ms > c.issue_ms:   # queued behind the group's earlier collectives
             parts.append(f'<line class="queued" x1="{axis.x(c.issue_ms):.2f}" y1="{y + LANE / 2}" '
@@ -334,7 +324,7 @@ def _memory_svg(view: GraphView) -> str:
         value = top / 1.08 * fraction
         parts.append(f'<line class="grid" x1="{LEFT}" y1="{y(value):.1f}" x2="{LEFT + PLOT}" y2="{y(value):.1f}"/>'
                      f'<text class="tick" x="{LEFT - 8}" y="{y(value) + 4:.1f}" text-anchor="end">'
-                     f'{_e(_size(int(value)))}</text>')
+                     f'{_e(size_text(int(value)))}</text>')
     for key, label in ORDERS:
         points, times, live = [], view.at_ms[key], view.live_bytes[key]
         end = view.timelines[key].step_ms
@@ -344,13 +334,13 @@ def _memory_svg(view: GraphView) -> str:
             points.append(f"{x0:.2f},{y(nbytes):.2f} {x1:.2f},{y(nbytes):.2f}")
         parts.append(f'<polyline class="mem mem-{key}" data-graph="{_e(view.name)}" data-order="{key}" '
                      f'data-peak-bytes="{peaks[key]}" points="{" ".join(points)}">'
-                     f'<title>{_e(label)}: peak {_e(_size(peaks[key]))}</title></polyline>')
+                     f'<title>{_e(label)}: peak {_e(size_text(peaks[key]))}</title></polyline>')
     reference = peaks["before"]
-    parts.append(_hline(y(reference), "peak-line", f"peak before {_size(reference)}", reference))
+    parts.append(_hline(y(reference), "peak-line", f"peak before {size_text(reference)}", reference))
     if view.budget_bytes is not None:
-        said = f"budget {_size(view.budget_bytes)} = " + (
+        said = f"budget {size_text(view.budget_bytes)} = " + (
             "the serial order's peak (serial-peak)" if view.in_flight_budget is None
-            else f"peak before + in-flight budget {_size(view.in_flight_budget)}")
+            else f"peak before + in-flight budget {size_text(view.in_flight_budget)}")
         parts.append(_hline(y(view.budget_bytes), "budget-line", said, view.budget_bytes))
     width, total = LEFT + PLOT + RIGHT, bottom + 24
     return (f'<svg class="memory" width="{width}" height="{total}" '
@@ -372,7 +362,7 @@ def _table(view: GraphView) -> str:
     for r in view.rows:
         wait = "-" if r.wait_after is None else f"{r.wait_before}&rarr;{r.wait_after}"
         cells = (f'<td><span class="swatch" style="background:{_colour(r.kind)}"></span>{_e(r.name)}</td>',
-                 f"<td>{_e(r.kind)}</td>", f"<td>{_e(r.group)}</td>", f'<td class="num">{_e(_size(r.nbytes))}</td>',
+                 f"<td>{_e(r.kind)}</td>", f"<td>{_e(r.group)}</td>", f'<td class="num">{_e(size_text(r.nbytes))}</td>',
                  f'<td class="num">{r.issue_before}&rarr;{r.issue_after}</td>', f'<td class="num">{wait}</td>',
                  f'<td class="num">{_ms(r.comm_ms)}</td>',
                  f'<td class="num">{_ms(r.exposed_ms_before)}&rarr;{_ms(r.exposed_ms)}</td>',
@@ -390,10 +380,10 @@ def _summary_html(view: GraphView) -> str:
         ("exposed communication", f"{_ms(s['exposed_ms_before'])} &rarr; {_ms(s['exposed_ms_after'])} ms", "exposed"),
         ("hidden", f"{s['hidden_before']} &rarr; {s['hidden_after']} of {s['collectives']}", "hidden"),
         ("moved", f"{s['moved']} of {s['collectives']}", "moved"),
-        ("peak memory", f"{_e(_size(s['peak_bytes_before']))} &rarr; {_e(_size(s['peak_bytes_after']))}{ratio}",
+        ("peak memory", f"{_e(size_text(s['peak_bytes_before']))} &rarr; {_e(size_text(s['peak_bytes_after']))}{ratio}",
          "peak"),
-        ("in flight", f"{_e(_size(s['peak_in_flight_bytes_before']))} &rarr; "
-         f"{_e(_size(s['peak_in_flight_bytes_after']))}", "in-flight"),
+        ("in flight", f"{_e(size_text(s['peak_in_flight_bytes_before']))} &rarr; "
+         f"{_e(size_text(s['peak_in_flight_bytes_after']))}", "in-flight"),
     ]
     return '<dl class="summary">' + "".join(f'<div data-key="{k}"><dt>{name}</dt><dd>{value}</dd></div>'
                                             for name, value, k in items) + "</dl>"
@@ -431,7 +421,7 @@ def _direction(name: str) -> str:
 def render_html(views: list[GraphView], *, title: str = "overlapc schedule", notes: list[str] = (),
                 analysis=None) -> str:
     """The page for ``views`` (``graph_view`` results), with ``notes`` (lines of text under the
-    title: target, profile, options) and, when given, an ``overlapc.analyze.Analysis`` whose
+    title: target, profile, options) and, when given, an ``overlapc.explain.analyze.Analysis`` whose
     measured runs are drawn beside each graph's estimate. Self-contained; deterministic."""
     toc = " ".join(f'<a href="#graph-{_e(v.name)}">{_e(v.name)}</a>' for v in views)
     body = "".join(_graph_section(v, analysis) for v in views)
@@ -537,8 +527,8 @@ def html_for_records(records, profile=None, config=None, *, trace: str | None = 
     views = [graph_view(r.name, r.gm, r.before_order, profile, config) for r in records]
     analysis = None
     if trace is not None:
-        from overlapc import analyze
-        from overlapc.report import write_artifacts
+        from overlapc.explain import analyze
+        from overlapc.explain.report import write_artifacts
 
         if dump is not None:
             analysis = analyze.analyze(trace, dump)
@@ -556,30 +546,6 @@ def write_html(path: str, records, profile=None, config=None, **keywords) -> Non
     text = html_for_records(records, profile, config, **keywords)
     with open(path, "w", encoding="utf-8", newline="\n") as out:
         out.write(text)
-
-
-def html_for_target(target: str, world_size: int, *, rank: int = 0, options: dict | None = None,
-                    profile=None, trace: str | None = None, dump: str | None = None) -> str:
-    """The page for ``overlapc report TARGET --world-size N``'s graphs: capture ``target``
-    ("path/to/file.py:function" or "module:function", returning ``(model, inputs)``) under a
-    fake process group of ``world_size`` ranks, captured as the profile's device dispatches
-    (``cuda_capture.dispatch_for``: CUDA-shaped for a GPU profile, the default), schedule with
-    ``options`` (OverlapConfig fields) and draw it (``html_for_records``). Errors as the
-    CLI's (``cli.UsageError``)."""
-    from overlapc import cli, costmodel, cuda_capture
-    from overlapc.config import OverlapConfig
-
-    cfg = OverlapConfig.from_options(options)
-    device = cuda_capture.dispatch_for(costmodel.resolve(profile))
-    build = cli._load(target)
-    with cli._process_group(world_size, rank):
-        model, inputs = build()
-        records, dispatch = cuda_capture.capture_as(device, model, inputs, options)
-        notes = [f"target {target}, world size {world_size}, rank {rank}; max_in_flight={cfg.max_in_flight}, "
-                 f"max_in_flight_bytes={cfg.max_in_flight_bytes}, bucket={cfg.bucket}, chunks={cfg.chunks}",
-                 f"dispatch: {dispatch.describe()}"]
-        return html_for_records(records, profile, cfg, trace=trace, dump=dump,
-                                title=f"overlapc schedule: {target}", notes=notes)
 
 
 _CSS = """

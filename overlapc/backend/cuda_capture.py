@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import importlib.util
 import itertools
@@ -406,14 +405,14 @@ def _keep_placeholders(source: torch.fx.GraphModule, traced: torch.fx.GraphModul
 
 def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | None = None,
             note: Callable[[str], None] | None = None) -> tuple[list, Dispatch]:
-    """(records, dispatch): ``overlapc.backend.capture``'s records of one training step, as
+    """(records, dispatch): ``overlapc.compiler.capture``'s records of one training step, as
     the CUDA compile makes the graphs: Dynamo and AOTAutograd with Inductor's decompositions
     and min-cut partitioner under ``device_dispatch``, each forward and backward re-traced
     on fake CUDA tensors (``on_cuda``) and scheduled there. The step computes nothing: its
     outputs and gradients are zeros (the model's buffers that the step mutates are
     overwritten with zeros too). ``note`` is told where the backward started, as
-    ``backend.capture`` says it. CaptureUnavailable without triton."""
-    from overlapc import backend
+    ``compiler.capture`` says it. CaptureUnavailable without triton."""
+    from overlapc.backend import compiler
     from overlapc.config import OverlapConfig
 
     require_triton()
@@ -423,10 +422,10 @@ def capture(model: torch.nn.Module, example_inputs, options: dict[str, Any] | No
     graphs = itertools.count()
 
     def dynamo_backend(gm, inputs):
-        return _aot_on_h100(cfg, next(graphs), records.append, backend._input_names(gm))(gm, inputs)
+        return _aot_on_h100(cfg, next(graphs), records.append, compiler.input_names_of(gm))(gm, inputs)
 
     with device_dispatch(chosen):
-        backend.run_step(model, example_inputs, dynamo_backend, note)
+        compiler.run_step(model, example_inputs, dynamo_backend, note)
     return records, Dispatch("cuda", tuple(dict.fromkeys(chosen)), "min-cut")
 
 
@@ -438,24 +437,24 @@ def _aot_on_h100(cfg, index: int, sink, input_names: list[str]) -> Callable:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    from overlapc import backend
+    from overlapc.backend import compiler
     from overlapc.torch_compat import save_seeded_ops_in_checkpoints
 
     def compile_graph(gm, example_inputs, *args, **kwargs):
-        if backend.drop_dead_compute(gm):
+        if compiler.drop_dead_compute(gm):
             gm.recompile()
         outputs = _zeros_like_outputs(gm)
         with fake_h100():
             cuda_gm, _ = on_cuda(gm)
-        backend._schedule_and_record(cuda_gm, cfg, sink)
+        compiler.schedule_and_record(cuda_gm, cfg, sink)
         return make_boxed_func(outputs)
 
     def partition(joint, *args, **kwargs):
         save_seeded_ops_in_checkpoints(joint.graph)
         return min_cut_rematerialization_partition(joint, *args, compiler="inductor", **kwargs)
 
-    return aot_autograd(fw_compiler=backend._named("fw", compile_graph, index, cfg, input_names),
-                        bw_compiler=backend._named("bw", compile_graph, index, cfg, input_names),
+    return aot_autograd(fw_compiler=compiler.per_graph("fw", compile_graph, index, cfg, input_names),
+                        bw_compiler=compiler.per_graph("bw", compile_graph, index, cfg, input_names),
                         partition_fn=partition, decompositions=select_decomp_table())
 
 
@@ -494,8 +493,8 @@ def dispatch_for(profile, choice: str = "auto") -> str:
 def capture_as(device: str, model: torch.nn.Module, example_inputs, options: dict[str, Any] | None = None,
                note: Callable[[str], None] | None = None) -> tuple[list, Dispatch]:
     """(records, dispatch) of one training step captured as ``device`` ("cuda": ``capture``;
-    "cpu": ``overlapc.backend.capture``, CPU dispatch and AOTAutograd's default partitioner)."""
+    "cpu": ``overlapc.compiler.capture``, CPU dispatch and AOTAutograd's default partitioner)."""
     if device == "cuda":
         return capture(model, example_inputs, options, note)
-    from overlapc import backend
-    return backend.capture(model, example_inputs, options, note=note), CPU
+    from overlapc.backend import compiler
+    return compiler.capture(model, example_inputs, options, note=note), CPU

@@ -99,7 +99,7 @@ class DeviceProfile:
 @dataclasses.dataclass(frozen=True)
 class LinkProfile:
     """A collective link, the one model of a collective's time that the simulator
-    (``overlapc.simulate``) and ``chunks="auto"`` (``passes/chunk/estimate.py``) both use.
+    (``overlapc.estimate.simulate``) and ``chunks="auto"`` (``passes/chunk/estimate.py``) both use.
 
     A collective of ``kind`` moving ``nbytes`` full bytes over ``n`` ranks takes
     ``latency_ms(kind)`` + ``transfer_ms(kind, nbytes, n)`` (latency + full bytes x ring factor /
@@ -114,7 +114,7 @@ class LinkProfile:
     ``issue_us`` + full bytes / ``issue_gbps`` (0: no per-byte part), of which
     ``start_ms(nbytes)`` (``start_us`` + bytes / ``start_gbps``; None: all of it) is the start
     call itself; the rest is the backend's CPU work around the collective's run (a CPU
-    backend's threads and the completion at its wait), which ``overlapc.simulate`` charges to
+    backend's threads and the completion at its wait), which ``overlapc.estimate.simulate`` charges to
     compute only where the compute stream does not idle during the run. 0 for the built-in GPU
     links, where a launch costs the GPU nothing."""
 
@@ -355,6 +355,23 @@ def _number(where: str, value, floor: float, strict: bool) -> float:
             not (value > floor if strict else value >= floor) or value != value or value == float("inf"):
         raise ValueError(f"{where} must be a number {'>' if strict else '>='} {floor:g}, got {value!r}")
     return float(value)
+
+
+def profile_to_text(profile: Profile) -> str:
+    """``profile`` as JSON text, every field (what ``profile_from_text`` reads back)."""
+    return json.dumps(dataclasses.asdict(profile), sort_keys=True)
+
+
+def profile_from_text(text: str, via: str) -> Profile:
+    """The Profile ``profile_to_text`` wrote (tuples come back from JSON lists), its
+    source read "VIA (SOURCE)": ``via`` says how it arrived."""
+    document = json.loads(text)
+
+    def link(fields: dict) -> LinkProfile:
+        return LinkProfile(**{**fields, "per_kind": tuple(tuple(k) for k in fields["per_kind"])})
+    return Profile(DeviceProfile(**document["device"]), link(document["link"]), document["name"],
+                   f"{via} ({document['source']})",
+                   tuple((key, link(value)) for key, value in document["links"]))
 
 
 def _fraction(where: str, value) -> float:
