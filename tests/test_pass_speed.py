@@ -45,10 +45,10 @@ def _random_gathers(rng: random.Random) -> fx.GraphModule:
 
 
 def _runs_by_key(gm: fx.GraphModule) -> list[tuple[str, ...]]:
-    """The runs ``bucket._merge_identical_runs`` merges, found as it did before it compared
+    """The runs ``duplicates._merge_identical_runs`` merges, found as it did before it compared
     each start with its group's previous one only: every mergeable start's arguments
     hashed (``_key``), a run going on while the group's latest start ends it."""
-    from overlapc.passes.bucket import _key, _starts_and_barriers
+    from overlapc.passes.duplicates import _key, _starts_and_barriers
     from overlapc.passes.collectives import group_of, wait_nodes
     runs, open_run, last = [], {}, {}
     for node, _, barrier in _starts_and_barriers(gm):
@@ -71,7 +71,7 @@ def _runs_by_key(gm: fx.GraphModule) -> list[tuple[str, ...]]:
 
 
 def test_identical_runs_match_the_keyed_search():
-    from overlapc.passes.bucket import _merge_identical_runs, _starts_and_barriers
+    from overlapc.passes.duplicates import _merge_identical_runs, _starts_and_barriers
     rng = random.Random(40)
     merged_some = 0
     for _ in range(200):
