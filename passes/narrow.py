@@ -288,10 +288,11 @@ def _reaches_narrowing(start: fx.Node, narrowest: int) -> bool:
 def _match(start: fx.Node, position: dict, narrowest: int) -> _Match | None:
     """The rewrite of ``start``'s gather, None when it has no narrowing cast at all;
     raise _Refused (with the reason) where the pattern does not hold. ``narrowest``:
-    ``_narrowest`` of the graph."""
+    ``_narrowest`` of the graph (a gather no wider has nothing to rewrite or to explain)."""
     waits = wait_nodes(start)
     gathered = _val(start)
-    if len(waits) != 1 or gathered is None or not gathered.dtype.is_floating_point:
+    if len(waits) != 1 or gathered is None or not gathered.dtype.is_floating_point \
+            or gathered.dtype.itemsize <= narrowest:   # then no cast narrows it and no max reads it
         return None
     wait = waits[0]
     numel = _static_numel(gathered)

@@ -126,3 +126,23 @@ def test_the_narrowest_value_only_skips_walks_that_find_nothing():
             skipped += start.meta["val"].dtype.itemsize <= narrowest
             found += walked
     assert skipped > 50 and found > 50   # both the shortcut and the walk are exercised
+
+
+def test_narrow_gathers_decide_as_without_the_narrowest_value(monkeypatch):
+    """``narrow_gathers`` with its shortcut (gathers no wider than the graph's narrowest value
+    are no candidates) and without it (``_narrowest`` 0: every gather matched and walked)
+    rewrite the same gathers and give the same reasons."""
+    from overlapc.passes import narrow
+    outcomes = set()
+    for seed in range(150):
+        results = []
+        for plain in (False, True):
+            gm = _random_casts(random.Random(seed))
+            with monkeypatch.context() as patch:
+                if plain:
+                    patch.setattr(narrow, "_narrowest", lambda graph: 0)
+                result = narrow.narrow_gathers(gm)
+            results.append((result, [(n.name, str(n.target)) for n in gm.graph.nodes]))
+        assert results[0] == results[1]
+        outcomes.add((bool(results[0][0].rewritten), bool(results[0][0].skipped)))
+    assert len(outcomes) >= 3, outcomes   # rewrites, reasons and neither all occur
