@@ -2,6 +2,10 @@
 
     notes = bucket_collectives(gm, bucket="auto" | "module" | byte_target)   # in place; the caller recompiles
 
+This module plans which collectives merge; ``bucket_rewrite.py`` rewrites the graph
+(``BucketNote``, the copies); ``duplicates.py`` holds ``merge_duplicates``, which the
+pipeline runs first (both names are exported here).
+
 Who merges. Movable ``all_gather_into_tensor`` (``reduce_scatter_tensor``,
 ``all_reduce``) starts with exactly one ``wait_tensor`` and static shapes, in *lanes* of the
 same barrier region, group and group size, and for reduce-scatters and all-reduces
@@ -105,26 +109,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
-import operator
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
+from overlapc.passes import meta
+from overlapc.passes.bucket_rewrite import BucketNote, Rewrite, call_argument
 from overlapc.passes.collectives import Collective, is_cheap, module_path, node_value, role, source_of
-from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
+from overlapc.passes.duplicates import merge_duplicates
 from overlapc.passes.memory import Headroom
-from overlapc.passes.rewrite import FakeValues, new_node
-from overlapc.passes.structure import Structure, apply_order
+from overlapc.passes.structure import Structure
 
 __all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives", "merge_duplicates"]
 
 log = logging.getLogger("overlapc")
-aten = torch.ops.aten
-F = torch.ops._c10d_functional
-OPS = torch.ops.overlapc   # bucket_ops' copy-in and copy-out
 
 # Byte target where the graph records no module: large enough that per-collective
 # latency stops mattering (on gloo one 10 MiB all-gather took a third of the time
@@ -134,175 +134,6 @@ DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 BUCKET_MODES = ("auto", "module")
 _OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor", "all_reduce": "all_reduce"}
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketNote:
-    """One bucket: ``start`` is the new collective's node, ``nbytes`` its output
-    (all-gather) or input (reduce-scatter) bytes; ``members`` the original start
-    nodes merged, in layout order, ``modules`` their module paths ("" unknown) and
-    ``sources`` the graph inputs they move ("blocks.0.norm1.weight", ``collectives.source_of``;
-    "" where unknown: not an input, or a graph the backend did not name)."""
-
-    start: str
-    kind: str
-    group: str
-    nbytes: int
-    members: tuple[str, ...]
-    modules: tuple[str, ...]
-    sources: tuple[str, ...] = ()
-
-
-def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None) -> list[tuple[str, ...]]:
-    """Make identical collectives one, in place. First, a collective nothing
-    reads (every wait unused) that an identical collective later in the graph
-    repeats is erased: torch 2.14's min-cut partitioner gathers each
-    ``nn.MultiheadAttention`` ``in_proj_weight`` / ``in_proj_bias`` twice in
-    the forward and reads only the second. Then starts of the same op with the same
-    arguments (the same input nodes, group and sizes), each read by exactly one
-    ``wait_tensor``, with no other collective of their group and no barrier between
-    them. DTensor emits them when several modules ask for the same redistribution
-    (``ColwiseParallel(input_layouts=Shard(1))`` on q, k and v each gathers the same
-    activation). The same parameter gathered again later (tied weights, FSDP's
-    re-gather) is not merged: other collectives of its group stand between, and
-    merging would hold the gathered result all that time. The first start is kept;
-    its wait moves to just before the first of the merged waits and takes their
-    users; the others are erased. Every rank traces the same graph, so every rank
-    merges the same collectives. Returns the merged starts' names, each group
-    first-kept, in graph order (also appended to ``gm.meta["overlapc_duplicates"]``).
-    ``before_rewrite``: as for ``bucket_collectives``."""
-    marks = _starts_and_barriers(gm)
-    names = _drop_unread_repeats(gm, [node for node, start, _ in marks if start], before_rewrite)
-    if names:   # a write that the erased collectives read may be no barrier now
-        marks = _starts_and_barriers(gm)
-    names += _merge_identical_runs(gm, marks, before_rewrite)
-    if names:
-        gm.graph.lint()
-    meta.add_notes(gm, meta.DUPLICATES, names)
-    return names
-
-
-def _starts_and_barriers(gm: fx.GraphModule) -> list[tuple[fx.Node, bool, bool]]:
-    """(node, starts a collective, is a barrier) for each node of ``gm`` that does either,
-    in graph order: what both merging steps read, from one ``role`` lookup a node."""
-    from overlapc.passes.collectives import role
-    marks = []
-    for node in gm.graph.nodes:
-        start, _, barrier = role(node)
-        if start is not None or barrier is not None:
-            marks.append((node, start is not None, barrier is not None))
-    return marks
-
-
-def _drop_unread_repeats(gm: fx.GraphModule, starts: list[fx.Node],
-                         before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
-    """Erase every collective whose waits nobody reads when a later collective
-    with the same op and arguments exists (the same result is computed again
-    where it is read). ``starts``: every collective start of ``gm``, in graph order.
-    Values are unchanged, and every rank traces the same graph, so every rank
-    erases the same collectives. Returns (kept, erased) name pairs in graph order."""
-    from overlapc.passes.collectives import wait_nodes
-    if not any(_unread(start) for start in starts):   # the common case: no arguments hashed
-        return []
-    seen: dict[tuple, list[fx.Node]] = {}
-    for node in starts:
-        seen.setdefault((node.target, _key(node.args), _key(node.kwargs)), []).append(node)
-    dropped = [(later, earlier) for same in seen.values()
-               for earlier, later in zip(same, same[1:]) if _unread(earlier)]
-    if not dropped:
-        return []
-    if before_rewrite is not None:
-        before_rewrite()
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    dropped.sort(key=lambda pair: position[pair[1]])
-    for _, earlier in dropped:
-        for wait in wait_nodes(earlier):
-            gm.graph.erase_node(wait)
-        for getitem in list(earlier.users):   # left without users by the waits' erasure
-            gm.graph.erase_node(getitem)
-        gm.graph.erase_node(earlier)
-    names = [(later.name, earlier.name) for later, earlier in dropped]
-    log.info("overlapc: erased %d collectives whose results nothing reads, each repeated later: %s",
-             len(names), "; ".join(f"{erased} (again as {kept})" for kept, erased in names))
-    return names
-
-
-def _unread(start: fx.Node) -> bool:
-    """Whether nothing reads the result of the collective ``start``: it has waits, its
-    only users are them (or getitems read only by them), and the waits have no users."""
-    from overlapc.passes.collectives import wait_nodes
-    waits = wait_nodes(start)
-    only_waits = all(u in waits or (u.target is operator.getitem and all(w in waits for w in u.users))
-                     for u in start.users)
-    return bool(waits) and only_waits and not any(w.users for w in waits)
-
-
-def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, bool, bool]],
-                          before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
-    """Merge runs of identical, adjacent-in-their-group collectives (see
-    ``merge_duplicates``); ``marks``: ``_starts_and_barriers`` of ``gm``. Returns the
-    merged starts' names, first-kept."""
-    from overlapc.passes.collectives import group_of, wait_nodes
-    runs: list[list[fx.Node]] = []
-    run_of: dict[fx.Node, list[fx.Node]] = {}   # mergeable start -> its run (identical starts so far)
-    last: dict[str, fx.Node] = {}                # the latest start of each group
-    for node, _, barrier in marks:
-        if barrier:
-            run_of.clear()
-            last.clear()
-            continue
-        group = group_of(node)
-        waits = wait_nodes(node)
-        if len(waits) == 1 and waits[0].args[0] is node and len(node.users) == 1:
-            # a run goes on only from the group's latest start (identical arguments name the
-            # same group): compare with that one, the input nodes first (no arguments hashed)
-            previous = last.get(group)
-            run = run_of.get(previous)
-            if run is not None and _identical(previous, node):
-                run.append(node)
-            else:
-                run = [node]
-                runs.append(run)
-            run_of[node] = run
-        last[group] = node
-    merged = [run for run in runs if len(run) > 1]   # graph order of their first start
-    if not merged:
-        return []
-    if before_rewrite is not None:
-        before_rewrite()
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for kept, *others in merged:
-        wait = wait_nodes(kept)[0]
-        waits = [wait_nodes(other)[0] for other in others]
-        first = min(waits, key=position.__getitem__)
-        if position[first] < position[wait]:
-            first.prepend(wait)
-        for other, other_wait in zip(others, waits):
-            other_wait.replace_all_uses_with(wait)
-            gm.graph.erase_node(other_wait)
-            gm.graph.erase_node(other)
-    names = [tuple(n.name for n in run) for run in merged]
-    log.info("overlapc: merged %d identical collectives into %d: %s",
-             sum(len(n) - 1 for n in names), len(names), "; ".join(", ".join(n) for n in names))
-    return names
-
-
-def _identical(a: fx.Node, b: fx.Node) -> bool:
-    """Whether starts ``a`` and ``b`` have the same op and arguments (``_key``: nodes by
-    identity, lists as tuples); the input nodes are compared first, unhashed."""
-    return (a.target == b.target and list(a._input_nodes) == list(b._input_nodes)
-            and _key(a.args) == _key(b.args) and _key(a.kwargs) == _key(b.kwargs))
-
-
-def _key(value):
-    """A hashable form of a node's arguments: nodes by identity, lists as tuples."""
-    if isinstance(value, fx.Node):
-        return ("node", id(value))
-    if isinstance(value, (list, tuple)):
-        return tuple(_key(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _key(v)) for k, v in value.items())
-    return (type(value).__name__, repr(value))
 
 
 def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
@@ -333,7 +164,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
     if plans:
         if before_rewrite is not None:
             before_rewrite()
-        rewrite = _Rewrite(gm, s)
+        rewrite = Rewrite(gm, s)
         with rewrite.fake.mode:   # entered once for every new node's fake value
             for kind, members in plans:
                 note = getattr(rewrite, kind)(members)
@@ -390,7 +221,7 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
         members.sort(key=lambda m: s.pos[m.c.start])
     lanes: dict[tuple, list[_Member]] = {}
     for m in members:   # all-gathers of several dtypes merge as bytes (_as_bytes); reductions need one dtype
-        reduce_op = _argument(m.c.start, 1, "reduce_op") if kind != "all_gather" else ""
+        reduce_op = call_argument(m.c.start, 1, "reduce_op") if kind != "all_gather" else ""
         dtype = str(m.value.dtype) if kind != "all_gather" else ""
         key = (s.region_of(m.c.start), m.c.group, m.c.group_size, dtype, str(reduce_op))
         lanes.setdefault(key, []).append(m)
@@ -437,10 +268,6 @@ def _check_shapes(c: Collective, value: torch.Tensor, out: torch.Tensor) -> None
         raise ValueError(f"bucket_collectives: node {c.start.name} (op {c.op}, group {c.group}): "
                          f"input {tuple(value.shape)} {value.dtype} and output {tuple(out.shape)} "
                          f"{out.dtype} do not fit group size {world}")
-
-
-def _argument(node: fx.Node, index: int, name: str):
-    return node.args[index] if index < len(node.args) else node.kwargs[name]
 
 
 def _largest(lanes: dict[tuple, list[_Member]]) -> dict[str, int]:
@@ -583,19 +410,6 @@ def _fits_headroom(open_bucket: _Bucket, m: _Member, headroom: Headroom) -> bool
     return headroom.least(first_ready, max(first_ready, open_bucket.ready, m.ready)) >= 2 * total
 
 
-def _as_bytes(members: list[_Member]) -> bool:
-    """Whether an all-gather bucket of ``members`` moves bytes: they have several dtypes.
-    Each member's shard is packed as its bytes (``overlapc.pack`` with ``as_bytes``), one
-    all-gather of uint8 moves them all, and each gathered block is viewed back as its dtype:
-    the same bytes in the same places, so the values are bit-identical."""
-    return len({str(m.value.dtype) for m in members}) > 1
-
-
-def _flat_size(m: _Member, as_bytes: bool) -> int:
-    """``m``'s shard in units of its bucket's flat buffer: elements, or bytes."""
-    return m.value.numel() * (m.value.element_size() if as_bytes else 1)
-
-
 def block_of(path: str) -> str:
     """The block a module path belongs to: up to its first numeric segment
     ("layers.3.attention.wq" -> "layers.3"), else its top-level module ("" for "")."""
@@ -604,168 +418,3 @@ def block_of(path: str) -> str:
         if part.isdigit():
             return ".".join(parts[:index + 1])
     return parts[0]
-
-
-# ---------------------------------------------------------------- the rewrite
-
-
-class _Rewrite:
-    """New nodes and moved nodes of every bucket, placed by sort key and applied at once.
-
-    Original node at position p: key (p, 0, 0). A node placed "before position a":
-    (a, -1, n) with n counting placements, so placements keep the order they were made in."""
-
-    def __init__(self, gm: fx.GraphModule, s: Structure):
-        self.gm, self.s, self.graph = gm, s, gm.graph
-        self.key: dict[fx.Node, tuple[int, int, int]] = {n: (i, 0, 0) for i, n in enumerate(s.nodes)}
-        self.count = itertools.count()
-        self.fake = FakeValues(gm)
-        self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
-
-    def all_gather(self, members: list[_Member]) -> BucketNote:
-        """One all-gather for ``members``; of several dtypes, it moves their bytes
-        (``_as_bytes``), laid out widest element first so that every member's bytes
-        start at a multiple of its element size."""
-        as_bytes = _as_bytes(members)
-        if as_bytes:
-            members = sorted(members, key=lambda m: -m.value.element_size())   # stable
-        first, world = members[0], members[0].c.group_size
-        anchor = min(m.target for m in members)
-        self._move_input_chains(members, anchor)
-        shard = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1, *([True] if as_bytes else [])),
-                          like=first.c.start, input_chain=True)
-        start = self._new(anchor, F.all_gather_into_tensor.default,
-                          (shard, world, _argument(first.c.start, 2, "group_name")),
-                          like=first.c.start, name="all_gather_bucket")
-        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
-        sizes = [_flat_size(m, as_bytes) for m in members]
-        rows = self._new(anchor, aten.view.default, (wait, [world, sum(sizes)]), like=first.wait)
-        offsets = dict(zip((m.c.start for m in members), itertools.accumulate([0, *sizes])))
-        shared = [m for m in members if not self._reaches_output(m)]
-        if len(shared) > 1:
-            self._copy_out_together(shared, rows, offsets, anchor, as_bytes)
-        together = {m.c.start for m in shared} if len(shared) > 1 else set()
-        for m in members:
-            if m.c.start in together:
-                continue
-            offset = offsets[m.c.start]
-            columns = self._new(m.target, aten.slice.Tensor, (rows, 1, offset, offset + _flat_size(m, as_bytes)),
-                                like=m.wait)
-            copy = self._new(m.target, aten.clone.default, (columns,),
-                             {"memory_format": torch.contiguous_format}, like=m.wait)
-            self._replace(m, self._typed(m, copy, m.target, as_bytes), m.target)
-        return self._note("all_gather", start, members)
-
-    def _typed(self, m: _Member, flat: fx.Node, anchor: int, as_bytes: bool) -> fx.Node:
-        """``m``'s gathered value from ``flat``, its contiguous block of the gathered buffer
-        (bytes when ``as_bytes``: viewed back as its dtype first, no copy)."""
-        if as_bytes:
-            flat = self._new(anchor, aten.view.dtype, (flat, m.value.dtype), like=m.wait)
-        return self._new(anchor, aten.view.default, (flat, list(m.out_shape)), like=m.wait)
-
-    def reduce_scatter(self, members: list[_Member]) -> BucketNote:
-        first, world = members[0], members[0].c.group_size
-        anchor = self._issue_point(members)
-        self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], world), like=first.c.start,
-                         input_chain=True)
-        sizes = [m.value.numel() // world for m in members]
-        start = self._new(anchor, F.reduce_scatter_tensor.default,
-                          (flat, _argument(first.c.start, 1, "reduce_op"), world,
-                           _argument(first.c.start, 3, "group_name")),
-                          like=first.c.start, name="reduce_scatter_bucket")
-        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
-        for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
-            piece = self._new(anchor, aten.slice.Tensor, (wait, 0, offset, offset + size), like=m.wait)
-            result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
-            self._replace(m, result, anchor)
-        return self._note("reduce_scatter", start, members)
-
-    def all_reduce(self, members: list[_Member]) -> BucketNote:
-        first = members[0]
-        anchor = self._issue_point(members)
-        self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
-                         input_chain=True)
-        start = self._new(anchor, F.all_reduce.default,
-                          (flat, _argument(first.c.start, 1, "reduce_op"), _argument(first.c.start, 2, "group_name")),
-                          like=first.c.start, name="all_reduce_bucket")
-        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
-        sizes = [m.value.numel() for m in members]
-        for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
-            piece = self._new(anchor, aten.slice.Tensor, (wait, 0, offset, offset + size), like=m.wait)
-            result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
-            self._replace(m, result, anchor)
-        return self._note("all_reduce", start, members)
-
-    def _copy_out_together(self, members: list[_Member], rows: fx.Node, offsets: dict, anchor: int,
-                           as_bytes: bool) -> None:
-        """One copy of ``members``' columns of ``rows`` (world, total) into a member-major
-        buffer (member i's (world, n_i) block contiguous), placed before ``anchor``: one
-        ``overlapc.unpack_columns`` call, no generated kernel; each member's result is a view of it."""
-        world = members[0].c.group_size
-        sizes = [_flat_size(m, as_bytes) for m in members]
-        joined = self._new(anchor, OPS.unpack_columns.default,
-                           (rows, [offsets[m.c.start] for m in members], sizes), like=members[0].wait)
-        for m, at, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
-            piece = self._new(anchor, aten.slice.Tensor, (joined, 0, world * at, world * (at + size)), like=m.wait)
-            self._replace(m, self._typed(m, piece, anchor, as_bytes), anchor)
-
-    def _reaches_output(self, m: _Member) -> bool:
-        """Whether ``m``'s gathered result (or a view of it) is a graph output: it gets a copy of
-        its own, so that no other member's bytes stay alive with it."""
-        return any(user.op == "output" for node in self.s.wait_bundle[m.wait] for user in node.users)
-
-    def finish(self) -> None:
-        """Erase the replaced collectives and put every node at its key."""
-        for node in self.replaced:
-            self.graph.erase_node(node)
-            del self.key[node]
-        apply_order(self.gm, sorted(self.graph.nodes, key=self.key.__getitem__))
-
-    # ---- pieces
-
-    def _issue_point(self, members: list[_Member]) -> int:
-        """Position of the first node after every input of ``members`` is ready, in
-        their region, and not a placeholder: a reduce-scatter bucket stands before it."""
-        region = self.s.region_of(members[0].c.start)
-        position = max(max(m.ready for m in members) + 1,
-                       self.s.barrier_pos[region - 1] + 1 if region else 0)
-        while self.s.nodes[position].op == "placeholder":
-            position += 1
-        return position
-
-    def _move_input_chains(self, members: list[_Member], anchor: int) -> None:
-        for m in members:
-            for node in self.s.start_bundle[m.c.start]:
-                if node is not m.c.start:
-                    self._place(node, anchor)
-
-    def _replace(self, m: _Member, result: fx.Node, anchor: int) -> None:
-        """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now
-        on; the views of the wait that stood before ``anchor`` move after ``result``."""
-        m.wait.replace_all_uses_with(result)
-        for view in self.s.wait_bundle[m.wait][1:]:
-            if self.s.pos[view] < anchor:
-                self._place(view, anchor)
-        self.replaced += [m.wait, m.c.start]
-
-    def _new(self, anchor: int, target, args, kwargs=None, *, like: fx.Node, name: str | None = None,
-             input_chain: bool = False) -> fx.Node:
-        node = new_node(self.graph, self.fake, target, args, kwargs, like=like,
-                        name=name or target.overloadpacket.__name__)
-        if input_chain:
-            meta.mark_input_chain(node)
-        self._place(node, anchor)
-        return node
-
-    def _place(self, node: fx.Node, anchor: int) -> None:
-        self.key[node] = (anchor, -1, next(self.count))
-
-    @staticmethod
-    def _note(kind: str, start: fx.Node, members: list[_Member]) -> BucketNote:
-        return BucketNote(start=start.name, kind=kind, group=members[0].c.group,
-                          nbytes=sum(m.nbytes for m in members),
-                          members=tuple(m.c.start.name for m in members),
-                          modules=tuple(m.module for m in members),
-                          sources=tuple(m.source for m in members))

@@ -504,7 +504,7 @@ class _Serial:
         last = len(spine) - 1
         for index, node in enumerate(spine):
             # ``_due`` only where ``node`` reads a bundle member or has waits due (few spine nodes)
-            if node in due_at or any(i in members for i in node._input_nodes):
+            if node in due_at or not members.keys().isdisjoint(node._input_nodes):
                 due = self._due(node)
                 for start in due:   # chains first: what they pull in is read before ``node``
                     self._prepare(start)

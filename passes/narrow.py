@@ -163,14 +163,15 @@ def narrow_gathers(gm: fx.GraphModule, before_rewrite=None) -> NarrowResult:
     ``before_rewrite()`` runs once before the graph first changes (the pipeline's
     snapshot). Returns the notes (also appended to ``gm.meta``, ``meta.NARROW``)."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    narrowest = _narrowest(gm.graph)
     matches, skipped = [], []
     for start in list(gm.graph.nodes):
         if start.op != "call_function" or start.target is not C10D.all_gather_into_tensor.default:
             continue
         try:
-            found = _match(start, position)
+            found = _match(start, position, narrowest)
         except _Refused as refused:
-            if _reaches_narrowing(start):
+            if _reaches_narrowing(start, narrowest):
                 skipped.append(NarrowSkip(start.name, str(refused)))
             continue
         if found is not None:
@@ -251,12 +252,26 @@ def _classify(user: fx.Node, operand: fx.Node, numel: int) -> str | None:
     return None
 
 
-def _reaches_narrowing(start: fx.Node) -> bool:
+def _narrowest(graph: fx.Graph) -> int:
+    """The smallest element size among the values of ``graph``'s nodes, 0 when a node is a
+    max (``_MAXES``): no gather of a value at most that wide reaches a narrowing node."""
+    narrowest = None
+    for node in graph.nodes:
+        if node.target in _MAXES:
+            return 0
+        value = _val(node)
+        if value is not None and (narrowest is None or value.dtype.itemsize < narrowest):
+            narrowest = value.dtype.itemsize
+    return narrowest or 0
+
+
+def _reaches_narrowing(start: fx.Node, narrowest: int) -> bool:
     """Whether the gathered value reaches (through a few ops) a narrowing cast or a max:
-    a gather worth a skip reason."""
+    a gather worth a skip reason. ``narrowest``: ``_narrowest`` of the graph (the walk
+    cannot find one in a graph with nothing narrower than the gathered value)."""
     waits = wait_nodes(start)
     value = _val(start)
-    if len(waits) != 1 or value is None:
+    if len(waits) != 1 or value is None or value.dtype.itemsize <= narrowest:
         return False
     frontier, seen = [waits[0]], 0
     while frontier and seen < 64:
@@ -270,12 +285,14 @@ def _reaches_narrowing(start: fx.Node) -> bool:
     return False
 
 
-def _match(start: fx.Node, position: dict) -> _Match | None:
+def _match(start: fx.Node, position: dict, narrowest: int) -> _Match | None:
     """The rewrite of ``start``'s gather, None when it has no narrowing cast at all;
-    raise _Refused (with the reason) where the pattern does not hold."""
+    raise _Refused (with the reason) where the pattern does not hold. ``narrowest``:
+    ``_narrowest`` of the graph (a gather no wider has nothing to rewrite or to explain)."""
     waits = wait_nodes(start)
     gathered = _val(start)
-    if len(waits) != 1 or gathered is None or not gathered.dtype.is_floating_point:
+    if len(waits) != 1 or gathered is None or not gathered.dtype.is_floating_point \
+            or gathered.dtype.itemsize <= narrowest:   # then no cast narrows it and no max reads it
         return None
     wait = waits[0]
     numel = _static_numel(gathered)
@@ -284,7 +301,7 @@ def _match(start: fx.Node, position: dict) -> _Match | None:
     if not narrowing:
         if amaxes:
             raise _Refused("an amax of the gathered value, but no narrowing cast")
-        if boundary and _reaches_narrowing(start):
+        if boundary and _reaches_narrowing(start, narrowest):
             raise _Refused(_full_width(*boundary[0]))
         return None
     casts = _cut(wait, parent, kinds, boundary, gathered.dtype)

@@ -304,7 +304,7 @@ def apply_order(gm: fx.GraphModule, order: list[fx.Node]) -> None:
     graph = gm.graph
     placed: set[fx.Node] = set()
     for node in order:
-        if node in placed or any(i not in placed for i in node._input_nodes):
+        if node in placed or not placed.issuperset(node._input_nodes):
             raise AssertionError(f"overlapc internal error: {node.name} placed before its inputs or twice")
         placed.add(node)
     if len(placed) != len(graph.nodes):

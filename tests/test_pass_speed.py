@@ -45,10 +45,10 @@ def _random_gathers(rng: random.Random) -> fx.GraphModule:
 
 
 def _runs_by_key(gm: fx.GraphModule) -> list[tuple[str, ...]]:
-    """The runs ``bucket._merge_identical_runs`` merges, found as it did before it compared
+    """The runs ``duplicates._merge_identical_runs`` merges, found as it did before it compared
     each start with its group's previous one only: every mergeable start's arguments
     hashed (``_key``), a run going on while the group's latest start ends it."""
-    from overlapc.passes.bucket import _key, _starts_and_barriers
+    from overlapc.passes.duplicates import _key, _starts_and_barriers
     from overlapc.passes.collectives import group_of, wait_nodes
     runs, open_run, last = [], {}, {}
     for node, _, barrier in _starts_and_barriers(gm):
@@ -71,7 +71,7 @@ def _runs_by_key(gm: fx.GraphModule) -> list[tuple[str, ...]]:
 
 
 def test_identical_runs_match_the_keyed_search():
-    from overlapc.passes.bucket import _merge_identical_runs, _starts_and_barriers
+    from overlapc.passes.duplicates import _merge_identical_runs, _starts_and_barriers
     rng = random.Random(40)
     merged_some = 0
     for _ in range(200):
@@ -80,3 +80,69 @@ def test_identical_runs_match_the_keyed_search():
         assert _merge_identical_runs(gm, _starts_and_barriers(gm), None) == expected
         merged_some += bool(expected)
     assert merged_some > 20   # the graphs do exercise merging
+
+
+def _random_casts(rng: random.Random) -> fx.GraphModule:
+    """All-gathers of fp32 or bf16 shards, each read by a random chain of casts (to fp32,
+    bf16, float8), abs, max and relu: some graphs hold nothing narrower than a gather."""
+    graph = fx.Graph()
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float8_e4m3fn] if rng.random() < 0.5 else [])
+    outputs = []
+    for i in range(rng.randint(1, 6)):
+        dtype = rng.choice(dtypes[:2])
+        shard = graph.placeholder(f"w{i}")
+        shard.meta["val"] = torch.empty(2, 8, dtype=dtype, device="meta")
+        start = graph.call_function(F.all_gather_into_tensor.default, (shard, 2, "0"))
+        start.meta["val"] = torch.empty(4, 8, dtype=dtype, device="meta")
+        x = graph.call_function(F.wait_tensor.default, (start,))
+        x.meta["val"] = start.meta["val"]
+        for _ in range(rng.randint(0, 4)):
+            op = rng.choice(["cast", "relu", "abs", "max"] if rng.random() < 0.2 else ["cast", "relu"])
+            if op == "cast":
+                cast = rng.choice(dtypes)
+                x = graph.call_function(aten._to_copy.default, (x,), {"dtype": cast})
+                x.meta["val"] = torch.empty(4, 8, dtype=cast, device="meta")
+            elif op == "max":
+                x = graph.call_function(aten.max.default, (x,))
+                x.meta["val"] = torch.empty((), dtype=x.args[0].meta["val"].dtype, device="meta")
+            else:
+                x = graph.call_function(getattr(aten, op).default, (x,))
+                x.meta["val"] = x.args[0].meta["val"]
+        outputs.append(x)
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_the_narrowest_value_only_skips_walks_that_find_nothing():
+    from overlapc.passes.narrow import _narrowest, _reaches_narrowing
+    rng = random.Random(42)
+    skipped = found = 0
+    for _ in range(300):
+        gm = _random_casts(rng)
+        narrowest = _narrowest(gm.graph)
+        for start in gm.graph.find_nodes(op="call_function", target=F.all_gather_into_tensor.default):
+            walked = _reaches_narrowing(start, 0)
+            assert _reaches_narrowing(start, narrowest) == walked
+            skipped += start.meta["val"].dtype.itemsize <= narrowest
+            found += walked
+    assert skipped > 50 and found > 50   # both the shortcut and the walk are exercised
+
+
+def test_narrow_gathers_decide_as_without_the_narrowest_value(monkeypatch):
+    """``narrow_gathers`` with its shortcut (gathers no wider than the graph's narrowest value
+    are no candidates) and without it (``_narrowest`` 0: every gather matched and walked)
+    rewrite the same gathers and give the same reasons."""
+    from overlapc.passes import narrow
+    outcomes = set()
+    for seed in range(150):
+        results = []
+        for plain in (False, True):
+            gm = _random_casts(random.Random(seed))
+            with monkeypatch.context() as patch:
+                if plain:
+                    patch.setattr(narrow, "_narrowest", lambda graph: 0)
+                result = narrow.narrow_gathers(gm)
+            results.append((result, [(n.name, str(n.target)) for n in gm.graph.nodes]))
+        assert results[0] == results[1]
+        outcomes.add((bool(results[0][0].rewritten), bool(results[0][0].skipped)))
+    assert len(outcomes) >= 3, outcomes   # rewrites, reasons and neither all occur

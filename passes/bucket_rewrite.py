@@ -1,0 +1,220 @@
+"""The bucket pass's rewrite: each bucket ``bucket.py`` planned becomes one collective, its
+copy-in (``overlapc.pack``) and copy-out (``overlapc.unpack_columns``, or views), the
+members' waits replaced and their starts erased. The layout and placement rules are
+``bucket.py``'s docstring, "Rewrite"."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
+from overlapc.passes.rewrite import FakeValues, new_node
+from overlapc.passes.structure import Structure, apply_order
+
+if TYPE_CHECKING:
+    from overlapc.passes.bucket import _Member
+
+aten = torch.ops.aten
+F = torch.ops._c10d_functional
+OPS = torch.ops.overlapc   # bucket_ops' copy-in and copy-out
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketNote:
+    """One bucket: ``start`` is the new collective's node, ``nbytes`` its output
+    (all-gather) or input (reduce-scatter) bytes; ``members`` the original start
+    nodes merged, in layout order, ``modules`` their module paths ("" unknown) and
+    ``sources`` the graph inputs they move ("blocks.0.norm1.weight", ``collectives.source_of``;
+    "" where unknown: not an input, or a graph the backend did not name)."""
+
+    start: str
+    kind: str
+    group: str
+    nbytes: int
+    members: tuple[str, ...]
+    modules: tuple[str, ...]
+    sources: tuple[str, ...] = ()
+
+
+def call_argument(node: fx.Node, index: int, name: str):
+    """Argument ``name`` of a collective call, at ``index`` when passed by position."""
+    return node.args[index] if index < len(node.args) else node.kwargs[name]
+
+
+def _as_bytes(members: list[_Member]) -> bool:
+    """Whether an all-gather bucket of ``members`` moves bytes: they have several dtypes.
+    Each member's shard is packed as its bytes (``overlapc.pack`` with ``as_bytes``), one
+    all-gather of uint8 moves them all, and each gathered block is viewed back as its dtype:
+    the same bytes in the same places, so the values are bit-identical."""
+    return len({str(m.value.dtype) for m in members}) > 1
+
+
+def _flat_size(m: _Member, as_bytes: bool) -> int:
+    """``m``'s shard in units of its bucket's flat buffer: elements, or bytes."""
+    return m.value.numel() * (m.value.element_size() if as_bytes else 1)
+
+
+class Rewrite:
+    """New nodes and moved nodes of every bucket, placed by sort key and applied at once.
+
+    Original node at position p: key (p, 0, 0). A node placed "before position a":
+    (a, -1, n) with n counting placements, so placements keep the order they were made in."""
+
+    def __init__(self, gm: fx.GraphModule, s: Structure):
+        self.gm, self.s, self.graph = gm, s, gm.graph
+        self.key: dict[fx.Node, tuple[int, int, int]] = {n: (i, 0, 0) for i, n in enumerate(s.nodes)}
+        self.count = itertools.count()
+        self.fake = FakeValues(gm)
+        self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
+
+    def all_gather(self, members: list[_Member]) -> BucketNote:
+        """One all-gather for ``members``; of several dtypes, it moves their bytes
+        (``_as_bytes``), laid out widest element first so that every member's bytes
+        start at a multiple of its element size."""
+        as_bytes = _as_bytes(members)
+        if as_bytes:
+            members = sorted(members, key=lambda m: -m.value.element_size())   # stable
+        first, world = members[0], members[0].c.group_size
+        anchor = min(m.target for m in members)
+        self._move_input_chains(members, anchor)
+        shard = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1, *([True] if as_bytes else [])),
+                          like=first.c.start, input_chain=True)
+        start = self._new(anchor, F.all_gather_into_tensor.default,
+                          (shard, world, call_argument(first.c.start, 2, "group_name")),
+                          like=first.c.start, name="all_gather_bucket")
+        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
+        sizes = [_flat_size(m, as_bytes) for m in members]
+        rows = self._new(anchor, aten.view.default, (wait, [world, sum(sizes)]), like=first.wait)
+        offsets = dict(zip((m.c.start for m in members), itertools.accumulate([0, *sizes])))
+        shared = [m for m in members if not self._reaches_output(m)]
+        if len(shared) > 1:
+            self._copy_out_together(shared, rows, offsets, anchor, as_bytes)
+        together = {m.c.start for m in shared} if len(shared) > 1 else set()
+        for m in members:
+            if m.c.start in together:
+                continue
+            offset = offsets[m.c.start]
+            columns = self._new(m.target, aten.slice.Tensor, (rows, 1, offset, offset + _flat_size(m, as_bytes)),
+                                like=m.wait)
+            copy = self._new(m.target, aten.clone.default, (columns,),
+                             {"memory_format": torch.contiguous_format}, like=m.wait)
+            self._replace(m, self._typed(m, copy, m.target, as_bytes), m.target)
+        return self._note("all_gather", start, members)
+
+    def _typed(self, m: _Member, flat: fx.Node, anchor: int, as_bytes: bool) -> fx.Node:
+        """``m``'s gathered value from ``flat``, its contiguous block of the gathered buffer
+        (bytes when ``as_bytes``: viewed back as its dtype first, no copy)."""
+        if as_bytes:
+            flat = self._new(anchor, aten.view.dtype, (flat, m.value.dtype), like=m.wait)
+        return self._new(anchor, aten.view.default, (flat, list(m.out_shape)), like=m.wait)
+
+    def reduce_scatter(self, members: list[_Member]) -> BucketNote:
+        first, world = members[0], members[0].c.group_size
+        anchor = self._issue_point(members)
+        self._move_input_chains(members, anchor)
+        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], world), like=first.c.start,
+                         input_chain=True)
+        sizes = [m.value.numel() // world for m in members]
+        start = self._new(anchor, F.reduce_scatter_tensor.default,
+                          (flat, call_argument(first.c.start, 1, "reduce_op"), world,
+                           call_argument(first.c.start, 3, "group_name")),
+                          like=first.c.start, name="reduce_scatter_bucket")
+        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
+        for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
+            piece = self._new(anchor, aten.slice.Tensor, (wait, 0, offset, offset + size), like=m.wait)
+            result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
+            self._replace(m, result, anchor)
+        return self._note("reduce_scatter", start, members)
+
+    def all_reduce(self, members: list[_Member]) -> BucketNote:
+        first = members[0]
+        anchor = self._issue_point(members)
+        self._move_input_chains(members, anchor)
+        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
+                         input_chain=True)
+        start = self._new(anchor, F.all_reduce.default,
+                          (flat, call_argument(first.c.start, 1, "reduce_op"), call_argument(first.c.start, 2, "group_name")),
+                          like=first.c.start, name="all_reduce_bucket")
+        wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
+        sizes = [m.value.numel() for m in members]
+        for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
+            piece = self._new(anchor, aten.slice.Tensor, (wait, 0, offset, offset + size), like=m.wait)
+            result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
+            self._replace(m, result, anchor)
+        return self._note("all_reduce", start, members)
+
+    def _copy_out_together(self, members: list[_Member], rows: fx.Node, offsets: dict, anchor: int,
+                           as_bytes: bool) -> None:
+        """One copy of ``members``' columns of ``rows`` (world, total) into a member-major
+        buffer (member i's (world, n_i) block contiguous), placed before ``anchor``: one
+        ``overlapc.unpack_columns`` call, no generated kernel; each member's result is a view of it."""
+        world = members[0].c.group_size
+        sizes = [_flat_size(m, as_bytes) for m in members]
+        joined = self._new(anchor, OPS.unpack_columns.default,
+                           (rows, [offsets[m.c.start] for m in members], sizes), like=members[0].wait)
+        for m, at, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
+            piece = self._new(anchor, aten.slice.Tensor, (joined, 0, world * at, world * (at + size)), like=m.wait)
+            self._replace(m, self._typed(m, piece, anchor, as_bytes), anchor)
+
+    def _reaches_output(self, m: _Member) -> bool:
+        """Whether ``m``'s gathered result (or a view of it) is a graph output: it gets a copy of
+        its own, so that no other member's bytes stay alive with it."""
+        return any(user.op == "output" for node in self.s.wait_bundle[m.wait] for user in node.users)
+
+    def finish(self) -> None:
+        """Erase the replaced collectives and put every node at its key."""
+        for node in self.replaced:
+            self.graph.erase_node(node)
+            del self.key[node]
+        apply_order(self.gm, sorted(self.graph.nodes, key=self.key.__getitem__))
+
+    # ---- pieces
+
+    def _issue_point(self, members: list[_Member]) -> int:
+        """Position of the first node after every input of ``members`` is ready, in
+        their region, and not a placeholder: a reduce-scatter bucket stands before it."""
+        region = self.s.region_of(members[0].c.start)
+        position = max(max(m.ready for m in members) + 1,
+                       self.s.barrier_pos[region - 1] + 1 if region else 0)
+        while self.s.nodes[position].op == "placeholder":
+            position += 1
+        return position
+
+    def _move_input_chains(self, members: list[_Member], anchor: int) -> None:
+        for m in members:
+            for node in self.s.start_bundle[m.c.start]:
+                if node is not m.c.start:
+                    self._place(node, anchor)
+
+    def _replace(self, m: _Member, result: fx.Node, anchor: int) -> None:
+        """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now
+        on; the views of the wait that stood before ``anchor`` move after ``result``."""
+        m.wait.replace_all_uses_with(result)
+        for view in self.s.wait_bundle[m.wait][1:]:
+            if self.s.pos[view] < anchor:
+                self._place(view, anchor)
+        self.replaced += [m.wait, m.c.start]
+
+    def _new(self, anchor: int, target, args, kwargs=None, *, like: fx.Node, name: str | None = None,
+             input_chain: bool = False) -> fx.Node:
+        node = new_node(self.graph, self.fake, target, args, kwargs, like=like,
+                        name=name or target.overloadpacket.__name__)
+        if input_chain:
+            meta.mark_input_chain(node)
+        self._place(node, anchor)
+        return node
+
+    def _place(self, node: fx.Node, anchor: int) -> None:
+        self.key[node] = (anchor, -1, next(self.count))
+
+    @staticmethod
+    def _note(kind: str, start: fx.Node, members: list[_Member]) -> BucketNote:
+        return BucketNote(start=start.name, kind=kind, group=members[0].c.group,
+                          nbytes=sum(m.nbytes for m in members),
+                          members=tuple(m.c.start.name for m in members),
+                          modules=tuple(m.module for m in members),
+                          sources=tuple(m.source for m in members))

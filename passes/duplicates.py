@@ -1,0 +1,164 @@
+"""Identical collectives made one, in place (``merge_duplicates``): the step the pipeline
+runs before bucketing, so that a bucket never holds the same collective twice and an
+activation gathered for several modules is gathered once. Rules in ``merge_duplicates``.
+``overlapc.passes.bucket`` exports it."""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Callable
+
+import torch.fx as fx
+
+from overlapc.passes import meta
+from overlapc.passes.collectives import group_of, role, wait_nodes
+
+log = logging.getLogger("overlapc")
+
+
+def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None) -> list[tuple[str, ...]]:
+    """Make identical collectives one, in place. First, a collective nothing
+    reads (every wait unused) that an identical collective later in the graph
+    repeats is erased: torch 2.14's min-cut partitioner gathers each
+    ``nn.MultiheadAttention`` ``in_proj_weight`` / ``in_proj_bias`` twice in
+    the forward and reads only the second. Then starts of the same op with the same
+    arguments (the same input nodes, group and sizes), each read by exactly one
+    ``wait_tensor``, with no other collective of their group and no barrier between
+    them. DTensor emits them when several modules ask for the same redistribution
+    (``ColwiseParallel(input_layouts=Shard(1))`` on q, k and v each gathers the same
+    activation). The same parameter gathered again later (tied weights, FSDP's
+    re-gather) is not merged: other collectives of its group stand between, and
+    merging would hold the gathered result all that time. The first start is kept;
+    its wait moves to just before the first of the merged waits and takes their
+    users; the others are erased. Every rank traces the same graph, so every rank
+    merges the same collectives. Returns the merged starts' names, each group
+    first-kept, in graph order (also appended to ``gm.meta["overlapc_duplicates"]``).
+    ``before_rewrite``: as for ``bucket_collectives``."""
+    marks = _starts_and_barriers(gm)
+    names = _drop_unread_repeats(gm, [node for node, start, _ in marks if start], before_rewrite)
+    if names:   # a write that the erased collectives read may be no barrier now
+        marks = _starts_and_barriers(gm)
+    names += _merge_identical_runs(gm, marks, before_rewrite)
+    if names:
+        gm.graph.lint()
+    meta.add_notes(gm, meta.DUPLICATES, names)
+    return names
+
+
+def _starts_and_barriers(gm: fx.GraphModule) -> list[tuple[fx.Node, bool, bool]]:
+    """(node, starts a collective, is a barrier) for each node of ``gm`` that does either,
+    in graph order: what both merging steps read, from one ``role`` lookup a node."""
+    marks = []
+    for node in gm.graph.nodes:
+        start, _, barrier = role(node)
+        if start is not None or barrier is not None:
+            marks.append((node, start is not None, barrier is not None))
+    return marks
+
+
+def _drop_unread_repeats(gm: fx.GraphModule, starts: list[fx.Node],
+                         before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
+    """Erase every collective whose waits nobody reads when a later collective
+    with the same op and arguments exists (the same result is computed again
+    where it is read). ``starts``: every collective start of ``gm``, in graph order.
+    Values are unchanged, and every rank traces the same graph, so every rank
+    erases the same collectives. Returns (kept, erased) name pairs in graph order."""
+    if not any(_unread(start) for start in starts):   # the common case: no arguments hashed
+        return []
+    seen: dict[tuple, list[fx.Node]] = {}
+    for node in starts:
+        seen.setdefault((node.target, _key(node.args), _key(node.kwargs)), []).append(node)
+    dropped = [(later, earlier) for same in seen.values()
+               for earlier, later in zip(same, same[1:]) if _unread(earlier)]
+    if not dropped:
+        return []
+    if before_rewrite is not None:
+        before_rewrite()
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    dropped.sort(key=lambda pair: position[pair[1]])
+    for _, earlier in dropped:
+        for wait in wait_nodes(earlier):
+            gm.graph.erase_node(wait)
+        for getitem in list(earlier.users):   # left without users by the waits' erasure
+            gm.graph.erase_node(getitem)
+        gm.graph.erase_node(earlier)
+    names = [(later.name, earlier.name) for later, earlier in dropped]
+    log.info("overlapc: erased %d collectives whose results nothing reads, each repeated later: %s",
+             len(names), "; ".join(f"{erased} (again as {kept})" for kept, erased in names))
+    return names
+
+
+def _unread(start: fx.Node) -> bool:
+    """Whether nothing reads the result of the collective ``start``: it has waits, its
+    only users are them (or getitems read only by them), and the waits have no users."""
+    waits = wait_nodes(start)
+    only_waits = all(u in waits or (u.target is operator.getitem and all(w in waits for w in u.users))
+                     for u in start.users)
+    return bool(waits) and only_waits and not any(w.users for w in waits)
+
+
+def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, bool, bool]],
+                          before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
+    """Merge runs of identical, adjacent-in-their-group collectives (see
+    ``merge_duplicates``); ``marks``: ``_starts_and_barriers`` of ``gm``. Returns the
+    merged starts' names, first-kept."""
+    runs: list[list[fx.Node]] = []
+    run_of: dict[fx.Node, list[fx.Node]] = {}   # mergeable start -> its run (identical starts so far)
+    last: dict[str, fx.Node] = {}                # the latest start of each group
+    for node, _, barrier in marks:
+        if barrier:
+            run_of.clear()
+            last.clear()
+            continue
+        group = group_of(node)
+        waits = wait_nodes(node)
+        if len(waits) == 1 and waits[0].args[0] is node and len(node.users) == 1:
+            # a run goes on only from the group's latest start (identical arguments name the
+            # same group): compare with that one, the input nodes first (no arguments hashed)
+            previous = last.get(group)
+            run = run_of.get(previous)
+            if run is not None and _identical(previous, node):
+                run.append(node)
+            else:
+                run = [node]
+                runs.append(run)
+            run_of[node] = run
+        last[group] = node
+    merged = [run for run in runs if len(run) > 1]   # graph order of their first start
+    if not merged:
+        return []
+    if before_rewrite is not None:
+        before_rewrite()
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for kept, *others in merged:
+        wait = wait_nodes(kept)[0]
+        waits = [wait_nodes(other)[0] for other in others]
+        first = min(waits, key=position.__getitem__)
+        if position[first] < position[wait]:
+            first.prepend(wait)
+        for other, other_wait in zip(others, waits):
+            other_wait.replace_all_uses_with(wait)
+            gm.graph.erase_node(other_wait)
+            gm.graph.erase_node(other)
+    names = [tuple(n.name for n in run) for run in merged]
+    log.info("overlapc: merged %d identical collectives into %d: %s",
+             sum(len(n) - 1 for n in names), len(names), "; ".join(", ".join(n) for n in names))
+    return names
+
+
+def _identical(a: fx.Node, b: fx.Node) -> bool:
+    """Whether starts ``a`` and ``b`` have the same op and arguments (``_key``: nodes by
+    identity, lists as tuples); the input nodes are compared first, unhashed."""
+    return (a.target == b.target and list(a._input_nodes) == list(b._input_nodes)
+            and _key(a.args) == _key(b.args) and _key(a.kwargs) == _key(b.kwargs))
+
+
+def _key(value):
+    """A hashable form of a node's arguments: nodes by identity, lists as tuples."""
+    if isinstance(value, fx.Node):
+        return ("node", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _key(v)) for k, v in value.items())
+    return (type(value).__name__, repr(value))
