@@ -320,7 +320,7 @@ def rank_main(rank: int, world_size: int, argd: dict) -> dict:
         f"vocab {cfg.vocab_size}: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MiB fp32); "
         f"batch {args.batch} x seq {args.seq} per rank, {world_size} ranks, optim {args.optim}")
 
-    profile_path = _calibrated_profile(args, rank, say)
+    profile_path = _profile_for_estimates(args, rank, say)
 
     rounds = args.warmup + args.steps
     g = torch.Generator().manual_seed(1000 + rank)
@@ -468,7 +468,7 @@ def rank_main(rank: int, world_size: int, argd: dict) -> dict:
             "gather_bytes": gathers}
 
 
-def _calibrated_profile(args, rank: int, say) -> str:
+def _profile_for_estimates(args, rank: int, say) -> str:
     """The profile the overlapc variants estimate with: ``args.profile`` when given (no
     calibration), else this link calibrated now (``overlapc calibrate``'s quick sweep, rank 0
     writes ``scratch``/profile.json; every rank returns after it is written)."""
