@@ -3,6 +3,7 @@
     python benchmarks/step_time.py [--rate 500mbit] [--world-size 2] [--steps 10]
                                    [--json benchmarks/results/step_time.json]
     python benchmarks/step_time.py --ddp [--json benchmarks/results/step_time_ddp.json]
+    python benchmarks/step_time.py --float8 --rate 100mbit --layers 4 --profile cpu:ethernet [--json ...]
 
 The link: run as root with ``ip`` and ``tc`` available, the ranks run in a
 fresh network namespace whose loopback is shaped with a token bucket
@@ -96,7 +97,12 @@ collective buffers, gradients). Reported per variant as the larger rank's.
 
 Estimates: before compiling, the ranks run ``overlapc calibrate``'s quick
 sweep on this link (overlapc.calibrate.run_in_group) and every overlapc
-variant compiles with options profile=<that file> and dump_dir; the
+variant compiles with options profile=<that file> and dump_dir
+(``--profile FILE`` or a built-in ``device:link`` name skips the calibration,
+over 11 minutes on a 100 Mbit/s link: no overlapc variant's schedule reads the
+profile, which only ``chunks="auto"`` does, so their timed steps are the same
+and only the estimates change; inductor_overlap_scheduler schedules with the
+profile's numbers, so give it a calibration of the same link); the
 estimated step of a variant is the sum of its graphs' simulated step times
 (report.json, step_ms_after) plus the calibrated time outside them
 (``costmodel.outside_ms`` for the model's parameter tensors), and
@@ -184,6 +190,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run (s)")
     p.add_argument("--gloo-timeout", type=float, default=900.0, help="per-collective gloo timeout (s)")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--profile", default=None,
+                   help="a profile file from an earlier calibration of this link (or a built-in name, "
+                        "cpu:ethernet): skip this run's calibration. The estimates use it, and "
+                        "inductor_overlap_scheduler's schedule; overlapc's schedules do not (only chunks=\"auto\" "
+                        "reads a profile, which no variant uses)")
     p.add_argument("--scratch", default=None,
                    help="folder for the calibrated profile and the variants' schedule dumps (default: a new temp dir)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -212,7 +223,7 @@ def config_of(args) -> dict:
         "world_size": args.world_size, "rate": None if args.no_shape else args.rate,
         "dim": args.dim, "layers": args.layers, "heads": args.heads, "ffn": args.ffn,
         "vocab": args.vocab, "batch_per_rank": args.batch, "seq": args.seq, "optim": args.optim,
-        "steps": args.steps, "warmup": args.warmup,
+        "steps": args.steps, "warmup": args.warmup, "profile": getattr(args, "profile", None) or "calibrated in this run",
         "dtype": "bf16 params, fp32 reduce, float8 linears" if getattr(args, "float8", False) else "float32",
         "case": "ddp" if args.ddp else "float8" if getattr(args, "float8", False) else "fsdp", "torch_threads_per_rank": 1,
         **({"ddp_bucket_cap_mb": 25} if args.ddp else {"reshard_after_forward": True}),
@@ -309,11 +320,7 @@ def rank_main(rank: int, world_size: int, argd: dict) -> dict:
         f"vocab {cfg.vocab_size}: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MiB fp32); "
         f"batch {args.batch} x seq {args.seq} per rank, {world_size} ranks, optim {args.optim}")
 
-    from overlapc import calibrate
-    profile_path = os.path.join(args.scratch, "profile.json")
-    say("calibrating this link and the compute (overlapc calibrate, quick sweep) ...")
-    calibrate.run_in_group(profile_path if rank == 0 else None, quick=True)
-    dist.barrier()   # rank 0 has written the profile
+    profile_path = _profile_for_estimates(args, rank, say)
 
     rounds = args.warmup + args.steps
     g = torch.Generator().manual_seed(1000 + rank)
@@ -453,12 +460,29 @@ def rank_main(rank: int, world_size: int, argd: dict) -> dict:
         peak_bytes[name] = profile_step(lambda: steps[name](rounds - 1), trace)[0]
     say("peak memory per variant (rank 0): " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in peak_bytes.items()))
     estimates = _estimates(args.scratch, rank, [n for n in live if n in OVERLAPC_OPTIONS],
-                           sum(1 for _ in reference.parameters())) if rank == 0 else {}
+                           sum(1 for _ in reference.parameters()), profile_path) if rank == 0 else {}
     gathers = {n: _gather_bytes(os.path.join(args.scratch, n)) for n in live if n in OVERLAPC_OPTIONS} \
         if rank == 0 else {}
     return {"times": times, "losses": losses, "errors": errors, "compile_s": compile_s,
             "n_params": n_params, "aliases": aliases, "peak_bytes": peak_bytes, "estimates": estimates,
             "gather_bytes": gathers}
+
+
+def _profile_for_estimates(args, rank: int, say) -> str:
+    """The profile the overlapc variants estimate with: ``args.profile`` when given (no
+    calibration), else this link calibrated now (``overlapc calibrate``'s quick sweep, rank 0
+    writes ``scratch``/profile.json; every rank returns after it is written)."""
+    import torch.distributed as dist
+
+    from overlapc import calibrate
+    if args.profile:
+        say(f"estimates with the profile {args.profile} (no calibration in this run)")
+        return os.path.abspath(args.profile) if os.path.isfile(args.profile) else args.profile
+    profile_path = os.path.join(args.scratch, "profile.json")
+    say("calibrating this link and the compute (overlapc calibrate, quick sweep) ...")
+    calibrate.run_in_group(profile_path if rank == 0 else None, quick=True)
+    dist.barrier()   # rank 0 has written the profile
+    return profile_path
 
 
 def _gather_bytes(dump: str) -> dict:
@@ -474,12 +498,12 @@ def _gather_bytes(dump: str) -> dict:
     return by_dtype
 
 
-def _estimates(scratch: str, rank: int, variants: list[str], parameters: int = 0) -> dict:
+def _estimates(scratch: str, rank: int, variants: list[str], parameters: int = 0, profile: str | None = None) -> dict:
     """variant -> {"ms": estimated step, "graphs": how many, "outside_ms", "exposed_ms":
     estimated exposed communication, "measured_exposed_ms": measured}, from the reports the
     backend dumped while compiling (``dump_dir``): the sums over the graphs of their
     simulated step and exposed times in the scheduled order, the step adding
-    ``costmodel.outside_ms(parameters)`` with the calibrated profile (``scratch``/profile.json;
+    ``costmodel.outside_ms(parameters)`` with ``profile`` (default ``scratch``/profile.json;
     0 without one); the measurement is ``overlapc.explain.analyze`` of the variant's profiled
     (untimed) step, when its trace is there. "inductor_pinned" gets the unscheduled order of
     the first variant that neither buckets nor chunks (the same graphs)."""
@@ -487,9 +511,9 @@ def _estimates(scratch: str, rank: int, variants: list[str], parameters: int = 0
     from overlapc.explain.analyze import analyze
     from overlapc.config import OverlapConfig
 
-    profile = os.path.join(scratch, "profile.json")
-    outside = costmodel.outside_ms(parameters, costmodel.load_profile(profile).device) \
-        if os.path.isfile(profile) else 0.0
+    profile = profile or os.path.join(scratch, "profile.json")
+    known = os.path.isfile(profile) or ":" in profile
+    outside = costmodel.outside_ms(parameters, costmodel.resolve(profile).device) if known else 0.0
 
     def graphs(name):
         folder = os.path.join(scratch, name, f"rank{rank}")
@@ -532,7 +556,7 @@ def _overlap_scheduler_options(profile_path: str) -> dict:
 
     from overlapc.estimate import costmodel
 
-    profile = costmodel.load_profile(profile_path)
+    profile = costmodel.resolve(profile_path)
     for module in (torch._inductor.utils, torch._inductor.scheduler, torch.utils._runtime_estimation):
         module.get_gpu_dram_gbps = lambda: profile.device.mem_gbps
         module.get_device_tflops = lambda dtype: profile.device.tflops

@@ -30,10 +30,11 @@ stats, and random ops run once, as without sharding). Any saved-tensor hooks
 already active (an outer activation checkpoint) still see every other saved
 tensor. Under ``torch.compile`` that forward runs in a selective activation
 checkpoint whose policy recomputes all-gathers, waits, views, casts (but a
-float8 cast of an activation), and the elementwise ops and full maxes computed
-from gathered parameters alone (a float8 weight's amax, scale, clamp and cast),
-and saves everything else: the backward graph holds the all-gathers again and only what
-the backward uses is saved. A parameter read outside its owner's
+float8 cast of an activation), and the elementwise ops computed from gathered
+parameters alone (a float8 weight's scale, clamp and cast), and saves everything
+else, a full max of a gathered parameter (a float8 weight's amax, 0-d) included:
+the backward graph holds the all-gathers again, reads the forward's amaxes
+instead of reducing the weights again, and only what the backward uses is saved. A parameter read outside its owner's
 forward is gathered there without these hooks, so it is kept.
 
 Design after SimpleFSDP (Zhang et al., arXiv:2411.00284).
@@ -603,9 +604,8 @@ def _recompute_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-# Ops on a gathered parameter alone that are recomputed with it (float8 training scales, clamps
-# and casts the weight: torchao's dynamic per-tensor scaling reads its amax), beside what
-# _recompute_policy recomputes: elementwise ops and full reductions to a scalar.
+# Full reductions of a gathered parameter to a scalar (a float8 weight's amax for torchao's dynamic
+# per-tensor scaling): saved (0-d), and what is computed from them counts as derived from weights.
 _WEIGHT_REDUCTIONS = {torch.ops.aten.max.default, torch.ops.aten.amax.default}
 
 
@@ -613,10 +613,13 @@ class _WeightPolicy:
     """``_recompute_policy``, refined for what derives from gathered parameters:
 
     - an op whose tensor inputs all derive from gathered parameters alone (through the ops
-      recomputed here) and that is elementwise (not random) or a full max is recomputed, so
-      that the backward gathers the parameter again and recomputes what it needs (a float8
-      weight: its amax, scale, clamp and cast) instead of the forward saving a full-size
-      value derived from it;
+      recomputed here and the full maxes) and that is elementwise (not random) is recomputed,
+      so that the backward gathers the parameter again and recomputes what it needs (a float8
+      weight: its scale, clamp and cast) instead of the forward saving a full-size value
+      derived from it;
+    - a full max of such inputs (a float8 weight's amax) is saved: 0-d, the same value the
+      backward would compute again, and the backward then neither reduces the weight again
+      nor (under ``narrow_gathers``) combines the shards' amaxes in an all-reduce;
     - a cast to float8 of other compute (a float8 linear's cast of its input activation) is
       saved, so the backward keeps its 1-byte result and not the fp32 value before it; every
       other cast is recomputed as before.
@@ -636,21 +639,21 @@ class _WeightPolicy:
         if op is torch.ops.aten._to_copy.default and _to_float8(kwargs) and not all(
                 a in self.derived or a not in self.produced for a in inputs):
             policy = CheckpointPolicy.MUST_SAVE   # a float8 cast of other compute: keep the 1-byte value
-        elif policy is CheckpointPolicy.MUST_SAVE and from_weights and self._cheap(op):
+        elif policy is CheckpointPolicy.MUST_SAVE and from_weights and self._elementwise(op):
             policy = CheckpointPolicy.MUST_RECOMPUTE
         outputs = _flat_tensors(ctx.op_output, {})
         for out in outputs:
             self.produced[out] = True
-        if op in _GATHER_OPS or policy is CheckpointPolicy.MUST_RECOMPUTE and from_weights:
+        if op in _GATHER_OPS or from_weights and (policy is CheckpointPolicy.MUST_RECOMPUTE
+                                                  or op in _WEIGHT_REDUCTIONS):
             for out in outputs:
                 self.derived[out] = True
         return policy
 
     @staticmethod
-    def _cheap(op) -> bool:
+    def _elementwise(op) -> bool:
         tags = getattr(op, "tags", ())
-        elementwise = torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
-        return elementwise or op in _WEIGHT_REDUCTIONS
+        return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
 
 
 def _to_float8(kwargs) -> bool:

@@ -61,7 +61,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import is_cheap, node_value, size_hint, wait_nodes
+from overlapc.passes.collectives import is_cheap, node_value, wait_nodes
 from overlapc.passes.meta import NARROW, add_notes, mark_input_chain
 from overlapc.passes.rewrite import FakeValues, new_node
 

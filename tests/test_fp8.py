@@ -132,6 +132,16 @@ def test_every_float8_weight_gathers_float8_bytes_forward_and_backward(runs):
         assert ratio <= 0.55, f"{graph}: all-gather bytes {ratio:.3f}x the unrewritten graph's"
 
 
+def test_the_backward_reads_the_forwards_amaxes(runs):
+    """The forward combines the shards' amaxes in one max all-reduce and saves the amaxes
+    (0-d): the backward re-gathers the float8 weights without reducing them again."""
+    root, _ = runs
+    for name in ("narrow", "wide"):
+        kinds = {graph: [r["kind"] for r in _report(root / name, graph)["collectives"]] for graph in ("fw", "bw")}
+        assert kinds["fw"].count("all_reduce") == (name == "narrow"), (name, kinds["fw"])
+        assert "all_reduce" not in kinds["bw"], (name, kinds["bw"])
+
+
 def test_float8_weights_are_regathered_and_the_peak_is_no_higher_than_bf16s(runs):
     root, _ = runs
     bf16_rows = _gathers(root / "bf16", "bw")
