@@ -108,7 +108,6 @@ whose result feeds another collective's input chain directly.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Callable
 
@@ -116,8 +115,8 @@ import torch
 import torch.fx as fx
 
 from overlapc.passes import meta
-from overlapc.passes.bucket_rewrite import BucketNote, Rewrite, call_argument
-from overlapc.passes.collectives import Collective, is_cheap, module_path, node_value, role, source_of
+from overlapc.passes.bucket_rewrite import BucketNote, Member, Rewrite, call_argument
+from overlapc.passes.collectives import Collective, is_cheap, node_value, role
 from overlapc.passes.duplicates import merge_duplicates
 from overlapc.passes.memory import Headroom
 from overlapc.passes.structure import Structure
@@ -180,35 +179,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
 # ---------------------------------------------------------------- who may merge
 
 
-@dataclasses.dataclass
-class _Member:
-    """A collective that may join a bucket, with what the plan needs of it."""
-
-    c: Collective
-    wait: fx.Node
-    input: fx.Node
-    value: torch.Tensor        # the input's (fake) value
-    out_shape: tuple[int, ...]
-    nbytes: int                # all-gather output / reduce-scatter input
-    ready: int                 # position of the last node its start bundle reads (-1: none)
-    target: int                # position of its wait's first real consumer (or region end)
-    target_node: fx.Node
-
-    @functools.cached_property
-    def source(self) -> str:
-        """The graph input it moves, "" unknown (``collectives.source_of``); looked up for the
-        bucket notes only (the original start stays until the rewrite finishes)."""
-        return source_of(self.c.start)
-
-    @functools.cached_property
-    def module(self) -> str:
-        """Module path of the start, else of its first real consumer ("" unknown); looked
-        up only when a rule needs it (a lookup walks the node's module stack)."""
-        found = module_path(self.c.start)
-        return found or (module_path(self.target_node) if self.target_node.op == "call_function" else "")
-
-
-def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
+def _lanes(s: Structure, kind: str) -> dict[tuple, list[Member]]:
     """Members of ``kind`` by lane (region, group, group size, dtype, reduce op), each in merge order.
     Pieces of a chunked collective (``gm.meta["overlapc_chunks"]``) are no members: one
     bucket would undo their pipeline."""
@@ -219,7 +190,7 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
         members.sort(key=lambda m: s.key[m.c.start])
     else:
         members.sort(key=lambda m: s.pos[m.c.start])
-    lanes: dict[tuple, list[_Member]] = {}
+    lanes: dict[tuple, list[Member]] = {}
     for m in members:   # all-gathers of several dtypes merge as bytes (_as_bytes); reductions need one dtype
         reduce_op = call_argument(m.c.start, 1, "reduce_op") if kind != "all_gather" else ""
         dtype = str(m.value.dtype) if kind != "all_gather" else ""
@@ -228,7 +199,7 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[_Member]]:
     return lanes
 
 
-def _member(s: Structure, c: Collective) -> _Member | None:
+def _member(s: Structure, c: Collective) -> Member | None:
     """``c`` as a bucket member, or None when it must stay as it is."""
     start = c.start
     if len(c.waits) != 1 or len(start.users) != 1 or c.waits[0].args[0] is not start:
@@ -245,7 +216,7 @@ def _member(s: Structure, c: Collective) -> _Member | None:
             u in s.start_of_member for u in s.consumers[wait]):
         return None   # tied to another collective's bundle: moving one would move the other
     gathered = c.kind == "all_gather"
-    return _Member(
+    return Member(
         c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
         nbytes=(out if gathered else value).numel() * value.element_size(),
         ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
@@ -270,7 +241,7 @@ def _check_shapes(c: Collective, value: torch.Tensor, out: torch.Tensor) -> None
                          f"{out.dtype} do not fit group size {world}")
 
 
-def _largest(lanes: dict[tuple, list[_Member]]) -> dict[str, int]:
+def _largest(lanes: dict[tuple, list[Member]]) -> dict[str, int]:
     """Group -> bytes of its largest member in any of ``lanes`` (one kind's)."""
     largest: dict[str, int] = {}
     for members in lanes.values():
@@ -279,8 +250,8 @@ def _largest(lanes: dict[tuple, list[_Member]]) -> dict[str, int]:
     return largest
 
 
-def _split(lane: list[_Member], bucket: str | int, largest: int, kernels: Kernels,
-           headroom: Headroom | None = None) -> list[list[_Member]]:
+def _split(lane: list[Member], bucket: str | int, largest: int, kernels: Kernels,
+           headroom: Headroom | None = None) -> list[list[Member]]:
     """Consecutive members of ``lane`` cut into buckets; buckets of one dropped.
     ``largest``: the byte target of ``bucket="auto"``; ``kernels``: ``Kernels`` of the graph;
     ``headroom``: see ``bucket_collectives``. O(1) a member (``_Bucket`` keeps what the rules read)."""
@@ -299,15 +270,15 @@ class _Bucket:
     """A bucket ``_split`` is filling: its members and what ``_joins`` and
     ``_fits_headroom`` read of them, updated as each member joins."""
 
-    members: list[_Member]
+    members: list[Member]
     ready: int          # the latest member's ready position
     target: int         # the earliest member's target position
     nbytes: int         # the members' bytes
-    soonest: _Member    # the (first) member with the earliest target
+    soonest: Member    # the (first) member with the earliest target
     last_target: int    # the latest target
     first_ready: int    # the earliest ready position
 
-    def add(self, m: _Member) -> None:
+    def add(self, m: Member) -> None:
         self.members.append(m)
         self.ready, self.target = max(self.ready, m.ready), min(self.target, m.target)
         self.nbytes += m.nbytes
@@ -315,7 +286,7 @@ class _Bucket:
         self.last_target, self.first_ready = max(self.last_target, m.target), min(self.first_ready, m.ready)
 
 
-def _joins(open_bucket: _Bucket, m: _Member, bucket: str | int, largest: int) -> bool:
+def _joins(open_bucket: _Bucket, m: Member, bucket: str | int, largest: int) -> bool:
     """Whether ``m`` may join ``open_bucket``."""
     if max(m.ready, open_bucket.ready) >= min(m.target, open_bucket.target):
         return False   # one member's input is ready only after another's result is needed
@@ -332,7 +303,7 @@ def _joins(open_bucket: _Bucket, m: _Member, bucket: str | int, largest: int) ->
     return fits
 
 
-def _keeps_hiding(open_bucket: _Bucket, m: _Member, kernels: Kernels, largest: int) -> bool:
+def _keeps_hiding(open_bucket: _Bucket, m: Member, kernels: Kernels, largest: int) -> bool:
     """Whether merging ``m`` into ``open_bucket`` keeps the members' hiding intervals.
 
     A member alone can be hidden by the kernels of its window, between its inputs' ready
@@ -392,7 +363,7 @@ def _is_kernel(node: fx.Node, s: Structure, fused_by_target: dict[int, bool]) ->
     return not fused
 
 
-def _fits_headroom(open_bucket: _Bucket, m: _Member, headroom: Headroom) -> bool:
+def _fits_headroom(open_bucket: _Bucket, m: Member, headroom: Headroom) -> bool:
     """Whether a bucket of ``open_bucket``'s members and ``m`` keeps the peak of the serial
     order that ``headroom`` measured, counting what the bucket holds beyond its members
     gathered one at a time (conservatively: none of the members' own bytes taken off). An

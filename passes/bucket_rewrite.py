@@ -1,26 +1,55 @@
 """The bucket pass's rewrite: each bucket ``bucket.py`` planned becomes one collective, its
 copy-in (``overlapc.pack``) and copy-out (``overlapc.unpack_columns``, or views), the
 members' waits replaced and their starts erased. The layout and placement rules are
-``bucket.py``'s docstring, "Rewrite"."""
+``bucket.py``'s docstring, "Rewrite". ``Member`` is what the plan and the rewrite share:
+a collective that may join a bucket."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from overlapc.passes import bucket_ops, meta  # noqa: F401 (bucket_ops registers torch.ops.overlapc)
+from overlapc.passes.collectives import Collective, module_path, source_of
 from overlapc.passes.rewrite import FakeValues, new_node
 from overlapc.passes.structure import Structure, apply_order
 
-if TYPE_CHECKING:
-    from overlapc.passes.bucket import _Member
 
 aten = torch.ops.aten
 F = torch.ops._c10d_functional
 OPS = torch.ops.overlapc   # bucket_ops' copy-in and copy-out
+
+
+@dataclasses.dataclass
+class Member:
+    """A collective that may join a bucket, with what the plan needs of it."""
+
+    c: Collective
+    wait: fx.Node
+    input: fx.Node
+    value: torch.Tensor        # the input's (fake) value
+    out_shape: tuple[int, ...]
+    nbytes: int                # all-gather output / reduce-scatter input
+    ready: int                 # position of the last node its start bundle reads (-1: none)
+    target: int                # position of its wait's first real consumer (or region end)
+    target_node: fx.Node
+
+    @functools.cached_property
+    def source(self) -> str:
+        """The graph input it moves, "" unknown (``collectives.source_of``); looked up for the
+        bucket notes only (the original start stays until the rewrite finishes)."""
+        return source_of(self.c.start)
+
+    @functools.cached_property
+    def module(self) -> str:
+        """Module path of the start, else of its first real consumer ("" unknown); looked
+        up only when a rule needs it (a lookup walks the node's module stack)."""
+        found = module_path(self.c.start)
+        return found or (module_path(self.target_node) if self.target_node.op == "call_function" else "")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +74,7 @@ def call_argument(node: fx.Node, index: int, name: str):
     return node.args[index] if index < len(node.args) else node.kwargs[name]
 
 
-def _as_bytes(members: list[_Member]) -> bool:
+def _as_bytes(members: list[Member]) -> bool:
     """Whether an all-gather bucket of ``members`` moves bytes: they have several dtypes.
     Each member's shard is packed as its bytes (``overlapc.pack`` with ``as_bytes``), one
     all-gather of uint8 moves them all, and each gathered block is viewed back as its dtype:
@@ -53,7 +82,7 @@ def _as_bytes(members: list[_Member]) -> bool:
     return len({str(m.value.dtype) for m in members}) > 1
 
 
-def _flat_size(m: _Member, as_bytes: bool) -> int:
+def _flat_size(m: Member, as_bytes: bool) -> int:
     """``m``'s shard in units of its bucket's flat buffer: elements, or bytes."""
     return m.value.numel() * (m.value.element_size() if as_bytes else 1)
 
@@ -71,7 +100,7 @@ class Rewrite:
         self.fake = FakeValues(gm)
         self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
 
-    def all_gather(self, members: list[_Member]) -> BucketNote:
+    def all_gather(self, members: list[Member]) -> BucketNote:
         """One all-gather for ``members``; of several dtypes, it moves their bytes
         (``_as_bytes``), laid out widest element first so that every member's bytes
         start at a multiple of its element size."""
@@ -105,14 +134,14 @@ class Rewrite:
             self._replace(m, self._typed(m, copy, m.target, as_bytes), m.target)
         return self._note("all_gather", start, members)
 
-    def _typed(self, m: _Member, flat: fx.Node, anchor: int, as_bytes: bool) -> fx.Node:
+    def _typed(self, m: Member, flat: fx.Node, anchor: int, as_bytes: bool) -> fx.Node:
         """``m``'s gathered value from ``flat``, its contiguous block of the gathered buffer
         (bytes when ``as_bytes``: viewed back as its dtype first, no copy)."""
         if as_bytes:
             flat = self._new(anchor, aten.view.dtype, (flat, m.value.dtype), like=m.wait)
         return self._new(anchor, aten.view.default, (flat, list(m.out_shape)), like=m.wait)
 
-    def reduce_scatter(self, members: list[_Member]) -> BucketNote:
+    def reduce_scatter(self, members: list[Member]) -> BucketNote:
         first, world = members[0], members[0].c.group_size
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
@@ -130,7 +159,7 @@ class Rewrite:
             self._replace(m, result, anchor)
         return self._note("reduce_scatter", start, members)
 
-    def all_reduce(self, members: list[_Member]) -> BucketNote:
+    def all_reduce(self, members: list[Member]) -> BucketNote:
         first = members[0]
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
@@ -147,7 +176,7 @@ class Rewrite:
             self._replace(m, result, anchor)
         return self._note("all_reduce", start, members)
 
-    def _copy_out_together(self, members: list[_Member], rows: fx.Node, offsets: dict, anchor: int,
+    def _copy_out_together(self, members: list[Member], rows: fx.Node, offsets: dict, anchor: int,
                            as_bytes: bool) -> None:
         """One copy of ``members``' columns of ``rows`` (world, total) into a member-major
         buffer (member i's (world, n_i) block contiguous), placed before ``anchor``: one
@@ -160,7 +189,7 @@ class Rewrite:
             piece = self._new(anchor, aten.slice.Tensor, (joined, 0, world * at, world * (at + size)), like=m.wait)
             self._replace(m, self._typed(m, piece, anchor, as_bytes), anchor)
 
-    def _reaches_output(self, m: _Member) -> bool:
+    def _reaches_output(self, m: Member) -> bool:
         """Whether ``m``'s gathered result (or a view of it) is a graph output: it gets a copy of
         its own, so that no other member's bytes stay alive with it."""
         return any(user.op == "output" for node in self.s.wait_bundle[m.wait] for user in node.users)
@@ -174,7 +203,7 @@ class Rewrite:
 
     # ---- pieces
 
-    def _issue_point(self, members: list[_Member]) -> int:
+    def _issue_point(self, members: list[Member]) -> int:
         """Position of the first node after every input of ``members`` is ready, in
         their region, and not a placeholder: a reduce-scatter bucket stands before it."""
         region = self.s.region_of(members[0].c.start)
@@ -184,13 +213,13 @@ class Rewrite:
             position += 1
         return position
 
-    def _move_input_chains(self, members: list[_Member], anchor: int) -> None:
+    def _move_input_chains(self, members: list[Member], anchor: int) -> None:
         for m in members:
             for node in self.s.start_bundle[m.c.start]:
                 if node is not m.c.start:
                     self._place(node, anchor)
 
-    def _replace(self, m: _Member, result: fx.Node, anchor: int) -> None:
+    def _replace(self, m: Member, result: fx.Node, anchor: int) -> None:
         """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now
         on; the views of the wait that stood before ``anchor`` move after ``result``."""
         m.wait.replace_all_uses_with(result)
@@ -212,7 +241,7 @@ class Rewrite:
         self.key[node] = (anchor, -1, next(self.count))
 
     @staticmethod
-    def _note(kind: str, start: fx.Node, members: list[_Member]) -> BucketNote:
+    def _note(kind: str, start: fx.Node, members: list[Member]) -> BucketNote:
         return BucketNote(start=start.name, kind=kind, group=members[0].c.group,
                           nbytes=sum(m.nbytes for m in members),
                           members=tuple(m.c.start.name for m in members),
