@@ -74,7 +74,7 @@ class ScheduleError(RuntimeError):
 class _Order:
     """Positions of a new order of ``s``'s nodes, with ``s``'s structure, and what
     the guarantees read off it: each wait's first consumer in this order (chained
-    collectives move their consumers) and, per position, the next spine node."""
+    collectives move their consumers)."""
 
     def __init__(self, s: Structure, order: list[fx.Node]):
         self.s, self.nodes = s, order
@@ -84,11 +84,6 @@ class _Order:
         for wait, consumers in s.consumers.items():
             end = pos[s.nodes[s.region_end(wait)]]
             self.first[wait] = min(min([pos[u] for u in consumers]), end) if consumers else end
-        next_spine = self.next_spine = [len(order)] * (len(order) + 1)
-        bundled, index = s.bundled, len(order)
-        for node in reversed(order):
-            index -= 1
-            next_spine[index] = index if node not in bundled else next_spine[index + 1]
 
     def consumer_key(self, c) -> tuple[int, int]:
         """(position of the first consumer in this order, the order in which that
@@ -98,12 +93,6 @@ class _Order:
             first = self.first[wait]
             keys.append((first, self.s._order_read(self.nodes[first]).get(wait, len(self.nodes))))
         return min(keys)
-
-    def waitable(self, c, at: int) -> bool:
-        """Whether open collective ``c`` could be waited at position ``at``: any
-        kind but all-gather, or an all-gather whose first consumer comes before
-        the next spine node (its wait must stay just before that consumer)."""
-        return c.kind != "all_gather" or min(self.first[w] for w in c.waits) <= self.next_spine[at + 1]
 
     def fail(self, node: fx.Node, message: str) -> ScheduleError:
         c = self.s.coll_of_start.get(node) or self.s.coll_of_wait.get(node)

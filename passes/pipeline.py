@@ -289,8 +289,9 @@ def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dic
 
 def _check_kept(s: Structure, order: list[fx.Node]) -> None:
     """Compute (the spine) kept its order, and no movable start or wait changed region."""
-    spine = [n for n in s.nodes if n not in s.start_of_member and n not in s.wait_of_member]
-    placed = [n for n in order if n not in s.start_of_member and n not in s.wait_of_member]
+    members = s.start_of_member.keys() | s.wait_of_member.keys()   # (membership only)
+    spine = [n for n in s.nodes if n not in members]
+    placed = [n for n in order if n not in members]
     if placed != spine:
         moved = next(a for a, b in zip(placed, spine) if a is not b)
         raise fail(s, moved, "compute order changed", order)

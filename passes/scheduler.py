@@ -138,16 +138,19 @@ class _Core:
         wait bundle, except in "sink" mode starts and the waits already in place
         (no compute between them and their target)."""
         s, moving = self.s, set()
+        if self.move_starts:
+            for c in managed:
+                moving.update(s.start_bundle[c.start])
+                for wait in c.waits:
+                    moving.update(s.wait_bundle[wait])
+            return moving
         compute_before = [0]
         for node in s.nodes:
             compute_before.append(compute_before[-1] + (node not in s.bundled))
         for c in managed:
-            if self.move_starts:
-                moving.update(s.start_bundle[c.start])
             for wait in c.waits:
-                if not self.move_starts and compute_before[s.pos[s.target[wait]]] == compute_before[s.pos[wait] + 1]:
-                    continue
-                moving.update(s.wait_bundle[wait])
+                if compute_before[s.pos[s.target[wait]]] != compute_before[s.pos[wait] + 1]:
+                    moving.update(s.wait_bundle[wait])
         return moving
 
     def _plan_targets(self, managed: list[Collective]) -> None:
