@@ -12,11 +12,13 @@ import torch.fx as fx
 
 from overlapc.passes import meta
 from overlapc.passes.collectives import group_of, role, wait_nodes
+from overlapc.passes.structure import Structure
 
 log = logging.getLogger("overlapc")
 
 
-def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None) -> list[tuple[str, ...]]:
+def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None,
+                     structure: Structure | None = None) -> list[tuple[str, ...]]:
     """Make identical collectives one, in place. First, a collective nothing
     reads (every wait unused) that an identical collective later in the graph
     repeats is erased: torch 2.14's min-cut partitioner gathers each
@@ -33,9 +35,11 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
     users; the others are erased. Every rank traces the same graph, so every rank
     merges the same collectives. Returns the merged starts' names, each group
     first-kept, in graph order (also appended to ``gm.meta["overlapc_duplicates"]``).
-    ``before_rewrite``: as for ``bucket_collectives``."""
-    marks = _starts_and_barriers(gm)
-    names = _drop_unread_repeats(gm, [node for node, start, _ in marks if start], before_rewrite)
+    ``before_rewrite``: as for ``bucket_collectives``. ``structure``: ``Structure(gm)`` of the graph
+    as it stands, when the caller has it (its collectives and barriers stand for a walk of the graph)."""
+    marks = _starts_and_barriers(gm, structure)
+    names = _drop_unread_repeats(gm, [(node, waits) for node, waits, _ in marks if waits is not None],
+                                 before_rewrite)
     if names:   # a write that the erased collectives read may be no barrier now
         marks = _starts_and_barriers(gm)
     names += _merge_identical_runs(gm, marks, before_rewrite)
@@ -45,31 +49,41 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
     return names
 
 
-def _starts_and_barriers(gm: fx.GraphModule) -> list[tuple[fx.Node, bool, bool]]:
-    """(node, starts a collective, is a barrier) for each node of ``gm`` that does either,
-    in graph order: what both merging steps read, from one ``role`` lookup a node."""
+def _starts_and_barriers(gm: fx.GraphModule, structure: Structure | None = None) \
+        -> list[tuple[fx.Node, tuple[fx.Node, ...] | None, bool]]:
+    """(node, its waits (``wait_nodes``) when it starts a collective else None, is a barrier)
+    for each node of ``gm`` that does either, in graph order: what both merging steps read,
+    from one ``role`` lookup a node, or from ``structure`` (``Structure(gm)``: its collectives,
+    found and paired the same way, and its barriers)."""
+    if structure is not None:
+        found = {c.start: [c.waits, False] for c in structure.all}
+        for barrier in structure.barriers:
+            found.setdefault(barrier, [None, False])[1] = True
+        return sorted(((node, waits, barrier) for node, (waits, barrier) in found.items()),
+                      key=lambda mark: structure.pos[mark[0]])
     marks = []
     for node in gm.graph.nodes:
         start, _, barrier = role(node)
         if start is not None or barrier is not None:
-            marks.append((node, start is not None, barrier is not None))
+            marks.append((node, wait_nodes(node) if start is not None else None, barrier is not None))
     return marks
 
 
-def _drop_unread_repeats(gm: fx.GraphModule, starts: list[fx.Node],
+def _drop_unread_repeats(gm: fx.GraphModule, starts: list[tuple[fx.Node, tuple[fx.Node, ...]]],
                          before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
     """Erase every collective whose waits nobody reads when a later collective
     with the same op and arguments exists (the same result is computed again
-    where it is read). ``starts``: every collective start of ``gm``, in graph order.
+    where it is read). ``starts``: every collective start of ``gm`` with its waits, in graph order.
     Values are unchanged, and every rank traces the same graph, so every rank
     erases the same collectives. Returns (kept, erased) name pairs in graph order."""
-    if not any(_unread(start) for start in starts):   # the common case: no arguments hashed
+    unread = {start for start, waits in starts if _unread(start, waits)}   # (membership only)
+    if not unread:   # the common case: no arguments hashed
         return []
     seen: dict[tuple, list[fx.Node]] = {}
-    for node in starts:
+    for node, _ in starts:
         seen.setdefault((node.target, _key(node.args), _key(node.kwargs)), []).append(node)
     dropped = [(later, earlier) for same in seen.values()
-               for earlier, later in zip(same, same[1:]) if _unread(earlier)]
+               for earlier, later in zip(same, same[1:]) if earlier in unread]
     if not dropped:
         return []
     if before_rewrite is not None:
@@ -88,16 +102,16 @@ def _drop_unread_repeats(gm: fx.GraphModule, starts: list[fx.Node],
     return names
 
 
-def _unread(start: fx.Node) -> bool:
-    """Whether nothing reads the result of the collective ``start``: it has waits, its
-    only users are them (or getitems read only by them), and the waits have no users."""
-    waits = wait_nodes(start)
+def _unread(start: fx.Node, waits: tuple[fx.Node, ...]) -> bool:
+    """Whether nothing reads the result of the collective ``start`` (its waits ``waits``,
+    ``wait_nodes``): it has waits, its only users are them (or getitems read only by them),
+    and the waits have no users."""
     only_waits = all(u in waits or (u.target is operator.getitem and all(w in waits for w in u.users))
                      for u in start.users)
     return bool(waits) and only_waits and not any(w.users for w in waits)
 
 
-def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, bool, bool]],
+def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, tuple[fx.Node, ...] | None, bool]],
                           before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
     """Merge runs of identical, adjacent-in-their-group collectives (see
     ``merge_duplicates``); ``marks``: ``_starts_and_barriers`` of ``gm``. Returns the
@@ -105,13 +119,12 @@ def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, bool, b
     runs: list[list[fx.Node]] = []
     run_of: dict[fx.Node, list[fx.Node]] = {}   # mergeable start -> its run (identical starts so far)
     last: dict[str, fx.Node] = {}                # the latest start of each group
-    for node, _, barrier in marks:
+    for node, waits, barrier in marks:
         if barrier:
             run_of.clear()
             last.clear()
             continue
         group = group_of(node)
-        waits = wait_nodes(node)
         if len(waits) == 1 and waits[0].args[0] is node and len(node.users) == 1:
             # a run goes on only from the group's latest start (identical arguments name the
             # same group): compare with that one, the input nodes first (no arguments hashed)

@@ -146,3 +146,23 @@ def test_narrow_gathers_decide_as_without_the_narrowest_value(monkeypatch):
         assert results[0] == results[1]
         outcomes.add((bool(results[0][0].rewritten), bool(results[0][0].skipped)))
     assert len(outcomes) >= 3, outcomes   # rewrites, reasons and neither all occur
+
+
+def test_duplicates_read_off_the_structure_as_off_the_graph():
+    """``merge_duplicates`` with the graph's ``Structure`` finds the starts, waits and barriers
+    its own walk finds, and merges the same collectives."""
+    from overlapc.passes.duplicates import _starts_and_barriers, merge_duplicates
+    from overlapc.passes.structure import Structure
+    rng = random.Random(41)
+    merged_some = 0
+    for _ in range(150):
+        seed = rng.random()
+        gm = _random_gathers(random.Random(seed))
+        assert _starts_and_barriers(gm, Structure(gm)) == _starts_and_barriers(gm)
+        merged = merge_duplicates(gm, structure=Structure(gm))
+        plain = _random_gathers(random.Random(seed))
+        assert merged == merge_duplicates(plain)
+        assert [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes] == \
+            [(n.name, str(n.target), str(n.args)) for n in plain.graph.nodes]
+        merged_some += bool(merged)
+    assert merged_some > 20
