@@ -108,6 +108,7 @@ whose result feeds another collective's input chain directly.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 from typing import Callable
 
@@ -153,11 +154,12 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
     plans = []
     kernels: Kernels | None = None
     for kind in _OPS:
-        lanes = _lanes(s, kind)
+        lanes = _lanes(s, kind) if _two_may_fit(s, kind, bucket) else {}
         largest = _largest(lanes)
-        if kernels is None and any(len(lane) > 1 for lane in lanes.values()):
+        mergeable = [lane for lane in lanes.values() if _may_merge(lane, bucket, largest[lane[0].c.group])]
+        if kernels is None and mergeable:
             kernels = Kernels(s)
-        plans += [(kind, members) for lane in lanes.values()
+        plans += [(kind, members) for lane in mergeable
                   for members in _split(lane, bucket, largest[lane[0].c.group], kernels, headroom)]
     notes: list[BucketNote] = []
     if plans:
@@ -183,9 +185,7 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[Member]]:
     """Members of ``kind`` by lane (region, group, group size, dtype, reduce op), each in merge order.
     Pieces of a chunked collective (``gm.meta["overlapc_chunks"]``) are no members: one
     bucket would undo their pipeline."""
-    pieces = {name for note in meta.notes(s.gm, meta.CHUNKS) for name in note.pieces}
-    members = [m for c in s.movable if c.op == _OPS[kind] and c.start.name not in pieces
-               for m in [_member(s, c)] if m is not None]
+    members = [m for c in _candidates(s, kind) for m in [_member(s, c)] if m is not None]
     if kind == "all_gather":
         members.sort(key=lambda m: s.key[m.c.start])
     else:
@@ -199,26 +199,73 @@ def _lanes(s: Structure, kind: str) -> dict[tuple, list[Member]]:
     return lanes
 
 
-def _member(s: Structure, c: Collective) -> Member | None:
-    """``c`` as a bucket member, or None when it must stay as it is."""
+def _candidates(s: Structure, kind: str) -> list[Collective]:
+    """The movable collectives of ``kind`` that may be members, in graph order. Pieces of a
+    chunked collective (``gm.meta["overlapc_chunks"]``) are none: one bucket would undo
+    their pipeline."""
+    pieces = {name for note in meta.notes(s.gm, meta.CHUNKS) for name in note.pieces}
+    return [c for c in s.movable if c.op == _OPS[kind] and c.start.name not in pieces]
+
+
+def _two_may_fit(s: Structure, kind: str, bucket: str | int) -> bool:
+    """Whether two members of ``kind`` may share a bucket by their bytes (False: no lane of
+    ``_lanes`` holds two neighbours that fit, nothing needs planning). Under "module" they
+    may; under "auto" or a byte target, when in some group the two smallest collectives
+    that pass ``_own_shapes`` fit the target together (under "auto", the group's largest of
+    them): members are some of those, of the same bytes, so their two smallest are no
+    smaller and their largest no larger. Raises ``_member``'s ValueError, in ``_lanes``' order."""
+    if bucket == "module":
+        return True
+    sizes: dict[str, list[int]] = {}
+    for c in _candidates(s, kind):
+        shapes = _own_shapes(c)
+        if shapes is not None:
+            sizes.setdefault(c.group, []).append(_member_bytes(c, *shapes))
+    for found in sizes.values():
+        if len(found) > 1 and sum(heapq.nsmallest(2, found)) <= (max(found) if bucket == "auto" else bucket):
+            return True
+    return False
+
+
+def _own_shapes(c: Collective) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(input value, output value) of ``c`` when its own nodes let it be a member (one wait,
+    its only user; static shapes; a group size), else None. ValueError when its shapes
+    contradict its group size (``_check_shapes``)."""
     start = c.start
     if len(c.waits) != 1 or len(start.users) != 1 or c.waits[0].args[0] is not start:
         return None
-    wait = c.waits[0]
-    x = start.args[0] if start.args else start.kwargs.get("input")
+    x = _input_of(start)
     value, out = node_value(x) if isinstance(x, fx.Node) else None, node_value(start)
     if not (isinstance(c.group_size, int) or c.kind == "all_reduce") or not _static(value) or not _static(out):
         return None
     _check_shapes(c, value, out)
+    return value, out
+
+
+def _input_of(start: fx.Node):
+    """The tensor argument a collective ``start`` sends."""
+    return start.args[0] if start.args else start.kwargs.get("input")
+
+
+def _member_bytes(c: Collective, value: torch.Tensor, out: torch.Tensor) -> int:
+    """A member's bytes: the all-gather's output, the reduce-scatter's or all-reduce's input."""
+    return (out if c.kind == "all_gather" else value).numel() * value.element_size()
+
+
+def _member(s: Structure, c: Collective) -> Member | None:
+    """``c`` as a bucket member, or None when it must stay as it is."""
+    shapes = _own_shapes(c)
+    if shapes is None:
+        return None
+    value, out = shapes
+    start, wait, x = c.start, c.waits[0], _input_of(c.start)
     target = s.target[wait]
     inputs = s.bundle_inputs[start]
     if target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
             u in s.start_of_member for u in s.consumers[wait]):
         return None   # tied to another collective's bundle: moving one would move the other
-    gathered = c.kind == "all_gather"
     return Member(
-        c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape),
-        nbytes=(out if gathered else value).numel() * value.element_size(),
+        c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape), nbytes=_member_bytes(c, value, out),
         ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
     )
 
@@ -248,6 +295,17 @@ def _largest(lanes: dict[tuple, list[Member]]) -> dict[str, int]:
         for m in members:
             largest[m.c.group] = max(largest.get(m.c.group, 0), m.nbytes)
     return largest
+
+
+def _may_merge(lane: list[Member], bucket: str | int, largest: int) -> bool:
+    """Whether ``_split`` may merge any two members of ``lane`` (False: it keeps none, and
+    nothing of the lane needs planning). Under "module" any two may; under "auto" (byte
+    target ``largest``) or a byte target, two neighbours within the target: a bucket grows by
+    the next member in lane order, and a bucket holds at least the member before it."""
+    if bucket == "module":
+        return len(lane) > 1
+    limit = largest if bucket == "auto" else bucket
+    return any(a.nbytes + b.nbytes <= limit for a, b in zip(lane, lane[1:]))
 
 
 def _split(lane: list[Member], bucket: str | int, largest: int, kernels: Kernels,

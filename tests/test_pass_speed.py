@@ -148,6 +148,48 @@ def test_narrow_gathers_decide_as_without_the_narrowest_value(monkeypatch):
     assert len(outcomes) >= 3, outcomes   # rewrites, reasons and neither all occur
 
 
+def _random_sized_gathers(rng: random.Random) -> fx.GraphModule:
+    """All-gathers of shards of three sizes over two groups, their results the outputs: lanes in
+    which some neighbours fit a byte target together and some do not."""
+    graph = fx.Graph()
+    outputs = []
+    for i in range(rng.randint(1, 12)):
+        rows = rng.choice([1, 2, 4])
+        shard = graph.placeholder(f"w{i}")
+        shard.meta["val"] = _meta(rows, 8)
+        start = graph.call_function(F.all_gather_into_tensor.default, (shard, 2, rng.choice(["0", "0", "1"])))
+        start.meta["val"] = _meta(2 * rows, 8)
+        outputs.append(graph.call_function(F.wait_tensor.default, (start,)))
+        outputs[-1].meta["val"] = start.meta["val"]
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_lanes_without_two_neighbours_that_fit_are_not_planned(monkeypatch):
+    """``bucket_collectives`` skipping lanes ``_may_merge`` rules out gives the buckets and graph
+    it gives planning every lane."""
+    from overlapc.passes import bucket
+    merged = skipped = 0
+    for seed in range(200):
+        mode = random.Random(seed).choice(["auto", "module", 64, 128, 200])
+        results = []
+        for plain in (False, True):
+            gm = _random_sized_gathers(random.Random(seed))
+            with monkeypatch.context() as patch:
+                if plain:
+                    patch.setattr(bucket, "_may_merge", lambda lane, mode, largest: True)
+                notes = bucket.bucket_collectives(gm, mode)
+            results.append((repr(notes), [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes]))
+        assert results[0] == results[1]
+        merged += bool(notes)
+        s = bucket.Structure(_random_sized_gathers(random.Random(seed)))
+        lanes = bucket._lanes(s, "all_gather")
+        largest = bucket._largest(lanes)
+        skipped += any(not bucket._may_merge(lane, mode, largest[lane[0].c.group]) and len(lane) > 1
+                       for lane in lanes.values())
+    assert merged > 30 and skipped > 30   # both the shortcut and the planning are exercised
+
+
 def test_duplicates_read_off_the_structure_as_off_the_graph():
     """``merge_duplicates`` with the graph's ``Structure`` finds the starts, waits and barriers
     its own walk finds, and merges the same collectives."""
@@ -166,3 +208,32 @@ def test_duplicates_read_off_the_structure_as_off_the_graph():
             [(n.name, str(n.target), str(n.args)) for n in plain.graph.nodes]
         merged_some += bool(merged)
     assert merged_some > 20
+
+
+def test_kinds_without_two_collectives_that_fit_are_not_planned(monkeypatch):
+    """``bucket_collectives`` skipping the kinds ``_two_may_fit`` rules out gives the buckets and
+    graph it gives planning every lane, and raises the same error for contradicting shapes."""
+    from overlapc.passes import bucket
+    skipped = merged = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        mode, broken = rng.choice(["auto", "module", 32, 64, 128, 200]), rng.random() < 0.1
+        results = []
+        for plain in (False, True):
+            gm = _random_sized_gathers(random.Random(seed))
+            if broken:   # a gathered value that contradicts its group size
+                start = next(n for n in gm.graph.nodes if n.target is F.all_gather_into_tensor.default)
+                start.meta["val"] = _meta(3, 8)
+            with monkeypatch.context() as patch:
+                if plain:
+                    patch.setattr(bucket, "_two_may_fit", lambda s, kind, mode: True)
+                try:
+                    outcome = repr(bucket.bucket_collectives(gm, mode))
+                except ValueError as error:
+                    outcome = str(error)
+            results.append((outcome, [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes]))
+        assert results[0] == results[1]
+        s = bucket.Structure(_random_sized_gathers(random.Random(seed)))
+        skipped += not broken and not bucket._two_may_fit(s, "all_gather", mode)
+        merged += results[0][0].startswith("[BucketNote")
+    assert skipped > 20 and merged > 20   # both the shortcut and the planning are exercised
