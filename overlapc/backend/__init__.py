@@ -4,7 +4,8 @@
 ``compiler`` is the backend itself (the ``torch_dynamo_backends`` entry point
 ``overlapc.backend:overlapc_backend``, the per-graph wrapper, ``capture``);
 ``inductor_order`` checks the order and windows in Inductor's generated code;
-``rankcheck`` checks that every rank compiled the same graphs and options;
+``rankcheck`` checks that every rank compiled the same graphs and options
+(``RankMismatchError`` where one did not);
 ``cuda_capture`` compiles for a fake H100 without a GPU. Every torch-version
 workaround is in ``overlapc.torch_compat``.
 
@@ -17,6 +18,7 @@ command line.
 from overlapc.backend.compiler import (
     GraphRecord, SchedulePass, backward_root, capture, drop_dead_compute, overlapc_backend, run_step,
 )
+from overlapc.backend.rankcheck import RankMismatchError
 
-__all__ = ["GraphRecord", "SchedulePass", "backward_root", "capture", "drop_dead_compute", "overlapc_backend",
-           "run_step"]
+__all__ = ["GraphRecord", "RankMismatchError", "SchedulePass", "backward_root", "capture", "drop_dead_compute",
+           "overlapc_backend", "run_step"]
