@@ -544,8 +544,3 @@ def _say_aot_cache_hit(index: int, seen_before: int) -> None:
 
 
 _graphs_seen = {"n": 0}   # fw/bw graphs handed to overlapc's per-graph wrapper in this process
-
-
-# -- where overlap is cut: a sharded model compiled in pieces -----------------------------------
-
-_cut_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()

@@ -557,6 +557,3 @@ def _estimator(profile, info: dict):
         link = resolved.link_for(str(row["group"]))
         return link.duration_ms(row["kind"], row["nbytes"], sizes.get(str(row["group"])))
     return estimate
-
-
-# -- output --------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ API::
     text = render_html([view, ...], title=..., notes=[...], analysis=None)
     html_for_records(records, profile=None, config=None, trace=None, dump=None, title=...)
     write_html(path, records, **same keywords)                   # the page, to a file
-    html_for_target("examples/llama.py:build", world_size=8, options=None, profile=None, trace=None)
+
+(``overlapc.cli.targets.html_for_target`` captures a CLI target and draws its page.)
 
 Elements carry data attributes that say what they draw (``data-graph``,
 ``data-order`` "before" | "after", ``data-lane``, ``data-kind``, ``data-start-ms``,
