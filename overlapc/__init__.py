@@ -2,6 +2,11 @@
 
 ``overlapc.fsdp`` is imported on first use (``overlapc.fsdp.shard(model, mesh)``
 works after ``import overlapc``), so a plain import stays cheap.
+
+The package is in rooms (README "Layout"; tests/test_layers.py holds the arrows):
+config, collectives, torch_compat and launch at the bottom, then ``estimate``,
+``explain``, this package's ``api``, ``backend`` (the compile path), ``calibrate``
+and ``cli`` on top; ``fsdp`` and ``integrations`` beside them.
 """
 import importlib
 
