@@ -353,7 +353,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         regather = keep_or_regather(gm, before_rewrite=snapshot, recompile=False,
                                     liveness=room.liveness if room is not None else None).choices
     if cfg.bucket is not None:   # before chunking: one pipeline for one gathered activation
-        from overlapc.passes.bucket import merge_duplicates
+        from overlapc.passes.duplicates import merge_duplicates
         unchanged = s if not any(c.kept for c in regather) else None   # keep_or_regather rewrote none
         duplicates = merge_duplicates(gm, before_rewrite=snapshot, structure=unchanged)
     if cfg.chunks != 1:

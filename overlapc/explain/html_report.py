@@ -49,7 +49,8 @@ import torch.fx as fx
 
 from overlapc.estimate import costmodel
 from overlapc.estimate.simulate import Timeline, checked_order, simulate
-from overlapc.explain.report import size_text
+from overlapc.explain import report
+from overlapc.explain.report import size_text, write_artifacts
 
 KIND_COLOURS = {"all_gather": "#2f6fb3", "reduce_scatter": "#e07b1a", "all_reduce": "#7a4bb0",
                 "all_to_all": "#22936a", "broadcast": "#c2457f"}
@@ -87,7 +88,6 @@ def graph_view(name: str, gm: fx.GraphModule, before_order: list[str], profile=N
     line (default: OverlapConfig's defaults). Call it while the graph's process groups exist, so
     groups are named by their mesh dims."""
     from overlapc.config import OverlapConfig
-    from overlapc.explain import report
     from overlapc.passes.memory import Liveness
 
     profile = costmodel.resolve(profile)
@@ -529,7 +529,6 @@ def html_for_records(records, profile=None, config=None, *, trace: str | None = 
     analysis = None
     if trace is not None:
         from overlapc.explain import analyze
-        from overlapc.explain.report import write_artifacts
 
         if dump is not None:
             analysis = analyze.analyze(trace, dump)
