@@ -132,7 +132,7 @@ def import_graph(files: dict[str, pathlib.Path]) -> dict[str, list[tuple[int, st
     for name, path in files.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         edges = []
-        for line, target in _imported(package + ["_"], ast.parse(path.read_text(encoding="utf-8"))):
+        for line, target in _imported(package, ast.parse(path.read_text(encoding="utf-8"))):
             while target and target not in files:
                 target = target.rpartition(".")[0]
             if target and target != name:
@@ -237,13 +237,13 @@ def _tree(tmp_path, sources: dict[str, str]) -> dict[str, pathlib.Path]:
 
 def test_the_room_checks_can_fail(tmp_path):
     """Each check finds what it is for in a small made-up tree: a cycle through an import
-    inside a function, an arrow upwards, a compile-path import of an estimate module,
+    inside a function and a relative one, an arrow upwards, a compile-path import of an estimate module,
     and private names read both ways."""
     files = _tree(tmp_path, {
         "overlapc/__init__.py": "", "overlapc/config.py": "def f():\n    from overlapc.explain import report\n",
         "overlapc/explain/__init__.py": "", "overlapc/estimate/__init__.py": "",
         "overlapc/estimate/costmodel.py": "_x = 1\n",
-        "overlapc/explain/report.py": "from overlapc import config\nfrom overlapc.estimate.costmodel import _x\n",
+        "overlapc/explain/report.py": "from .. import config\nfrom overlapc.estimate.costmodel import _x\n",
         "overlapc/backend/__init__.py": "from overlapc.estimate import costmodel\nprint(costmodel._x)\n",
         "passes/__init__.py": ""})
     graph = import_graph(files)
