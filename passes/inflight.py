@@ -103,26 +103,35 @@ class InFlight:
         self.peak_total = 0
         self.peak_bytes: dict[str, int] = {}
         self.peak_counts: dict[tuple[str, str], int] = {}
+        self._whole: dict[fx.Node, tuple[str, str]] = {}   # start -> (group, piece_of): read once
+
+    def _whole_of(self, c: Collective) -> tuple[str, str]:
+        whole = self._whole.get(c.start)
+        if whole is None:
+            whole = self._whole[c.start] = (c.group, piece_of(c))
+        return whole
 
     def open(self, c: Collective) -> None:
         self.queue.setdefault(c.group, deque()).append(c)
         self.is_open.add(c.start)
-        whole = (c.group, piece_of(c))
+        whole = self._whole_of(c)
         self.pieces_open[whole] = self.pieces_open.get(whole, 0) + 1
         if self.pieces_open[whole] == 1:
             key = (c.group, c.kind)
             self.counts[key] = self.counts.get(key, 0) + 1
             self.peak_counts[key] = max(self.peak_counts.get(key, 0), self.counts[key])
         size = self.held[c.start]
-        self.bytes[c.group] = self.bytes.get(c.group, 0) + size
+        group_bytes = self.bytes[c.group] = self.bytes.get(c.group, 0) + size
         self.total += size
-        self.peak_total = max(self.peak_total, self.total)
-        self.peak_bytes[c.group] = max(self.peak_bytes.get(c.group, 0), self.bytes[c.group])
+        if self.total > self.peak_total:
+            self.peak_total = self.total
+        if group_bytes >= self.peak_bytes.get(c.group, 0):
+            self.peak_bytes[c.group] = group_bytes
 
     def close(self, c: Collective) -> None:
         self.is_open.discard(c.start)
         self._forget_closed(c.group)
-        whole = (c.group, piece_of(c))
+        whole = self._whole_of(c)
         self.pieces_open[whole] -= 1
         if self.pieces_open[whole] == 0:
             self.counts[(c.group, c.kind)] -= 1
@@ -145,7 +154,7 @@ class InFlight:
 
     def adds_one(self, c: Collective) -> bool:
         """Whether opening ``c`` raises its (group, kind) count: no piece of its collective is open."""
-        return not self.pieces_open.get((c.group, piece_of(c)))
+        return not self.pieces_open.get(self._whole_of(c))
 
     def nbytes(self, group: str) -> int:
         return self.bytes.get(group, 0)

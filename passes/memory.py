@@ -117,16 +117,19 @@ class Liveness:
     def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
         """Storage -> the position in ``order`` after which it is freed."""
         last = {root: pos[root] for root in self.size}
-        for r in self.unread:
-            last[r] = len(order) - 1
-        held_until, reads = self.held_until, self.reads
-        for until, node in enumerate(order):
-            waits = held_until.get(node)
-            if waits is not None:
-                until = max(pos[w] for w in waits)
+        reads = self.reads
+        for until, node in enumerate(order):   # positions rise: the last reader writes last
             for r in reads[node]:
+                last[r] = until
+        for start, waits in self.held_until.items():   # a collective's inputs: until its last wait
+            if start not in pos:
+                continue
+            until = max(pos[w] for w in waits)
+            for r in reads[start]:
                 if last[r] < until:
                     last[r] = until
+        for r in self.unread:
+            last[r] = len(order) - 1
         return last
 
     def live_at(self, order: list[fx.Node], index: int) -> list[tuple[fx.Node, int]]:
@@ -242,13 +245,14 @@ def _reused_input(node: fx.Node, facts: _OpFacts, size: dict[fx.Node, int],
     bytes of ``node``'s output. None when there is none. ``extents``: ``_nbytes``' cache."""
     if not facts.pointwise or not node.users:
         return None
-    value = node_value(node)
-    if not isinstance(value, torch.Tensor):
-        return None
-    nbytes = None
+    value = nbytes = None
     for x in node._input_nodes:
         if size.get(x, 0) <= 0 or x.op != "call_function" or len(x.users) != 1 or _facts(x).starts:
             continue
+        if value is None:
+            value = node_value(node)
+            if not isinstance(value, torch.Tensor):
+                return None
         other = node_value(x)
         if not isinstance(other, torch.Tensor) or other.dtype != value.dtype:
             continue

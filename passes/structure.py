@@ -77,7 +77,8 @@ class Structure:
         self.all: list[Collective] = scan(starts, self.pos, first_consumers=False)
         self.movable: list[Collective] = [
             c for c in self.all
-            if c.movable and c.waits and all(self.region_of(w) == self.region_of(c.start) for w in c.waits)
+            if c.movable and c.waits and (not self.barriers or all(
+                self.region_of(w) == self.region_of(c.start) for w in c.waits))
         ]
         self.coll_of_start = {c.start: c for c in self.movable}
         self.coll_of_wait = {w: c for c in self.movable for w in c.waits}
@@ -89,7 +90,7 @@ class Structure:
         for c in self.movable:
             for wait in c.waits:
                 end = self.region_end(wait)
-                closure = alias_closure(wait, within=lambda n, end=end: self.pos[n] < end)
+                closure = alias_closure(wait, within=(lambda n, end=end: self.pos[n] < end) if self.barriers else None)
                 closure.sort(key=self.pos.__getitem__)
                 self.wait_bundle[wait] = [wait, *closure]
                 for member in self.wait_bundle[wait]:
@@ -149,30 +150,29 @@ class Structure:
         """Cheap, marked or carried-compute nodes in ``start``'s region whose every
         use is ``start`` or the chain."""
         chain: set[fx.Node] = set()
-        region = self.region_of(start)
-        heap = [(-self.pos[i], i.name) for i in start._input_nodes]
-        by_name = {i.name: i for i in start._input_nodes}
+        nodes, pos, region = self.nodes, self.pos, self.region
+        here = region[pos[start]]
+        heap = [-pos[i] for i in start._input_nodes]   # latest first: a node's users are decided before it
         heapq.heapify(heap)
         seen = set()
         while heap:
-            _, name = heapq.heappop(heap)
-            node = by_name[name]
-            if node in seen:
+            at = -heapq.heappop(heap)
+            if at in seen:
                 continue
-            seen.add(node)
+            seen.add(at)
+            node = nodes[at]
             if (node.op in ("placeholder", "get_attr", "output")
+                    or node in self.wait_of_member or node in self.coll_of_start
+                    or region[at] != here
+                    or any(u is not start and u not in chain for u in node.users)
                     or not (is_cheap(node) or in_input_chain(node)
                             or carries_compute(node, self.wait_of_member.__contains__))
-                    or node in self.wait_of_member or node in self.coll_of_start
-                    or self.region_of(node) != region
-                    or barrier_reason(node) is not None
-                    or any(u is not start and u not in chain for u in node.users)):
+                    or barrier_reason(node) is not None):
                 continue
             chain.add(node)
             for i in node._input_nodes:
-                by_name[i.name] = i
-                heapq.heappush(heap, (-self.pos[i], i.name))
-        return sorted(chain, key=self.pos.__getitem__)
+                heapq.heappush(heap, -pos[i])
+        return sorted(chain, key=pos.__getitem__)
 
     def _must_follow(self, start: fx.Node, bundle: list[fx.Node]) -> list[fx.Node]:
         """In graph order: the nodes the bundle's members read that are not members
@@ -237,7 +237,15 @@ def held_bytes(c: Collective) -> int:
     c10d work keeps it until the wait) and, when that input is another
     collective's result (a chain, whose start goes to a chain point, possibly
     before where it stood), its output too. Unknown sizes count 0."""
-    inputs = tensor_nbytes([node_value(i) for i in c.start._input_nodes]) or 0
+    inputs = 0
+    for i in c.start._input_nodes:   # tensor_nbytes of the list of their values, without building it
+        value = node_value(i)
+        if isinstance(value, (torch.Tensor, list, tuple)):
+            nbytes = tensor_nbytes(value)
+            if nbytes is None:
+                inputs = 0
+                break
+            inputs += nbytes
     return (c.nbytes or 0) + inputs if holds_output(c) else inputs
 
 
