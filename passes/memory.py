@@ -99,9 +99,9 @@ class Liveness:
     def live_bytes(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
         inputs not yet freed). ``pos``: node -> position in ``order``, when the caller has it."""
-        return self._live_along(order, pos)[0]
+        return self.along(order, pos)[0]
 
-    def _live_along(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) \
+    def along(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) \
             -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
         """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
         if pos is None:
@@ -517,13 +517,18 @@ class Headroom:
     buffers only where the reference does not hold them live already."""
 
     def __init__(self, s: Structure, serial: list[fx.Node], segments: bool = False, peak: int | None = None,
-                 liveness: Liveness | None = None):
+                 liveness: Liveness | None = None, along: tuple | None = None, in_place: bool = False):
         """``peak``: the bound instead of ``serial``'s own peak (the serial peak of the
         graph before a rewrite changed it: a headroom below 0 fits nothing).
-        ``liveness``: ``Liveness(s.nodes)`` when the caller has it (one per graph)."""
-        self.serial = serial
+        ``liveness``: ``Liveness(s.nodes)`` when the caller has it (one per graph);
+        ``along``: ``liveness.along(serial)`` when the caller has it. ``in_place``:
+        ``serial`` issues every collective other than an all-gather where it stands in
+        ``s`` (``invariants.serial_order`` without ``asap``), so that issuing one earlier
+        holds its input chain and output where the reference does not: the core issues
+        it early only where that fits (``in_place`` is what it reads)."""
+        self.serial, self.in_place = serial, in_place
         self.liveness = liveness or Liveness(s.nodes)   # kept: the invariant check reuses both
-        live, index, last = self.liveness._live_along(self.serial)
+        live, index, last = along if along is not None else self.liveness.along(self.serial)
         peak = max(live, default=0) if peak is None else peak
         level = [peak] * len(s.nodes)
         spine = None   # s.pos of the spine node the reference ran last

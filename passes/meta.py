@@ -14,7 +14,9 @@ or the report can read them from the graph alone:
 Graph notes (``gm.meta``): each rewrite appends what it did, one entry per run of
 identical collectives merged (``DUPLICATES``: tuples of start names), bucket
 (``BUCKETS``: ``BucketNote``) or chunked pattern (``CHUNKS``: ``ChunkNote``), and the
-serial peak of the graph before those rewrites (``SERIAL_PEAK``); the pipeline saves
+"serial-peak" bound of the graph before those rewrites and its schedule (``SERIAL_PEAK``:
+``pipeline.reference_order``, which the schedule and a later ``verify`` compare with, the
+graph's own order being gone once scheduled); the pipeline saves
 them before a schedule and puts them back when it rolls back.
 Everything else a schedule says travels in its ``pipeline.ScheduleResult``.
 """
@@ -30,7 +32,7 @@ DUPLICATES = "overlapc_duplicates"
 BUCKETS = "overlapc_buckets"
 CHUNKS = "overlapc_chunks"
 REGATHER = "overlapc_regather"   # regather.RegatherChoice per block (keep_or_regather)
-SERIAL_PEAK = "overlapc_serial_peak"   # [bytes]: the serial peak of the graph before its rewrites
+SERIAL_PEAK = "overlapc_serial_peak"   # [bytes]: the serial-peak bound of the graph before its rewrites
 NARROW = "overlapc_narrow"   # narrow.NarrowNote per all-gather that gathers the narrow bytes
 REWRITE_NOTES = (DUPLICATES, BUCKETS, CHUNKS, REGATHER, SERIAL_PEAK, NARROW)
 
@@ -73,9 +75,10 @@ def add_notes(gm: fx.GraphModule, key: str, found) -> None:
 
 
 def serial_peak(gm: fx.GraphModule) -> int | None:
-    """The serial order's peak of ``gm`` as it was before the pipeline's rewrites (buckets,
-    chunks, dropped re-gathers) changed it, when they did (``SERIAL_PEAK``); else None.
-    The "serial-peak" budget and ``verify`` bound the peak by it."""
+    """The "serial-peak" bound of ``gm`` as it was before the pipeline's rewrites (buckets,
+    chunks, dropped re-gathers) changed it and before it was scheduled, when either
+    happened (``SERIAL_PEAK``); else None. The "serial-peak" budget and ``verify`` bound
+    the peak by it."""
     found = gm.meta.get(SERIAL_PEAK)
     return found[0] if found else None
 

@@ -23,7 +23,7 @@ from overlapc.passes import invariants, meta
 from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
-from overlapc.passes.memory import Headroom
+from overlapc.passes.memory import Headroom, Liveness
 from overlapc.passes.options import ScheduleOptions, as_options
 from overlapc.passes.scheduler import UNBOUNDED, schedule_order
 from overlapc.passes.structure import Structure, apply_order
@@ -118,13 +118,37 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
 
 def serial_headroom(s: Structure, config) -> Headroom:
     """The ``Headroom`` that the byte budget of ``config`` reads for the graph of ``s``:
-    under its serial order's peak; under "serial-peak", bundle nodes bound it too, and
-    the bound is the serial peak of the graph before the pipeline's rewrites where it
-    recorded one (``meta.serial_peak``: buckets may not raise it, pipelined pieces may
-    use what the unsplit collective held)."""
-    within_peak = as_options(config).max_in_flight_bytes == "serial-peak"
-    return Headroom(s, invariants.serial_order(s, asap=True), segments=within_peak,
-                    peak=meta.serial_peak(s.gm) if within_peak else None)
+    under its serial order's peak; under "serial-peak", bundle nodes bound it too, the
+    order is the lower-peaked of two serial orders (``reference_order``), and the bound
+    is the serial peak of the graph before the pipeline's rewrites where it recorded one
+    (``meta.serial_peak``: buckets may not raise it, pipelined pieces may use what the
+    unsplit collective held), else that order's."""
+    if as_options(config).max_in_flight_bytes != "serial-peak":
+        return Headroom(s, invariants.serial_order(s, asap=True))
+    liveness = Liveness(s.nodes)
+    serial, along, in_place = reference_order(s, liveness)
+    return Headroom(s, serial, segments=True, peak=meta.serial_peak(s.gm), liveness=liveness, along=along,
+                    in_place=in_place)
+
+
+def reference_order(s: Structure, liveness: Liveness) -> tuple[list[fx.Node], tuple, bool]:
+    """(order, ``liveness.along(order)``, whether it keeps starts in place) of the serial
+    order the "serial-peak" budget keeps a graph under: the lower-peaked of the serial
+    order that issues every collective other than an all-gather as soon as its inputs
+    allow (``invariants.serial_order(asap=True)``; on ties) and the graph's own
+    (``invariants.serial_order``: those collectives issued where they stand, as traced).
+    Issued early, a reduce-scatter's input chain (a cast to the reduce dtype) and output
+    are live with buffers the graph's own order frees first; under the own order the core
+    issues such a collective early only where its buffers fit the headroom."""
+    asap = invariants.serial_order(s, asap=True)
+    early = liveness.along(asap)
+    if not any(c.kind != "all_gather" for c in s.movable):
+        return asap, early, False   # the two orders are one
+    own = invariants.serial_order(s)
+    kept = liveness.along(own)
+    if max(kept[0], default=0) < max(early[0], default=0):
+        return own, kept, True
+    return asap, early, False
 
 
 def verify(gm: fx.GraphModule, config=None) -> Peaks:
@@ -245,16 +269,21 @@ def _degrade(s: Structure, budget: Budget, kinds, failed: _Failed, room):
 
 
 def _culprits(s: Structure, failed: _Failed) -> list[Collective]:
-    """The movable collectives a failure names: the one whose start or wait it names,
-    and those in flight at its position of the failed order (a memory or bound error),
-    in graph order; none when the core failed before building an order."""
+    """The movable collectives a failure names: the one whose start, wait or input chain
+    it names, those in flight at its position of the failed order (a memory or bound
+    error) and those other than all-gathers issued before that position although they
+    stood after its node in the graph handed in (their input chain and output allocated
+    early), in graph order; none when the core failed before building an order."""
     error, order = failed.error, failed.order
     node = getattr(error, "node", None)
-    found = [c for c in (s.coll_of_start.get(node), s.coll_of_wait.get(node)) if c is not None]
+    found = [c for c in (s.coll_of_start.get(node), s.coll_of_wait.get(node),
+                         s.coll_of_start.get(s.start_of_member.get(node))) if c is not None]
     position = getattr(error, "position", None)
     if order is not None and position is not None:
         pos = {n: i for i, n in enumerate(order)}
-        found += [c for c in s.movable if pos[c.start] <= position < max(pos[w] for w in c.waits)]
+        given = s.pos[order[position]]
+        found += [c for c in s.movable if pos[c.start] <= position < max(pos[w] for w in c.waits)
+                  or c.kind != "all_gather" and pos[c.start] <= position and s.pos[c.start] > given]
     unique = {c.start: c for c in found}
     return sorted(unique.values(), key=lambda c: s.pos[c.start])
 
@@ -387,6 +416,8 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         if not retry_unbucketed:
             raise
         raise _BucketsRaisePeak(len(buckets), error) from error
+    if within_peak and placed.peaks is not None:   # what ``verify`` of this graph compares with
+        meta.set_serial_peak(gm, placed.peaks.reference_peak_bytes)
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather, narrowed)
 
 

@@ -59,7 +59,8 @@ REASONS = {
     "before barrier": "waited before the barrier that closes its region",
     "early for room": "waited early to make room in the in-flight budget",
     "no headroom": "waited right after its start: in flight it would raise the serial order's peak",
-    "kept serial": "placed as in the serial order: scheduled with overlap it broke a guarantee (a WARNING says which)",
+    "kept serial": "placed as in the serial order (any kind but all-gather: where it stood): scheduled with "
+                   "overlap it broke a guarantee (a WARNING says which)",
 }
 
 
@@ -78,8 +79,9 @@ def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedu
     moves from halfway to the first spine node where the chained start's own
     buffers fit it (``_plan_gates``). ``serial``: starts of collectives placed as the
     "serial" mode places them (an all-gather issued when its result is due, any other
-    kind waited right after its start) while the rest is scheduled: the pipeline's
-    local degradation."""
+    kind waited right after its start and, under a reference that keeps starts in place,
+    ``Headroom.in_place``, issued no earlier than where it stands unless chained) while
+    the rest is scheduled: the pipeline's local degradation."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return _Core(s, budget, mode, kinds, reasons, late_chains, chain_room, serial).run()
@@ -108,6 +110,7 @@ class _Core:
         self.step = 0   # index in self.spine of the spine node placed next
         self.ready_step: dict[fx.Node, int] = {}
         self.held_back: dict[fx.Node, str] = {}
+        self.deferred: set[fx.Node] = set()   # starts held back to where they stood (``_defer``)
         self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
@@ -184,6 +187,9 @@ class _Core:
         for c in managed:
             self.by_name[c.start.name] = c
             inputs = [self._producer(i, c.start) for i in s.bundle_inputs[c.start]]
+            anchor = self._kept_in_place(c)
+            if anchor is not None:
+                inputs.append(anchor)
             self.missing[c.start] = len(inputs) + (c.start in self.gate)
             for node in inputs:
                 self.blocked_on.setdefault(node, []).append(c.start)
@@ -200,6 +206,47 @@ class _Core:
             starts.sort(key=lambda start: (self.key[start], s.pos[start]))
             self.head[lane] = 0
         self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
+
+    def _given_anchor(self, start: fx.Node) -> fx.Node | None:
+        """The spine node ``start`` followed in the graph handed in (None: none before it)."""
+        s = self.s
+        at = s.pos[start]
+        while at > 0:
+            at -= 1
+            if s.nodes[at] not in self.moving:
+                return s.nodes[at]
+        return None
+
+    def _kept_in_place(self, c: Collective) -> fx.Node | None:
+        """For a collective other than an all-gather placed serially (``serial``), not
+        gated, when the budget's reference keeps such starts where they stand
+        (``Headroom.in_place``): the spine node it followed in the graph handed in, which
+        its start may not pass (issued where it stood, as in that reference); else None
+        (issued when ready, as the other reference has it)."""
+        room = self.budget.headroom
+        if c.start not in self.serial or c.kind == "all_gather" or c.start in self.gate \
+                or room is None or not room.in_place:
+            return None
+        return self._given_anchor(c.start)
+
+    def _defer(self, c: Collective) -> bool:
+        """Hold back ready ``c`` (not an all-gather, not gated) until the spine node it
+        followed in the graph handed in, when the "serial-peak" reference keeps starts
+        there (``Headroom.in_place``) and issued now, before that node, what ``c`` holds
+        (its input chain's output, its own output, its input until its wait) does not fit
+        the headroom from here to its wait. True when held back (it becomes ready again
+        once that node is placed, then goes as the reference has it)."""
+        room = self.budget.headroom
+        if not (self.budget.within_peak and room is not None and room.in_place) \
+                or c.kind == "all_gather" or c.start in self.gate:
+            return False
+        anchor = self._given_anchor(c.start)
+        if anchor is None or anchor in self.placed or self._in_headroom(c):
+            return False
+        self.deferred.add(c.start)
+        self.missing[c.start] += 1
+        self.blocked_on.setdefault(anchor, []).append(c.start)
+        return True
 
     def _plan_gates(self, managed: list[Collective]) -> None:
         """Chain points, in spine indices. For a start B reading chained waits:
@@ -470,11 +517,11 @@ class _Core:
         while self.ready:
             _, name = heapq.heappop(self.ready)
             c = self.by_name[name]
-            if c.start in self.issued:
+            if c.start in self.issued or self._defer(c):
                 continue
             self._make_room(c, gathers=False)
             alone = self.budget.within_peak and self._bytes_over(c)
-            self._issue(c)
+            self._issue(c, "byte budget" if c.start in self.deferred else None)
             if alone:   # as in the serial order: in flight, it would raise the peak
                 self._wait(c, "no headroom")
         for lane in self.lane_order:

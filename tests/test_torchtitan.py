@@ -75,11 +75,12 @@ def test_graph_trainer_graph_scheduled_by_overlapc_keeps_values(traced):
     before = bench.row("before", gm, profile)
     gathers_before = sum(c.kind == "all_gather" for c in collectives(gm))
     gm = overlapc_torchtitan.overlapc_pass(gm, result.example_inputs)
-    # the adapter's defaults: the peak within the serial order's (verify checks it exactly),
-    # keep-or-regather decided per block and noted
+    # the adapter's defaults: the peak within the serial order's (verify checks it exactly
+    # against the bound the schedule recorded: the lower of that order's peak and the graph's
+    # own serial order's), keep-or-regather decided per block and noted
     assert overlapc_torchtitan.DEFAULTS["max_in_flight_bytes"] == "serial-peak"
     peaks = overlapc.verify(gm, overlapc.OverlapConfig(**overlapc_torchtitan.DEFAULTS))
-    assert peaks.peak_bytes <= bench.serial_peak(gm) == peaks.reference_peak_bytes
+    assert peaks.peak_bytes <= peaks.reference_peak_bytes <= bench.serial_peak(gm)
     assert {c.block for c in gm.meta["overlapc_regather"]} >= {f"layers.{i}" for i in range(6)}
     got = LocalCollectives(gm).run(*inputs)
     for a, b in zip(expected, got):
