@@ -104,7 +104,6 @@ def split_at_inductor(passes):
 
 def build(name: str, passes, traced, profile, say):
     """The compiled step of one variant: (runner, estimate dict, compile seconds)."""
-    from torchtitan.experiments.graph_trainer.make_fx_tracer import run_traced
     before, inductor = split_at_inductor(passes)
     start = time.perf_counter()
     gm = joint_graph.run_passes(before, traced)

@@ -23,12 +23,11 @@ in flight.
 """
 import os
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
-from graphs import F, WORLD, trace, wait
+from graphs import WORLD, trace, wait
 from test_chains import check_schedule, feasible, link, start
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")

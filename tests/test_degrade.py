@@ -12,7 +12,7 @@ import torch
 import overlapc
 from overlapc.passes import pipeline
 from overlapc.passes.invariants import ScheduleError
-from graphs import F, WORLD, trace
+from graphs import F, trace
 
 AUTO = overlapc.OverlapConfig(max_in_flight_bytes="auto", on_error="raise")
 pytestmark = pytest.mark.degrades

@@ -19,7 +19,6 @@ import torch.fx as fx
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
-from overlapc.collectives import is_cheap
 from graphs import F, ag, trace, wait
 
 N_MAX = 6
