@@ -142,13 +142,24 @@ def reference_order(s: Structure, liveness: Liveness) -> tuple[list[fx.Node], tu
     issues such a collective early only where its buffers fit the headroom."""
     asap = invariants.serial_order(s, asap=True)
     early = liveness.along(asap)
-    if not any(c.kind != "all_gather" for c in s.movable):
-        return asap, early, False   # the two orders are one
+    if all(c.kind == "all_gather" or _stands_where_ready(s, c) for c in s.movable):
+        return asap, early, False   # the two orders issue every collective after the same spine node
     own = invariants.serial_order(s)
     kept = liveness.along(own)
     if max(kept[0], default=0) < max(early[0], default=0):
         return own, kept, True
     return asap, early, False
+
+
+def _stands_where_ready(s: Structure, c: Collective) -> bool:
+    """Whether no spine node stands between the last node ``c``'s start bundle reads and
+    the bundle in ``s``: issued as soon as its inputs allow, it follows the same spine
+    node as where it stands. (A shortcut: where it is wrong, the early order stays the
+    reference, as it was before the graph's own order was compared with it.)"""
+    bundle = s.start_bundle[c.start]
+    first = s.pos[bundle[0]]
+    last = max((s.pos[i] for i in s.bundle_inputs[c.start]), default=-1)
+    return all(n in s.bundled for n in s.nodes[last + 1:first])
 
 
 def verify(gm: fx.GraphModule, config=None) -> Peaks:
