@@ -4,8 +4,11 @@
 collectives' bundles, see ``structure.py``) in its order and places around it:
 
 * other collectives (reduce-scatter, all-reduce, all-to-all) are issued as
-  soon as their inputs are placed; when one does not fit the budget, the
-  oldest open non-all-gather collectives of its group are waited first;
+  soon as their inputs are placed (against a "serial-peak" reference that keeps
+  them where they stand, ``Headroom.in_place``, only where what they hold fits
+  the headroom, else once the spine node they followed is placed: ``_defer``);
+  when one does not fit the budget, the oldest open non-all-gather collectives
+  of its group are waited first;
 * all-gathers are issued in consumer order per group and region, each as
   soon as its inputs are placed and it fits the room the budget leaves to
   all-gathers (``Budget.gather_room``); one that never fits is issued right
