@@ -447,7 +447,7 @@ def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, befo
         return own
     meta.set_serial_peak(gm, before.peak)
     # serial_headroom(s, cfg) now (a "before" exists only under "serial-peak"), its serial order and liveness shared
-    return Headroom(s, own.serial, segments=True, peak=before.peak, liveness=own.liveness)
+    return Headroom(s, own.serial, segments=True, peak=before.peak, liveness=own.liveness, in_place=own.in_place)
 
 
 def _without_rewrites(cfg: ScheduleOptions) -> ScheduleOptions:

@@ -253,6 +253,24 @@ def test_a_reduce_scatter_is_not_issued_early_where_its_cast_would_raise_the_tra
     assert overlapc.verify(gm).reference_peak_bytes == traced
 
 
+def test_a_rewritten_graphs_headroom_keeps_the_reference_it_was_built_on(fake_pg):
+    """After a rewrite (pipelined pieces, merged duplicates, kept gathers, module buckets) the
+    headroom is rebuilt under the larger of two peaks; it must still tell the core that its
+    order keeps reductions where they stand, or the core would issue them early against it."""
+    from overlapc.passes import pipeline
+    from overlapc.passes.memory import Headroom
+    gm = trace(cast_then_reduce_after_a_temporary, (64, 8), (8, 64), (256, 64), dtype=torch.bfloat16)
+    s = Structure(gm)
+    cfg = overlapc.OverlapConfig()
+    before = pipeline.serial_headroom(s, cfg.scheduling())
+    assert before.in_place
+    for peak in (before.peak + 4096, before.peak - 4096):   # the graph as handed in held more, or less
+        raised = Headroom(s, before.serial, segments=True, peak=peak)
+        room = pipeline._rewritten_room(gm, s, cfg.scheduling(), raised)
+        assert room.in_place and room.serial == before.serial, peak
+        gm.meta.pop("overlapc_serial_peak")
+
+
 @st.composite
 def mixed_precision_backwards(draw):
     """FSDP's mixed-precision backward, drawn: per block a bf16 gradient (a matmul), then in
