@@ -190,8 +190,8 @@ class _Core:
         for c in managed:
             self.by_name[c.start.name] = c
             inputs = [self._producer(i, c.start) for i in s.bundle_inputs[c.start]]
-            anchor = self._kept_in_place(c)
-            if anchor is not None:
+            anchor = self._place_anchor(c) if c.start in self.serial else None
+            if anchor is not None:   # placed serially: issued where it stood, as the reference has it
                 inputs.append(anchor)
             self.missing[c.start] = len(inputs) + (c.start in self.gate)
             for node in inputs:
@@ -210,40 +210,29 @@ class _Core:
             self.head[lane] = 0
         self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
 
-    def _given_anchor(self, start: fx.Node) -> fx.Node | None:
-        """The spine node ``start`` followed in the graph handed in (None: none before it)."""
+    def _place_anchor(self, c: Collective) -> fx.Node | None:
+        """When the "serial-peak" reference keeps collectives other than all-gathers where
+        they stand (``Headroom.in_place``) and ``c`` is one, not gated: the spine node it
+        followed in the graph handed in (None when none stands before it); else None."""
+        room = self.budget.headroom
+        if not (self.budget.within_peak and room is not None and room.in_place) \
+                or c.kind == "all_gather" or c.start in self.gate:
+            return None
         s = self.s
-        at = s.pos[start]
+        at = s.pos[c.start]
         while at > 0:
             at -= 1
             if s.nodes[at] not in self.moving:
                 return s.nodes[at]
         return None
 
-    def _kept_in_place(self, c: Collective) -> fx.Node | None:
-        """For a collective other than an all-gather placed serially (``serial``), not
-        gated, when the budget's reference keeps such starts where they stand
-        (``Headroom.in_place``): the spine node it followed in the graph handed in, which
-        its start may not pass (issued where it stood, as in that reference); else None
-        (issued when ready, as the other reference has it)."""
-        room = self.budget.headroom
-        if c.start not in self.serial or c.kind == "all_gather" or c.start in self.gate \
-                or room is None or not room.in_place:
-            return None
-        return self._given_anchor(c.start)
-
     def _defer(self, c: Collective) -> bool:
-        """Hold back ready ``c`` (not an all-gather, not gated) until the spine node it
-        followed in the graph handed in, when the "serial-peak" reference keeps starts
-        there (``Headroom.in_place``) and issued now, before that node, what ``c`` holds
-        (its input chain's output, its own output, its input until its wait) does not fit
-        the headroom from here to its wait. True when held back (it becomes ready again
-        once that node is placed, then goes as the reference has it)."""
-        room = self.budget.headroom
-        if not (self.budget.within_peak and room is not None and room.in_place) \
-                or c.kind == "all_gather" or c.start in self.gate:
-            return False
-        anchor = self._given_anchor(c.start)
+        """Hold back ready ``c`` until the spine node it followed in the graph handed in
+        (``_place_anchor``) when, issued now, before that node, what ``c`` holds (its
+        input chain's output, its own output, its input until its wait) does not fit the
+        headroom from here to its wait. True when held back (it becomes ready again once
+        that node is placed, then goes as the reference has it)."""
+        anchor = self._place_anchor(c)
         if anchor is None or anchor in self.placed or self._in_headroom(c):
             return False
         self.deferred.add(c.start)
