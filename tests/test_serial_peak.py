@@ -25,6 +25,7 @@ import test_chain_properties as chain_props
 from graphs import F, ag, trace, wait
 from test_chains import Stand
 from overlapc.passes import invariants, reorder_all_gathers
+from overlapc.passes.meta import SERIAL_PEAK
 from overlapc.passes.structure import Structure
 from test_properties import (
     _BARRIERS, LocalCollectives, build, independent_checks, inputs_for, live_peak, order, programs, serial_order,
@@ -268,7 +269,7 @@ def test_a_rewritten_graphs_headroom_keeps_the_reference_it_was_built_on(fake_pg
         raised = Headroom(s, before.serial, segments=True, peak=peak)
         room = pipeline._rewritten_room(gm, s, cfg.scheduling(), raised)
         assert room.in_place and room.serial == before.serial, peak
-        gm.meta.pop("overlapc_serial_peak")
+        gm.meta.pop(SERIAL_PEAK)
 
 
 @st.composite
@@ -277,7 +278,7 @@ def mixed_precision_backwards(draw):
     a drawn order the reductions of earlier blocks' gradients (cast to fp32, reduce-scattered
     or all-reduced, waited at once, as traced) and a temporary that reads a buffer for the
     last time; some blocks gather their weight first. Sizes drawn so that either serial order
-    may be the lower."""
+    may be the lower; each block on one of three process groups."""
     blocks = []
     for _ in range(draw(st.integers(1, 4))):
         blocks.append({
@@ -285,23 +286,25 @@ def mixed_precision_backwards(draw):
             "big": draw(st.sampled_from([8, 64, 256])), "gather": draw(st.booleans()),
             "reduce": draw(st.sampled_from(["reduce_scatter", "all_reduce"])),
             "late": draw(st.booleans()),   # reduce this block's gradient after the next block's temporary
+            "group": draw(st.integers(0, 2)),   # the process group its collectives run on (1-3 in a graph)
         })
     return blocks
 
 
-def build_backward(blocks):
+def build_backward(blocks, groups):
     def fn(*args):
         outs, pending = [], []
         for i, b in enumerate(blocks):
             x, w, big = args[3 * i:3 * i + 3]
+            group = groups[b["group"]]
             if b["gather"]:
-                w = wait(ag(w))
+                w = wait(ag(w, group))
             grad = x @ w
             outs.append(torch.tanh(big).sum(0))   # the temporary: big's last use
             while pending:
                 outs.append(pending.pop(0)())
-            reduce = (lambda g=grad, r=b["reduce"]: wait(F.reduce_scatter_tensor(g.float(), "sum", 8, "0"))
-                      if r == "reduce_scatter" else wait(F.all_reduce(g.float(), "sum", "0")))
+            reduce = (lambda g=grad, r=b["reduce"], n=group: wait(F.reduce_scatter_tensor(g.float(), "sum", 8, n))
+                      if r == "reduce_scatter" else wait(F.all_reduce(g.float(), "sum", n)))
             if b["late"] and i + 1 < len(blocks):
                 pending.append(reduce)
             else:
@@ -322,7 +325,7 @@ def backward_shapes(blocks):
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("OVERLAPC_SEARCH") != "1",
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(blocks=mixed_precision_backwards(), limit=st.sampled_from([1, 3, None]))
-def test_mixed_precision_backwards_stay_within_their_own_serial_order(fake_pg, blocks, limit):
+def test_mixed_precision_backwards_stay_within_their_own_serial_order(fake_pg, two_groups, blocks, limit):
     """The defaults' byte budget on graphs where issuing a reduction as soon as its input
     allows can hold more than the traced order: the schedule's peak, counted here, stays
     within the peak of the graph's own serial order (this file's ``serial_order``), values
@@ -330,7 +333,8 @@ def test_mixed_precision_backwards_stay_within_their_own_serial_order(fake_pg, b
     second trace gets the same order."""
     cfg = overlapc.OverlapConfig(max_in_flight=limit, on_error="raise")
     shapes = backward_shapes(blocks)
-    gm = trace(build_backward(blocks), *shapes, dtype=torch.bfloat16)
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    gm = trace(build_backward(blocks, groups), *shapes, dtype=torch.bfloat16)
     torch.manual_seed(1)
     inputs = [torch.randn(*s).bfloat16() for s in shapes]
     expected = LocalCollectives(gm).run(*inputs)
@@ -344,6 +348,6 @@ def test_mixed_precision_backwards_stay_within_their_own_serial_order(fake_pg, b
     overlapc.verify(gm, cfg)
     independent_checks(gm, cfg, before)
     assert live_peak(list(gm.graph.nodes), _rows(list(gm.graph.nodes))[0]) <= own_serial_peak
-    again = trace(build_backward(blocks), *shapes, dtype=torch.bfloat16)
+    again = trace(build_backward(blocks, groups), *shapes, dtype=torch.bfloat16)
     overlapc.schedule(again, cfg)
     assert order(again) == order(gm)
