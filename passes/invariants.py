@@ -49,7 +49,7 @@ import heapq
 import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import is_cheap, role
+from overlapc.passes.collectives import is_cheap, role, role_of_target
 from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.meta import in_input_chain
 from overlapc.passes.memory import Liveness
@@ -236,11 +236,19 @@ class _OrderClasses:
 
     def of_each(self, nodes: list[fx.Node]) -> dict[fx.Node, str]:
         """Node -> class, for every node of ``nodes`` (``of`` each, without a call per node;
-        nodes classified on the way, as users of others, are in it too)."""
+        nodes classified on the way, as users of others, are in it too). Where the call
+        target decides the class, one lookup per node (``_target_class``)."""
         known, classify = self._class, self._classify
         for node in nodes:
-            if node not in known:
+            if node in known:
+                continue
+            fixed = _target_class(node)
+            if fixed is None:
                 known[node] = classify(node)
+            elif fixed == "compute unless marked":
+                known[node] = "free" if in_input_chain(node) else "compute"
+            else:
+                known[node] = fixed
         return known
 
     def _classify(self, node: fx.Node) -> str:
@@ -266,6 +274,38 @@ class _OrderClasses:
             return True
         kind = self.of(user)
         return kind == "late-only" or (kind == "free" and not wait and self._feeds_only_starts(user))
+
+
+# call target -> (target, ``_target_class``): the entry keeps the target alive (ids are not reused)
+_CLASS_BY_TARGET: dict[int, tuple[object, str | None]] = {}
+
+
+def _target_class(node: fx.Node) -> str | None:
+    """What ``_OrderClasses._classify`` answers for every call_function node of
+    ``node``'s target: "free", "compute", "compute unless marked" (free when a rewrite
+    marked the node as an input chain), or None where it reads the node itself (not a
+    call_function, an op whose barrier reason depends on the node, an elementwise op).
+    Cached per call target."""
+    if node.op != "call_function":
+        return None
+    entry = _CLASS_BY_TARGET.get(id(node.target))
+    if entry is None or entry[0] is not node.target:
+        entry = _CLASS_BY_TARGET[id(node.target)] = (node.target, _uncached_target_class(node))
+    return entry[1]
+
+
+def _uncached_target_class(node: fx.Node) -> str | None:
+    fixed = role_of_target(node)
+    if fixed is None:
+        return None
+    start, wait, barrier = fixed
+    if barrier is not None:
+        return "compute"
+    if start is not None or wait or is_cheap(node):
+        return "free"
+    if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        return None
+    return "compute unless marked"
 
 
 def _on_results_alone(node: fx.Node) -> bool:

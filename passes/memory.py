@@ -72,29 +72,37 @@ class Liveness:
     def _add(self, node: fx.Node) -> None:
         """Decide where ``node``'s output lives (its root storage, the bytes it allocates)
         and which storages it reads, from its inputs' decisions (made before)."""
-        root, size, inlined = self.root, self.size, self.inlined
+        root, inlined = self.root, self.inlined
         inputs = node._input_nodes
         read = [root[i] for i in inputs]
         if inlined and not inlined.keys().isdisjoint(read):
             read = _expand(read, inlined)
+        self.reads[node] = read
         entry = _FACTS_BY_TARGET.get(id(node.target)) if node.op == "call_function" else None
         facts = entry[1] if entry is not None and entry[0] is node.target else _facts(node)
-        if inputs and (facts.waits or facts.aliases):
-            root[node] = root[next(iter(inputs))]
-        elif facts.pointwise and _fuses_away(node, facts, self._fusable, read):
-            root[node], size[node], inlined[node] = node, 0, read
-        elif facts.pointwise and (reused := _reused_input(node, facts, size, self._extents)) is not None:
-            root[node] = reused   # Inductor writes the output into that input's buffer
-        else:
-            root[node] = node
-            size[node] = 0 if node.op == "output" else _nbytes(node, self._extents)
-            if node.op == "placeholder" and not node.users:
-                self.unread.append(node)
-        self.reads[node] = read
         if facts.starts:
             waits = wait_nodes(node)
             if waits:
                 self.held_until[node] = waits
+        if inputs and (facts.waits or facts.aliases):
+            root[node] = root[next(iter(inputs))]
+            return
+        if facts.pointwise and node.users:
+            if _fuses_away(node, self._fusable, read):
+                root[node], inlined[node] = node, read
+                self.size[node] = 0
+                return
+            reused = _reused_input(node, self.size, self._extents)
+            if reused is not None:
+                root[node] = reused   # Inductor writes the output into that input's buffer
+                return
+        root[node] = node
+        if node.op == "output":
+            self.size[node] = 0
+            return
+        self.size[node] = _nbytes(node, self._extents)
+        if node.op == "placeholder" and not node.users:
+            self.unread.append(node)
 
     def live_bytes(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
@@ -224,27 +232,27 @@ def _fusable_reader(node: fx.Node, fusable: dict[fx.Node, bool]) -> bool:
     return known
 
 
-def _fuses_away(node: fx.Node, facts: _OpFacts, fusable: dict[fx.Node, bool], reads: list[fx.Node]) -> bool:
-    """Inductor computes ``node`` (of ``_OpFacts`` ``facts``) inside its readers' kernels
-    and never allocates it: a pointwise op all of whose readers read from fused loops
-    (several readers only when it reads few storages, as Inductor realizes a reused node
-    that reads many)."""
-    if not node.users or not facts.pointwise:
+def _fuses_away(node: fx.Node, fusable: dict[fx.Node, bool], reads: list[fx.Node]) -> bool:
+    """Inductor computes ``node``, a functional pointwise op with users, inside its readers'
+    kernels and never allocates it: all of its readers read from fused loops (several
+    readers only when it reads few storages, as Inductor realizes a reused node that
+    reads many)."""
+    users = node.users
+    if len(users) == 1:
+        user = next(iter(users))
+        known = fusable.get(user)
+        return known if known is not None else _fusable_reader(user, fusable)
+    if len(reads) > _MAX_REUSE_READS:
         return False
-    if len(node.users) > 1 and len(reads) > _MAX_REUSE_READS:
-        return False
-    return all(_fusable_reader(user, fusable) for user in node.users)
+    return all(_fusable_reader(user, fusable) for user in users)
 
 
-def _reused_input(node: fx.Node, facts: _OpFacts, size: dict[fx.Node, int],
-                  extents: dict[tuple, int]) -> fx.Node | None:
+def _reused_input(node: fx.Node, size: dict[fx.Node, int], extents: dict[tuple, int]) -> fx.Node | None:
     """The input whose buffer Inductor reuses for ``node``'s output (its in-place update,
-    ``buf7 = buf6; del buf6  # reuse``): ``node`` is a pointwise kernel that is not fused
+    ``buf7 = buf6; del buf6  # reuse``): ``node``, a pointwise kernel with users, is not fused
     away, the input is a buffer of its own (allocated by a compute node, not an input, an
     alias or a collective) read by ``node`` alone, of the same dtype and 95-100% of the
     bytes of ``node``'s output. None when there is none. ``extents``: ``_nbytes``' cache."""
-    if not facts.pointwise or not node.users:
-        return None
     value = nbytes = None
     for x in node._input_nodes:
         if size.get(x, 0) <= 0 or x.op != "call_function" or len(x.users) != 1 or _facts(x).starts:
@@ -268,7 +276,9 @@ def _nbytes(node: fx.Node, extents: dict[tuple, int]) -> int:
     size hints for symbolic sizes (no guard), 0 for data-dependent (unbacked) sizes and
     non-tensors; a tuple or list sums its tensors. ``extents``: a cache of the bytes of
     each (sizes, strides, dtype) seen, for one graph's tensors."""
-    value = node.meta["val"] if "val" in node.meta else node_value(node)
+    value = node.meta.get("val")
+    if value is None:
+        value = node_value(node)
     if isinstance(value, torch.Tensor):
         return _cached_extent(value, extents)
     if isinstance(value, (list, tuple)):

@@ -259,8 +259,12 @@ def _narrowest(graph: fx.Graph) -> int:
     for node in graph.nodes:
         if node.target in _MAXES:
             return 0
-        value = _val(node)
-        if value is not None and (narrowest is None or value.dtype.itemsize < narrowest):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            value = _val(node)   # no "val": what node_value reads instead
+            if value is None:
+                continue
+        if narrowest is None or value.dtype.itemsize < narrowest:
             narrowest = value.dtype.itemsize
     return narrowest or 0
 

@@ -338,3 +338,30 @@ def test_random_graphs_keep_compute_order(fake_pg, steps, limit, byte_limit):
     schedule(gm, max_in_flight=limit, max_in_flight_bytes=byte_limit)
     for a, b in zip(expected, WithBroadcast(gm).run(*inputs)):
         torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=int(__import__("os").environ.get("OVERLAPC_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=programs(), marked=st.integers(0, 60))
+def test_classes_read_off_the_call_target_agree_with_each_nodes_own(fake_pg, steps, marked):
+    """The check's shortcut (one lookup per call target where the target decides the class)
+    classes every node as classifying the node itself does: with in-place writes into a graph
+    input (a barrier) and into a temporary (compute), and a node a rewrite marked as an input
+    chain."""
+    from overlapc.passes import meta
+
+    program = build(steps)
+
+    def fn(x, w, scratch):
+        out = program(x, w, scratch)
+        temporary = x * 3
+        temporary.add_(1)    # into a temporary: compute
+        scratch.mul_(2)      # into a graph input: a barrier
+        return (*out, temporary)
+
+    gm = trace(fn, (16, 16), (16, 16), (16, 16))
+    nodes = list(gm.graph.nodes)
+    meta.mark_input_chain(nodes[marked % len(nodes)])
+    shortcut = invariants._OrderClasses().of_each(nodes)
+    one_by_one = {node: invariants._OrderClasses()._classify(node) for node in nodes}
+    assert shortcut == one_by_one
