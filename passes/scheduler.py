@@ -113,7 +113,8 @@ class _Core:
         self.step = 0   # index in self.spine of the spine node placed next
         self.ready_step: dict[fx.Node, int] = {}
         self.held_back: dict[fx.Node, str] = {}
-        self.deferred: set[fx.Node] = set()   # starts held back to where they stood (``_defer``)
+        self.deferred: set[fx.Node] = set()   # starts held back by the byte budget (``_defer``, ``_issue_ready``)
+        self.short: set[str] = set()   # groups where such a start waits for room: no all-gather past the room
         self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
@@ -479,7 +480,7 @@ class _Core:
             return fits
         room = self.budget.gather_room(c.group)
         if room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room \
-                or self._in_headroom(c):
+                or c.group not in self.short and self._in_headroom(c):
             return True
         self.held_back[c.start] = "byte budget"
         return False
@@ -502,20 +503,34 @@ class _Core:
     # -- issuing ---------------------------------------------------------------------------
     def _issue_ready(self) -> None:
         """Issue what may go now: ready non-all-gathers, then all-gathers that fit.
-        Nothing to do unless a start became ready, a wait freed room or a region opened."""
+        Nothing to do unless a start became ready, a wait freed room or a region opened.
+        Under a byte limit (not "serial-peak"), a non-all-gather that would take its group
+        past it with others in flight (all-gathers the headroom let run past the group's
+        room for it, which cannot be waited early) waits for their waits, and no further
+        all-gather of that group goes past the room meanwhile; when its own wait comes
+        first it is issued then (``_force_issue``)."""
         if not self.move_starts or not self.dirty:
             return
         self.dirty = False
+        no_room = []   # over a byte limit that only open all-gathers' waits can free: tried again then
+        self.short.clear()
         while self.ready:
-            _, name = heapq.heappop(self.ready)
-            c = self.by_name[name]
+            entry = heapq.heappop(self.ready)
+            c = self.by_name[entry[1]]
             if c.start in self.issued or self._defer(c):
                 continue
             self._make_room(c, gathers=False)
+            if not self.budget.within_peak and self._bytes_over(c) and self._others_open(c):
+                self.deferred.add(c.start)
+                self.short.add(c.group)
+                no_room.append(entry)
+                continue
             alone = self.budget.within_peak and self._bytes_over(c)
             self._issue(c, "byte budget" if c.start in self.deferred else None)
             if alone:   # as in the serial order: in flight, it would raise the peak
                 self._wait(c, "no headroom")
+        for entry in no_room:
+            heapq.heappush(self.ready, entry)
         for lane in self.lane_order:
             if lane[1] != self.region:
                 continue
@@ -526,6 +541,12 @@ class _Core:
                     break
                 self._make_room(c, gathers=False)
                 self._issue(c)
+
+    def _others_open(self, c: Collective) -> bool:
+        """Whether a collective of ``c``'s group other than a piece of ``c``'s is in flight
+        (``_check_bounds`` lets a collective alone exceed the group's byte limit)."""
+        whole = piece_of(c)
+        return any(piece_of(x) != whole for x in self.flight.open_in(c.group))
 
     def _lane_ready(self, c: Collective) -> bool:
         """Whether ``c`` can be issued now with what must go before it: its inputs placed
