@@ -571,12 +571,13 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
         warnings.warn(f"overlapc left the graph unscheduled: {failure}", stacklevel=3)
         log.warning("overlapc left the graph unscheduled: %s", failure)
         return ScheduleResult(gm, before=before, error=failure)
+    else:
+        placed = done.placed
+        if placed.collectives and recompile:   # nothing movable: nothing changed (a rewrite leaves movable ones)
+            gm.recompile()   # with the collector still off: it allocates as much as the passes
     finally:
         if collecting:
             gc.enable()
-    placed = done.placed
-    if placed.collectives and recompile:   # nothing movable: nothing changed (a rewrite leaves movable ones)
-        gm.recompile()
     return ScheduleResult(gm, placed.collectives, placed.modified, placed.peaks, done.before or before,
                           done.duplicates, done.buckets, done.chunks, done.regather, placed.reasons,
                           structure=placed.structure, narrowed=done.narrowed)
