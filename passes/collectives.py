@@ -220,17 +220,6 @@ def role(node: fx.Node) -> tuple[str | None, bool, str | None]:
     return entry[1][0], entry[1][1], None if where is None else f"{entry[1][2]} writes into {where}"
 
 
-def role_of_target(node: fx.Node) -> tuple[str | None, bool, str | None] | None:
-    """``role(node)`` when ``node``'s call target alone decides it (the same for every
-    call_function node of that target), else None (another op, or an op that writes in
-    place, whose barrier reason reads the node's neighbourhood)."""
-    if node.op != "call_function":
-        return None
-    found = role(node)   # fills the cache entry
-    entry = _ROLE_BY_ID[id(node.target)]
-    return None if entry[2] else found
-
-
 def barrier_reason(node: fx.Node) -> str | None:
     """Why nothing may move across this node, or None when it is an ordinary node."""
     return role(node)[2]

@@ -49,7 +49,7 @@ import heapq
 import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import is_cheap, role, role_of_target
+from overlapc.passes.collectives import barrier_reason_when_compute_moves, is_cheap, role
 from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.meta import in_input_chain
 from overlapc.passes.memory import Liveness
@@ -282,9 +282,9 @@ _CLASS_BY_TARGET: dict[int, tuple[object, str | None]] = {}
 
 def _target_class(node: fx.Node) -> str | None:
     """What ``_OrderClasses._classify`` answers for every call_function node of
-    ``node``'s target: "free", "compute", "compute unless marked" (free when a rewrite
-    marked the node as an input chain), or None where it reads the node itself (not a
-    call_function, an op whose barrier reason depends on the node, an elementwise op).
+    ``node``'s target: "free", "compute unless marked" (free when a rewrite marked the
+    node as an input chain), or None where it reads the node itself (not a
+    call_function, a barrier or an op writing in place or into ``out=``, an elementwise op).
     Cached per call target."""
     if node.op != "call_function":
         return None
@@ -295,12 +295,9 @@ def _target_class(node: fx.Node) -> str | None:
 
 
 def _uncached_target_class(node: fx.Node) -> str | None:
-    fixed = role_of_target(node)
-    if fixed is None:
-        return None
-    start, wait, barrier = fixed
-    if barrier is not None:
-        return "compute"
+    if barrier_reason_when_compute_moves(node) is not None:
+        return None   # a barrier, or a write in place or into out= (a barrier or not as the node stands)
+    start, wait, _ = role(node)
     if start is not None or wait or is_cheap(node):
         return "free"
     if torch.Tag.pointwise in getattr(node.target, "tags", ()):
