@@ -171,6 +171,12 @@ class InFlight:
             queue.popleft()
         return [c for c in queue if c.start in self.is_open]
 
+    def open_besides(self, c: Collective) -> list[Collective]:
+        """Open collectives of ``c``'s group that are not pieces of ``c``'s collective, oldest
+        first (what the byte limit counts against ``c``: alone, it may exceed the limit)."""
+        whole = piece_of(c)
+        return [x for x in self.open_in(c.group) if piece_of(x) != whole]
+
     def oldest(self, group: str, kind: str | None = None, gathers: bool = False) -> Collective | None:
         """Oldest open collective of ``group``: of ``kind`` when given, else of any
         kind but all-gather (or of any kind at all when ``gathers``)."""

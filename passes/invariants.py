@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from overlapc.passes.collectives import barrier_reason_when_compute_moves, is_cheap, role
-from overlapc.passes.inflight import Budget, InFlight, piece_of
+from overlapc.passes.inflight import Budget, InFlight
 from overlapc.passes.meta import in_input_chain
 from overlapc.passes.memory import Liveness
 from overlapc.passes.structure import Structure
@@ -385,8 +385,7 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
                                    f"limit {budget.max_count}")
             limit = budget.max_bytes.get(c.group)
             if limit is not None and flight.nbytes(c.group) > limit:
-                whole = piece_of(c)
-                others = [x for x in flight.open_in(c.group) if piece_of(x) != whole]
+                others = flight.open_besides(c)
                 due = max(s.due(c), here)
                 if others and not budget.fits_headroom(flight.total, here, due):
                     raise o.fail(node, f"{flight.nbytes(c.group)} bytes in flight in group {c.group}, "

@@ -239,9 +239,7 @@ def _fuses_away(node: fx.Node, fusable: dict[fx.Node, bool], reads: list[fx.Node
     reads many)."""
     users = node.users
     if len(users) == 1:
-        user = next(iter(users))
-        known = fusable.get(user)
-        return known if known is not None else _fusable_reader(user, fusable)
+        return _fusable_reader(next(iter(users)), fusable)
     if len(reads) > _MAX_REUSE_READS:
         return False
     return all(_fusable_reader(user, fusable) for user in users)

@@ -114,7 +114,6 @@ class _Core:
         self.ready_step: dict[fx.Node, int] = {}
         self.held_back: dict[fx.Node, str] = {}
         self.deferred: set[fx.Node] = set()   # starts held back by the byte budget (``_defer``, ``_issue_ready``)
-        self.short: set[str] = set()   # groups where such a start waits for room: no all-gather past the room
         self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
@@ -465,9 +464,10 @@ class _Core:
             return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])
         return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
 
-    def _gather_fits(self, c: Collective) -> bool:
+    def _gather_fits(self, c: Collective, past_room: bool = True) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open
-        collectives of other kinds for room if needed)?"""
+        collectives of other kinds for room if needed)? ``past_room`` False: not beyond
+        its group's room for all-gathers, even where the memory headroom would hold it."""
         if self.mode == "serial" or c.start in self.serial:
             return False
         if self._count_full(c):
@@ -480,7 +480,7 @@ class _Core:
             return fits
         room = self.budget.gather_room(c.group)
         if room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room \
-                or c.group not in self.short and self._in_headroom(c):
+                or past_room and self._in_headroom(c):
             return True
         self.held_back[c.start] = "byte budget"
         return False
@@ -513,21 +513,21 @@ class _Core:
             return
         self.dirty = False
         no_room = []   # over a byte limit that only open all-gathers' waits can free: tried again then
-        self.short.clear()
+        short: set[str] = set()   # the groups of those: no all-gather goes past its room meanwhile
         while self.ready:
             entry = heapq.heappop(self.ready)
             c = self.by_name[entry[1]]
             if c.start in self.issued or self._defer(c):
                 continue
             self._make_room(c, gathers=False)
-            if not self.budget.within_peak and self._bytes_over(c) and self._others_open(c):
+            over = self._bytes_over(c)
+            if over and not self.budget.within_peak and self.flight.open_besides(c):
                 self.deferred.add(c.start)
-                self.short.add(c.group)
+                short.add(c.group)
                 no_room.append(entry)
                 continue
-            alone = self.budget.within_peak and self._bytes_over(c)
             self._issue(c, "byte budget" if c.start in self.deferred else None)
-            if alone:   # as in the serial order: in flight, it would raise the peak
+            if over and self.budget.within_peak:   # as in the serial order: in flight, it would raise the peak
                 self._wait(c, "no headroom")
         for entry in no_room:
             heapq.heappush(self.ready, entry)
@@ -537,16 +537,10 @@ class _Core:
             starts = self.lanes[lane]
             while self.head[lane] < len(starts):
                 c = self.managed[starts[self.head[lane]]]
-                if self.missing[c.start] or not self._gather_fits(c):
+                if self.missing[c.start] or not self._gather_fits(c, past_room=c.group not in short):
                     break
                 self._make_room(c, gathers=False)
                 self._issue(c)
-
-    def _others_open(self, c: Collective) -> bool:
-        """Whether a collective of ``c``'s group other than a piece of ``c``'s is in flight
-        (``_check_bounds`` lets a collective alone exceed the group's byte limit)."""
-        whole = piece_of(c)
-        return any(piece_of(x) != whole for x in self.flight.open_in(c.group))
 
     def _lane_ready(self, c: Collective) -> bool:
         """Whether ``c`` can be issued now with what must go before it: its inputs placed
