@@ -38,7 +38,6 @@ COMPUTE_ORDER = "compute-order"               # never expected: a compute node m
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
 EARLY_ISSUE = "early-issue"                   # deliberate: a start goes as early as inputs and bounds allow
 IN_PLACE_ORDER = "in-place-order"             # deliberate: upstream's all_reduce_ waits for readers of its input
-CONSUMER_ORDER = "consumer-order"             # deliberate: all-gathers issue in consumer order (guarantee 1)
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
 
 
@@ -110,8 +109,6 @@ UPSTREAM_EXPECTED: dict[str, str] = {
     "unit_manual_bucket_splits_dependent_all_reduce": CHAINED_BUCKETS,
     "unit_reduce_scatter_coalesced_mode": NO_EQUIVALENT,
     "unit_can_bucket_with_convert_dtype_as_hiding_nodes": EARLY_ISSUE,
-    "unit_active_wait_not_scheduled_recursively_b_first": CONSUMER_ORDER,
-    "unit_active_wait_not_scheduled_recursively_a_first": CONSUMER_ORDER,
     "unit_prefetch_prioritizes_larger_hidden_time": PREFETCH_PRIORITY,
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": COMPUTE_ORDER,
     "collectives_reorder_peak_memory_bucketed": NO_EQUIVALENT,
