@@ -577,6 +577,16 @@ def _wait_after_mm(s):
     return s.index(WAIT) > s.index("mm")
 
 
+def _one_start_before_mm_one_wait_after_mm(s):
+    """Upstream's ``check_count(all_gather, 1, exactly=True).check_count(mm, 2, exactly=True)
+    .check_count(wait, 1, exactly=True)``: FileCheck counts from one match to the next check's,
+    so one start before the first mm and one wait after the second, the last wait."""
+    labels = [lab for _, lab in s.after]
+    mms = [i for i, lab in enumerate(labels) if lab == "mm"]
+    starts = sum(1 for lab in labels[:mms[0]] if lab in STARTS)
+    return len(mms) == 2 and starts == 1 and labels[mms[1]:].count(WAIT) == 1
+
+
 CASES = [
     # test/distributed/test_aten_comm_compute_reordering.py: compiled with a post-grad pass that runs
     # schedule_overlap_bucketing with its defaults (bucketing off) and a cost model in which a matmul
@@ -621,9 +631,9 @@ CASES = [
          setup=SCHEDULER_BUCKETS),
     Case("aten_bucketing_split_for_overlap_blocking_no_deps",
          f"{ATEN}::test_bucketing_split_for_overlap_blocking_no_deps",
-         "one all-gather bucket and one wait (mm2 reads ag1/ag2)",
-         four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 1 and s.count(WAIT) == 1,
-         setup=SCHEDULER_BUCKETS),
+         "one all-gather before mm1, one wait after mm2, the last (FileCheck's counts run to the next check: "
+         "two buckets, the second issued after mm1)",
+         four_gathers_blocking, ((8, 8),) * 4, _one_start_before_mm_one_wait_after_mm, setup=SCHEDULER_BUCKETS),
     Case("aten_bucketing_split_for_overlap", f"{ATEN}::test_bucketing_split_for_overlap",
          "two buckets (ag1+ag2, ag3+ag4): bucket, mm1, bucket, mm2",
          four_gathers_split, ((8, 8),) * 4, lambda s: s.starts() == 2 and s.in_order("start", "mm", "start", "mm"),
@@ -813,11 +823,11 @@ CASES = [
     # reordering: overlapc's bucket size is bytes, and no one byte target gives two all-gathers (world
     # x shard bytes each) and two reduce-scatters (shard bytes) per bucket: no equivalent.
     Case("collectives_reorder_peak_memory_bucketed", f"{COLLECTIVES}::test_reorder_peak_memory_bucketed",
-         "two all-gather buckets and two reduce-scatter buckets, all issued before the 2nd mm",
+         "two all-gather buckets and two reduce-scatter buckets, all issued before the 1st mm",
          bucketed_peak_memory, ((4, 48), (48, 64), (64, 32), (32, 64), (64, 32), (32, 64)),
          lambda s: s.count("all_gather_into_tensor") == 2 and s.count("reduce_scatter_tensor") == 2
-         and s.in_order("all_gather_into_tensor", "all_gather_into_tensor", "%mm_1")
-         and s.in_order("reduce_scatter_tensor", "reduce_scatter_tensor", "%mm_1"), setup=NO_EQUIVALENT),
+         and s.in_order("all_gather_into_tensor", "all_gather_into_tensor", "%mm")
+         and s.in_order("reduce_scatter_tensor", "reduce_scatter_tensor", "%mm"), setup=NO_EQUIVALENT),
     Case("collectives_all_gather_bucket_multidtype", f"{COLLECTIVES}::test_all_gather_bucket_multidtype",
          "one all-gather bucket of a bf16 and an fp32 tensor",
          two_dtype_gathers_after_mm, ((4, 48), (48, 64), (48, 64), (48, 64)),

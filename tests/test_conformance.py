@@ -37,7 +37,6 @@ COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + o
 COMPUTE_ORDER = "compute-order"               # never expected: a compute node moved (README guarantee 0)
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
 EARLY_ISSUE = "early-issue"                   # deliberate: a start goes as early as inputs and bounds allow
-IN_PLACE_ORDER = "in-place-order"             # deliberate: upstream's all_reduce_ waits for readers of its input
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
 
 
@@ -56,7 +55,7 @@ EXPECTED = {
     "aten_basic_all_gather_bucketing": _unbucketed(),
     "aten_reduce_scatter_bucketing": _unbucketed(),
     "aten_bucketing_wait_sink": _unbucketed(MEMORY_FIRST),
-    "aten_bucketing_split_for_overlap_blocking_no_deps": _unbucketed(SAME_GRAPH),
+    "aten_bucketing_split_for_overlap_blocking_no_deps": _unbucketed(GATHER_BUDGET),
     "aten_bucketing_split_for_overlap": _unbucketed(BUCKET_GRANULARITY),
     "aten_bucket_exposed_with_hidden_single_overlap": _unbucketed(MEMORY_FIRST),
     "aten_bucketing_split_for_overlap_blocking_deps_inductor": _unbucketed(BUCKET_GRANULARITY),
@@ -97,8 +96,8 @@ EXPECTED = {
 NO_EQUIVALENT = "no-equivalent"               # upstream's setup has no overlapc counterpart
 UPSTREAM_EXPECTED: dict[str, str] = {
     "aten_raise_comms": RAISE_COMMS,
-    "aten_sink_waits_raise_comms": IN_PLACE_ORDER,
-    "aten_bucketing_split_for_overlap_blocking_no_deps": SAME_GRAPH,
+    "aten_sink_waits_raise_comms": EARLY_ISSUE,
+    "aten_bucketing_split_for_overlap_blocking_no_deps": EARLY_ISSUE,
     "aten_bucketing_split_for_overlap": EARLY_ISSUE,
     "aten_bucketing_split_for_overlap_blocking_deps_inductor": EARLY_ISSUE,
     "compute_raise_comms": RAISE_COMMS,
