@@ -117,10 +117,10 @@ import torch.fx as fx
 
 from overlapc.passes import meta
 from overlapc.passes.bucket_rewrite import BucketNote, Member, Rewrite, call_argument
-from overlapc.passes.collectives import Collective, is_cheap, node_value, role
+from overlapc.passes.collectives import Collective, node_value
 from overlapc.passes.duplicates import merge_duplicates
 from overlapc.passes.memory import Headroom
-from overlapc.passes.structure import Structure
+from overlapc.passes.structure import Kernels, Structure
 
 __all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives", "merge_duplicates"]
 
@@ -383,42 +383,6 @@ def _keeps_hiding(open_bucket: _Bucket, m: Member, kernels: Kernels, largest: in
     unit = max(largest, 1)
     needed = max(1, (2 * (open_bucket.nbytes + m.nbytes) + unit) // (2 * unit))
     return kernels.between(ready, target) >= min(needed, offered)
-
-
-class Kernels:
-    """Counts of the graph's hiding kernels by position: compute that is a kernel of its own.
-
-    Not counted: what moves with collectives (start and wait bundles, waits), other
-    collectives and barriers, aliases and casts (``collectives.is_cheap``), and pointwise
-    ops and reductions: Inductor fuses those into the loops of their neighbours (and may
-    move them across a wait), so a window of them alone hides nothing. Counted: matmuls,
-    convolutions, attention, anything else that runs as a kernel of its own."""
-
-    def __init__(self, s: Structure):
-        self._before = [0]   # _before[i]: kernels among s.nodes[:i]
-        fused_by_target: dict[int, bool] = {}   # call targets live as long as the graph's nodes
-        for node in s.nodes:
-            self._before.append(self._before[-1] + _is_kernel(node, s, fused_by_target))
-
-    def between(self, low: int, high: int) -> int:
-        """Kernels at positions strictly between ``low`` and ``high``."""
-        low, high = max(low + 1, 0), min(high, len(self._before) - 1)
-        return self._before[high] - self._before[low] if high > low else 0
-
-
-def _is_kernel(node: fx.Node, s: Structure, fused_by_target: dict[int, bool]) -> bool:
-    """Whether ``node`` is a hiding kernel (``Kernels``); ``fused_by_target`` caches what its
-    call target decides."""
-    if node.op != "call_function" or node in s.bundled or is_cheap(node):
-        return False
-    fused = fused_by_target.get(id(node.target))
-    if fused is None:
-        start, wait, barrier = role(node)
-        tags = getattr(node.target, "tags", ())
-        fused = fused_by_target[id(node.target)] = (
-            start is not None or wait or barrier is not None
-            or torch.Tag.pointwise in tags or torch.Tag.reduction in tags)
-    return not fused
 
 
 def _fits_headroom(open_bucket: _Bucket, m: Member, headroom: Headroom) -> bool:

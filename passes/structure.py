@@ -230,6 +230,42 @@ class Structure:
         return min(self.wait_key(w) for w in c.waits)
 
 
+class Kernels:
+    """Counts of the graph's hiding kernels by position: compute that is a kernel of its own.
+
+    Not counted: what moves with collectives (start and wait bundles, waits), other
+    collectives and barriers, aliases and casts (``collectives.is_cheap``), and pointwise
+    ops and reductions: Inductor fuses those into the loops of their neighbours (and may
+    move them across a wait), so a window of them alone hides nothing. Counted: matmuls,
+    convolutions, attention, anything else that runs as a kernel of its own."""
+
+    def __init__(self, s: Structure):
+        self._before = [0]   # _before[i]: kernels among s.nodes[:i]
+        fused_by_target: dict[int, bool] = {}   # call targets live as long as the graph's nodes
+        for node in s.nodes:
+            self._before.append(self._before[-1] + _is_kernel(node, s, fused_by_target))
+
+    def between(self, low: int, high: int) -> int:
+        """Kernels at positions strictly between ``low`` and ``high``."""
+        low, high = max(low + 1, 0), min(high, len(self._before) - 1)
+        return self._before[high] - self._before[low] if high > low else 0
+
+
+def _is_kernel(node: fx.Node, s: Structure, fused_by_target: dict[int, bool]) -> bool:
+    """Whether ``node`` is a hiding kernel (``Kernels``); ``fused_by_target`` caches what its
+    call target decides."""
+    if node.op != "call_function" or node in s.bundled or is_cheap(node):
+        return False
+    fused = fused_by_target.get(id(node.target))
+    if fused is None:
+        start, wait, barrier = role(node)
+        tags = getattr(node.target, "tags", ())
+        fused = fused_by_target[id(node.target)] = (
+            start is not None or wait or barrier is not None
+            or torch.Tag.pointwise in tags or torch.Tag.reduction in tags)
+    return not fused
+
+
 def held_bytes(c: Collective) -> int:
     """Bytes a collective holds while in flight beyond what issuing and waiting it
     back to back would: an all-gather's output and input (the gathered buffer and

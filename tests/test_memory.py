@@ -215,3 +215,29 @@ def test_reductions_among_gathers_run_ahead_never_break_the_byte_budget(fake_pg,
     (the suite's fixture fails a test whose schedule degraded); values exact, verify passes."""
     _scheduled_as_given_values(_reduction_among_prefetched_gathers(rows, layers, after % (layers - 1)), layers,
                                byte_limit)
+
+
+def _gather_after(window: str):
+    """A weight gathered for the last matmul, after ``window`` on the activation: "mm" a
+    matmul (a kernel that can hide the all-gather), "pointwise" add, mul and sub (which
+    Inductor fuses into the last matmul's input, past the wait). The serial order's peak
+    is at the end (the result is wider than anything before), so an all-gather issued
+    before the window holds only the gathered buffer beyond what that order holds there."""
+    def fn(x, w):
+        y = x @ x if window == "mm" else (x + 1) * 2 - 3
+        return torch.cat([y @ F.wait_tensor(F.all_gather_into_tensor(w, 8, "0")).t()] * 3, 1)
+    return fn
+
+
+@pytest.mark.parametrize("window", ["mm", "pointwise"])
+def test_serial_peak_gathers_ahead_only_of_a_kernel(fake_pg, window):
+    """Under the defaults ("serial-peak") an all-gather is issued ahead of a matmul where
+    what it holds beyond the serial order's live bytes fits under that order's peak; with
+    pointwise ops alone before its consumer it is issued right before the consumer, as
+    in the serial order (they would be fused past its wait). Values exact, verify passes."""
+    gm = _scheduled_as_given_values(_gather_after(window), 1, "serial-peak")
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    start = next(i for i, n in enumerate(order) if n.target is F.all_gather_into_tensor.default)
+    first_compute = next(i for i, n in enumerate(order) if n.target in (torch.ops.aten.mm.default,
+                                                                         torch.ops.aten.add.Tensor))
+    assert (start < first_compute) == (window == "mm"), [n.name for n in order]
