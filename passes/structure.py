@@ -26,7 +26,10 @@ collectives the scheduler may move:
   target reads its inputs, own position);
 * the spine: every node outside the bundles (compute, placeholders, barriers,
   collectives kept in place, the output), whose relative order the scheduler
-  keeps.
+  keeps;
+* hiding kernels by position (``Kernels``, built on demand): compute that runs as a
+  kernel of its own, which the bucket pass's hiding rule and the core's all-gathers
+  under "serial-peak" ask about.
 
 A collective is *movable* when its op is understood, it has a wait, and its
 start and waits share a region. Everything here is a pure function of the
