@@ -76,8 +76,9 @@ def main() -> None:
               f"{r['serial-peak']['exposed_ms']:22.4f} {r['serial-peak']['peak_bytes']:18d}", flush=True)
     if args.json:
         from provenance import provenance
-        with open(args.json, "w") as f:
-            json.dump({"provenance": provenance({"profile": args.profile, "world": 8}), "rows": rows}, f, indent=1)
+        document = {"provenance": provenance({"profile": args.profile, "world": 8}), "rows": rows}   # before the
+        with open(args.json, "w") as f:   # file is emptied: provenance's "dirty" reads the checkout
+            json.dump(document, f, indent=1)
         print(f"wrote {args.json}")
 
 

@@ -279,8 +279,9 @@ def main() -> None:
     if args.json:
         extra = {**options, "world": 2, "loadavg_before_after": loads,
                  "rank_loadavg_end": [r["loadavg"] for r in results]}
+        document = {"provenance": provenance(extra), "rows": rows}   # before the file is emptied ("dirty")
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(extra), "rows": rows}, f, indent=1)
+            json.dump(document, f, indent=1)
 
 
 def _print(rows):

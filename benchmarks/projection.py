@@ -348,13 +348,14 @@ def main(argv=None) -> int:
     print(f"total time {total:.0f} s")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        document = {"provenance": provenance({"loadavg_at_write": os.getloadavg()}),   # before the file is
+                    "model": {"name": "Llama-2-7B shape", "layers": args.layers, "dim": 4096, "heads": 32,   # emptied
+                              "ffn": 11008, "vocab": 32000, "param_dtype": "bfloat16", "float8": args.float8,
+                              "reduce_dtype": "float32", "reshard_after_forward": True},
+                    "batch_per_gpu": args.batch, "seq": args.seq, "device": "h100",
+                    "results": results, "total_s": total}
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance({"loadavg_at_write": os.getloadavg()}),
-                       "model": {"name": "Llama-2-7B shape", "layers": args.layers, "dim": 4096, "heads": 32,
-                                 "ffn": 11008, "vocab": 32000, "param_dtype": "bfloat16", "float8": args.float8,
-                                 "reduce_dtype": "float32", "reshard_after_forward": True},
-                       "batch_per_gpu": args.batch, "seq": args.seq, "device": "h100",
-                       "results": results, "total_s": total}, f, indent=2)
+            json.dump(document, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 
