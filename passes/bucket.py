@@ -152,15 +152,12 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
                          f"got {bucket!r}")
     s = structure if structure is not None else Structure(gm)
     plans = []
-    kernels: Kernels | None = None
     for kind in _OPS:
         lanes = _lanes(s, kind) if _two_may_fit(s, kind, bucket) else {}
         largest = _largest(lanes)
         mergeable = [lane for lane in lanes.values() if _may_merge(lane, bucket, largest[lane[0].c.group])]
-        if kernels is None and mergeable:
-            kernels = Kernels(s)
         plans += [(kind, members) for lane in mergeable
-                  for members in _split(lane, bucket, largest[lane[0].c.group], kernels, headroom)]
+                  for members in _split(lane, bucket, largest[lane[0].c.group], s.kernels, headroom)]
     notes: list[BucketNote] = []
     if plans:
         if before_rewrite is not None:

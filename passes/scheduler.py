@@ -42,7 +42,7 @@ import torch.fx as fx
 from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.memory import Headroom, SpineRoom
-from overlapc.passes.structure import Kernels, Structure, holds_output
+from overlapc.passes.structure import Structure, holds_output
 
 UNBOUNDED = Budget(None, {}, {})
 MODES = ("schedule", "sink", "serial")
@@ -115,7 +115,6 @@ class _Core:
         self.held_back: dict[fx.Node, str] = {}
         self.deferred: set[fx.Node] = set()   # starts held back by the byte budget (``_defer``, ``_issue_ready``)
         self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
-        self._kernels: Kernels | None = None   # built on the first all-gather "serial-peak" asks about: ``_hides``
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
         # is issued at a chain point, a spine node between the earliest point its
@@ -451,7 +450,7 @@ class _Core:
         (gated, or its result read at a chain point: a chain's buffers outlive the
         collective's own wait), a pipelined piece (pieces read and write slices whose
         storage the count per buffer does not follow) or an all-gather with no hiding
-        kernel (``structure.Kernels``) between here and its consumer (its window would be
+        kernel (``Structure.kernels``) between here and its consumer (its window would be
         pointwise ops that Inductor fuses into the consumer, past the wait: gpu_check's
         window check): then all it holds is counted, as under "auto"."""
         fixed = self._fixed.get(c.start)
@@ -460,16 +459,11 @@ class _Core:
                 or piece_of(c) != c.start.name
             fixed = self._fixed[c.start] = (self.s.due(c), whole)
         due = max(fixed[0], self.here)
-        if self.budget.within_peak and not fixed[1] and (c.kind != "all_gather" or self._hides(due)):
+        if self.budget.within_peak and not fixed[1] and (
+                c.kind != "all_gather" or self.s.kernels.between(self.here, due)):
             nodes = self.s.nodes
             return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])
         return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
-
-    def _hides(self, due: int) -> bool:
-        """Whether a hiding kernel stands between the spine node placed last and position ``due``."""
-        if self._kernels is None:
-            self._kernels = Kernels(self.s)
-        return self._kernels.between(self.here, due) > 0
 
     def _gather_fits(self, c: Collective, past_room: bool = True) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open

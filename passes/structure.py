@@ -27,7 +27,7 @@ collectives the scheduler may move:
 * the spine: every node outside the bundles (compute, placeholders, barriers,
   collectives kept in place, the output), whose relative order the scheduler
   keeps;
-* hiding kernels by position (``Kernels``, built on demand): compute that runs as a
+* hiding kernels by position (``Structure.kernels``, counted on first use): compute that runs as a
   kernel of its own, which the bucket pass's hiding rule and the core's all-gathers
   under "serial-peak" ask about.
 
@@ -40,6 +40,7 @@ costs more than the rest of the pass on 100k-node graphs.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import operator
 
@@ -132,6 +133,11 @@ class Structure:
         self._shared_targets = shared
         self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
         self.key = {c.start: self.consumer_key(c) for c in self.movable if c.kind == "all_gather"}
+
+    @functools.cached_property
+    def kernels(self) -> Kernels:
+        """The graph's hiding kernels by position, counted on first use (``Kernels``)."""
+        return Kernels(self)
 
     # -- positions and regions -------------------------------------------------
     def region_of(self, node: fx.Node) -> int:

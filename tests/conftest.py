@@ -30,6 +30,12 @@ def two_groups(fake_pg):
 DEGRADED = ("placed serially", "runs in its serial order", "scheduled without buckets, pipelined pieces")
 
 
+def degradations(records) -> list[str]:
+    """The messages of ``records`` (log records) that say overlapc degraded a schedule."""
+    return [r.getMessage() for r in records if r.name == "overlapc" and r.levelno >= logging.WARNING
+            and any(phrase in r.getMessage() for phrase in DEGRADED)]
+
+
 @pytest.fixture(autouse=True)
 def no_unseen_degradation(request, caplog):
     """Fail a test in which overlapc degraded a schedule, unless it is marked
@@ -38,6 +44,5 @@ def no_unseen_degradation(request, caplog):
     yield
     if request.node.get_closest_marker("degrades"):
         return
-    degraded = [r.getMessage() for r in caplog.get_records("call") if r.name == "overlapc" and r.levelno >= logging.WARNING
-                and any(phrase in r.getMessage() for phrase in DEGRADED)]
+    degraded = degradations(caplog.get_records("call"))
     assert not degraded, f"overlapc degraded a schedule: {degraded[0][:2000]}"

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
 import test_chain_properties as chain_props
+from conftest import degradations
 from graphs import F, ag, trace, wait
 from test_chains import Stand
 from overlapc.passes import invariants, reorder_all_gathers
@@ -385,7 +386,7 @@ def test_a_chain_beside_an_in_place_copy_is_scheduled_without_falling_back(fake_
     overlapc.schedule(gm, cfg_of(1))
     for a, b in zip(expected, Stand(gm).run(*inputs)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    warned = [r.getMessage() for r in caplog.records if r.name == "overlapc" and r.levelno >= 30]
+    warned = degradations(caplog.records)
     assert not warned, warned[0][:300]
 
 
@@ -406,5 +407,5 @@ def test_late_reductions_with_one_in_flight_are_scheduled_without_degrading(fake
     shapes = backward_shapes(KNOWN_LOCAL_DEGRADE)
     gm = trace(build_backward(KNOWN_LOCAL_DEGRADE, groups), *shapes, dtype=torch.bfloat16)
     overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, on_error="raise"))
-    warned = [r.getMessage() for r in caplog.records if r.name == "overlapc" and r.levelno >= 30]
+    warned = degradations(caplog.records)
     assert not warned, warned[0][:300]
