@@ -284,7 +284,8 @@ def _culprits(s: Structure, failed: _Failed) -> list[Collective]:
     it names, those in flight at its position of the failed order (a memory or bound
     error) and those other than all-gathers issued before that position although they
     stood after its node in the graph handed in (their input chain and output allocated
-    early), in graph order; none when the core failed before building an order."""
+    early; an all-gather only while its result is still read after that position), in
+    graph order; none when the core failed before building an order."""
     error, order = failed.error, failed.order
     node = getattr(error, "node", None)
     found = [c for c in (s.coll_of_start.get(node), s.coll_of_wait.get(node),
@@ -293,8 +294,13 @@ def _culprits(s: Structure, failed: _Failed) -> list[Collective]:
     if order is not None and position is not None:
         pos = {n: i for i, n in enumerate(order)}
         given = s.pos[order[position]]
-        found += [c for c in s.movable if pos[c.start] <= position < max(pos[w] for w in c.waits)
-                  or c.kind != "all_gather" and pos[c.start] <= position and s.pos[c.start] > given]
+
+        def early(c: Collective) -> bool:
+            if pos[c.start] > position or s.pos[c.start] <= given:
+                return False
+            return c.kind != "all_gather" or any(pos[u] > position for w in c.waits for u in s.consumers[w])
+
+        found += [c for c in s.movable if pos[c.start] <= position < max(pos[w] for w in c.waits) or early(c)]
     unique = {c.start: c for c in found}
     return sorted(unique.values(), key=lambda c: s.pos[c.start])
 

@@ -115,6 +115,7 @@ class _Core:
         self.held_back: dict[fx.Node, str] = {}
         self.deferred: set[fx.Node] = set()   # starts held back by the byte budget (``_defer``, ``_issue_ready``)
         self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
+        self.ahead: dict[fx.Node, int] = {}   # open starts issued ahead of where they stood -> uncounted output bytes
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
         # is issued at a chain point, a spine node between the earliest point its
@@ -369,9 +370,9 @@ class _Core:
                 self.later.setdefault(self.s.region_of(start), []).append(start)
 
     def _issue(self, c: Collective, reason: str | None = None) -> None:
+        self.issued.add(c.start)   # first: a chain point reached while its inputs are placed must not issue it again
         for node in self.s.bundle_inputs[c.start]:
             self._ensure(node)
-        self.issued.add(c.start)
         if reason is None:
             reason = "inputs ready" if self.ready_step.get(c.start) == self.step or c.kind != "all_gather" \
                 else self.held_back.get(c.start, "consumer order")
@@ -379,6 +380,8 @@ class _Core:
         for member in self.s.start_bundle[c.start]:
             self._place(member)
         self.flight.open(c)
+        if self.budget.within_peak and not holds_output(c) and self.s.pos[c.start] > self.here:
+            self.ahead[c.start] = self.budget.headroom.liveness.size.get(c.start, 0)
         if c.kind == "all_gather":
             lane = self._lane(c)
             starts = self.lanes[lane]
@@ -405,6 +408,12 @@ class _Core:
         if wait is not None:
             self._wait(c, "before chained start" if wait in self.chained else "before consumer")
 
+    def _pass_gate(self, start: fx.Node) -> None:
+        """The walk reached gated ``start``'s chain point: issue it if its lane lets it."""
+        self._open_gate(start)
+        if start not in self.issued and self._lane_ready(self.managed[start]):
+            self._force_issue(self.managed[start], gathers=False, reason="chain point")
+
     def _open_gate(self, start: fx.Node) -> None:
         """The chain point of gated ``start`` has come (once): it may issue when its inputs are placed."""
         if start not in self.gate_open:
@@ -416,14 +425,18 @@ class _Core:
         self.reasons[wait] = reason
         for member in self.s.wait_bundle[wait]:
             self._place(member)
-        for reader in self.readers.get(wait, ()):
-            # a chained wait placed before its reader's chain point (for room): the reader's
-            # chain point is now, else the waited result stays live uncounted until then
-            self._open_gate(reader)
         self.waits_left[c.start] -= 1
         if self.waits_left[c.start] == 0:
             self.flight.close(c)
+            self.ahead.pop(c.start, None)
             self.dirty = True
+        for reader in self.readers.get(wait, ()):
+            # a chained wait placed before its reader's chain point (for room): the reader's
+            # chain point is now, else the waited result stays live uncounted until then; a
+            # reader other than an all-gather goes at once if ready (it frees that result)
+            self._open_gate(reader)
+            if not self.missing[reader] and reader not in self.issued and self.managed[reader].kind != "all_gather":
+                self._try_issue(self.managed[reader])
 
     def _wait(self, c: Collective, reason: str) -> None:
         """Place every wait of ``c`` not yet placed, in wait order."""
@@ -462,7 +475,8 @@ class _Core:
         if self.budget.within_peak and not fixed[1] and (
                 c.kind != "all_gather" or self.s.kernels.between(self.here, due)):
             nodes = self.s.nodes
-            return self.budget.headroom.fits_collective(c.start, self.flight.total, nodes[self.here], nodes[due])
+            others = self.flight.total + sum(self.ahead.values())
+            return self.budget.headroom.fits_collective(c.start, others, nodes[self.here], nodes[due])
         return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
 
     def _gather_fits(self, c: Collective, past_room: bool = True) -> bool:
@@ -520,16 +534,10 @@ class _Core:
             c = self.by_name[entry[1]]
             if c.start in self.issued or self._defer(c):
                 continue
-            self._make_room(c, gathers=False)
-            over = self._bytes_over(c)
-            if over and not self.budget.within_peak and self.flight.open_besides(c):
+            if not self._try_issue(c):
                 self.deferred.add(c.start)
                 short.add(c.group)
                 no_room.append(entry)
-                continue
-            self._issue(c, "byte budget" if c.start in self.deferred else None)
-            if over and self.budget.within_peak:   # as in the serial order: in flight, it would raise the peak
-                self._wait(c, "no headroom")
         for entry in no_room:
             heapq.heappush(self.ready, entry)
         for lane in self.lane_order:
@@ -541,7 +549,24 @@ class _Core:
                 if self.missing[c.start] or not self._gather_fits(c, past_room=c.group not in short):
                     break
                 self._make_room(c, gathers=False)
-                self._issue(c)
+                if c.start not in self.issued:
+                    self._issue(c)
+
+    def _try_issue(self, c: Collective) -> bool:
+        """Issue ready ``c`` (not an all-gather) now, after waiting open collectives
+        of other kinds for room; under "serial-peak" waited right after where in flight
+        it would raise the peak. False, issuing nothing, when over a byte limit with
+        others in flight (``_issue_ready`` tries it again when a wait frees room)."""
+        self._make_room(c, gathers=False)
+        if c.start in self.issued:   # (a wait for room reached its chain point)
+            return True
+        over = self._bytes_over(c)
+        if over and not self.budget.within_peak and self.flight.open_besides(c):
+            return False
+        self._issue(c, "byte budget" if c.start in self.deferred else None)
+        if over and self.budget.within_peak:   # as in the serial order: in flight, it would raise the peak
+            self._wait(c, "no headroom")
+        return True
 
     def _lane_ready(self, c: Collective) -> bool:
         """Whether ``c`` can be issued now with what must go before it: its inputs placed
@@ -567,10 +592,12 @@ class _Core:
             while c.start not in self.issued:
                 earlier = self.managed[starts[self.head[lane]]]
                 self._make_room(earlier, gathers=gathers)
-                self._issue(earlier, reason if earlier is c else None)
+                if earlier.start not in self.issued:
+                    self._issue(earlier, reason if earlier is c else None)
         else:
             self._make_room(c, gathers=False)
-            self._issue(c, reason)
+            if c.start not in self.issued:
+                self._issue(c, reason)
 
     # -- the walk ---------------------------------------------------------------------------
     def run(self) -> list[fx.Node]:
@@ -581,6 +608,10 @@ class _Core:
         last = len(spine) - 1
         for index, node in enumerate(spine):
             self.step = index
+            gates = gates_at.get(node, ())
+            for start in gates:   # kept serial: issued before what is due here, as where it stood
+                if start in self.serial:
+                    self._pass_gate(start)
             due = waits_at.get(node)
             if due:
                 for wait in due:
@@ -592,10 +623,8 @@ class _Core:
                     if wait not in placed:
                         self._wait_one(wait, _wait_reason(node, s))
                 self._issue_ready()   # a wait freed room: the next all-gather goes now
-            for start in gates_at.get(node, ()):
-                self._open_gate(start)
-                if start not in self.issued and self._lane_ready(self.managed[start]):
-                    self._force_issue(self.managed[start], gathers=False, reason="chain point")
+            for start in gates:
+                self._pass_gate(start)
             for i in node._input_nodes:
                 if i not in placed:
                     self._ensure(i)

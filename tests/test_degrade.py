@@ -113,3 +113,27 @@ def test_a_failing_rewrite_is_dropped_and_the_graph_still_scheduled(fake_pg, mon
     assert sum(windows(gm).values()) > 0   # scheduled, with overlap
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "injected: bucketing broke" in warnings[0] and "bucket=None" in warnings[0]
+
+
+def test_a_failure_names_an_all_gather_issued_early_whose_result_is_still_live(fake_pg, two_groups):
+    """A memory failure at a node where an all-gather, moved ahead of that node and already
+    waited, still holds its result for a later reader: the collectives the degrade step
+    places serially include that all-gather (naming only those in flight there found
+    nothing new, and the whole graph went serial). The order is the one the core built for
+    this graph before its chain points were issued on an early wait (test_serial_peak)."""
+    import test_chain_properties as chain_props
+    from test_serial_peak import KNOWN_WHOLE_GRAPH_FALLBACK as p
+    from overlapc.passes.structure import Structure
+
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    gm = trace(chain_props.build(p, groups), *chain_props.shapes_for(p))
+    s = Structure(gm)
+    by_name = {n.name: n for n in s.nodes}
+    early = ["all_gather_into_tensor", "wait_tensor", "all_gather_into_tensor_1", "wait_tensor_1",
+             "all_gather_into_tensor_2", "wait_tensor_3", "slice_1", "reduce_scatter_tensor", "wait_tensor_2"]
+    head = [n for n in s.nodes if n.op == "placeholder"]
+    order = head + [by_name[name] for name in early] + [n for n in s.nodes if n not in head and n.name not in early]
+    position = order.index(by_name["reduce_scatter_tensor"])
+    error = ScheduleError("injected: peak exceeded", node=by_name["reduce_scatter_tensor"], position=position)
+    named = [c.start.name for c in pipeline._culprits(s, pipeline._Failed(error, order))]
+    assert named == ["reduce_scatter_tensor", "all_gather_into_tensor_2"]

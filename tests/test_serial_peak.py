@@ -354,12 +354,14 @@ def test_mixed_precision_backwards_stay_within_their_own_serial_order(fake_pg, t
     assert order(again) == order(gm)
 
 
-# Found by a longer search (OVERLAPC_EXAMPLES=2500, OVERLAPC_SEARCH=1) on 2026-11-29, on the code
-# before and after that day's all-gather window rule alike: an all-gather -> all-gather ->
-# reduce-scatter chain next to an all-gather whose result an in-place copy_ writes into a graph
-# input (a barrier), one collective in flight. The core's schedule peaks above the serial
-# order's (19,904 > 12,736 B at reduce_scatter_tensor), and placing the collectives the check
-# names serially does not bring it under: the whole graph runs in its serial order (WARNING).
+# Found by a longer search (OVERLAPC_EXAMPLES=2500, OVERLAPC_SEARCH=1): an all-gather ->
+# all-gather -> reduce-scatter chain next to an all-gather whose result an in-place copy_ writes
+# into a graph input (a barrier), one collective in flight. The chain's upstream all-gather was
+# waited early for room, but its reader (the reduce-scatter) went only after the next all-gather,
+# so both 8 KiB results were live at once (19,904 > 12,736 B); the degrade step did not name that
+# all-gather, and the whole graph ran in its serial order. Now the reader is issued as soon as
+# its chain point is reached that way, and a failure names all-gathers issued early whose
+# result is still live where it fails.
 KNOWN_WHOLE_GRAPH_FALLBACK = {
     "stages": [
         {"head": "all_gather", "from_weight": False, "group": 0, "bf16": False, "out": False, "barrier_after": True,
@@ -376,7 +378,6 @@ KNOWN_WHOLE_GRAPH_FALLBACK = {
 
 
 @pytest.mark.degrades
-@pytest.mark.xfail(strict=True, reason="open: the schedule of this chained graph falls back to the serial order")
 def test_a_chain_beside_an_in_place_copy_is_scheduled_without_falling_back(fake_pg, two_groups, caplog):
     p = KNOWN_WHOLE_GRAPH_FALLBACK
     groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
@@ -390,9 +391,11 @@ def test_a_chain_beside_an_in_place_copy_is_scheduled_without_falling_back(fake_
     assert not warned, warned[0][:300]
 
 
-# Found by the same search, also on the code before that day's change: three reductions issued
-# late (as traced) with one collective in flight; the core's schedule peaks above the own serial
-# order's at mm_2, and the degrade step places two of the three serially (a WARNING; local).
+# Found by the same search: three reductions issued late (as traced) with one collective in
+# flight. The all-reduce was issued ahead of where it stood; when the next reduce-scatter was
+# issued, the all-reduce's output (live earlier than in the reference) was not counted, the
+# schedule peaked 256 B above the serial order's at mm_2, and two of the three were placed
+# serially (a WARNING). Now the outputs of collectives issued ahead count with the others.
 KNOWN_LOCAL_DEGRADE = [
     {"rows": 16, "inner": 8, "big": 64, "gather": False, "reduce": "reduce_scatter", "late": True, "group": 0},
     {"rows": 16, "inner": 8, "big": 64, "gather": False, "reduce": "all_reduce", "late": True, "group": 0},
@@ -401,7 +404,6 @@ KNOWN_LOCAL_DEGRADE = [
 
 
 @pytest.mark.degrades
-@pytest.mark.xfail(strict=True, reason="open: two late reductions are placed serially to keep the serial peak")
 def test_late_reductions_with_one_in_flight_are_scheduled_without_degrading(fake_pg, two_groups, caplog):
     groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
     shapes = backward_shapes(KNOWN_LOCAL_DEGRADE)
