@@ -115,6 +115,7 @@ class _Core:
         self.held_back: dict[fx.Node, str] = {}
         self.deferred: set[fx.Node] = set()   # starts held back by the byte budget (``_defer``, ``_issue_ready``)
         self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
+        self.trying: list[int] = []   # s.pos of the starts ``_try_issue`` is making room for
         self.ahead: dict[fx.Node, int] = {}   # open starts issued ahead of where they stood -> uncounted output bytes
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
@@ -435,7 +436,8 @@ class _Core:
             # chain point is now, else the waited result stays live uncounted until then; a
             # reader other than an all-gather goes at once if ready (it frees that result)
             self._open_gate(reader)
-            if not self.missing[reader] and reader not in self.issued and self.managed[reader].kind != "all_gather":
+            if not self.missing[reader] and reader not in self.issued and self.managed[reader].kind != "all_gather" \
+                    and not self._ready_before(reader):
                 self._try_issue(self.managed[reader])
 
     def _wait(self, c: Collective, reason: str) -> None:
@@ -557,7 +559,9 @@ class _Core:
         of other kinds for room; under "serial-peak" waited right after where in flight
         it would raise the peak. False, issuing nothing, when over a byte limit with
         others in flight (``_issue_ready`` tries it again when a wait frees room)."""
+        self.trying.append(self.s.pos[c.start])
         self._make_room(c, gathers=False)
+        self.trying.pop()
         if c.start in self.issued:   # (a wait for room reached its chain point)
             return True
         over = self._bytes_over(c)
@@ -567,6 +571,12 @@ class _Core:
         if over and self.budget.within_peak:   # as in the serial order: in flight, it would raise the peak
             self._wait(c, "no headroom")
         return True
+
+    def _ready_before(self, start: fx.Node) -> bool:
+        """Whether a ready start (not an all-gather) that stood before ``start`` is still
+        to be issued (on the ready heap, or making room): ``start`` waits its turn."""
+        at = self.s.pos[start]
+        return bool(self.ready and self.ready[0][0] < at or self.trying and min(self.trying) < at)
 
     def _lane_ready(self, c: Collective) -> bool:
         """Whether ``c`` can be issued now with what must go before it: its inputs placed
