@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
-from graphs import WORLD, trace, wait
+from graphs import WORLD, F, trace, wait
 from test_chains import check_schedule, feasible, link, start
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -187,3 +187,34 @@ KNOWN_MEMORY_BREAK = {
 def test_known_memory_break_of_a_chain_at_one_in_flight(fake_pg, two_groups):
     groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
     run_example(groups, KNOWN_MEMORY_BREAK, 1, None, None)
+
+
+# Found by a longer search (OVERLAPC_EXAMPLES=1500, OVERLAPC_SEARCH=1): bucket="auto" joins a
+# fp32 and a bf16 all-gather into one byte bucket (uint8). The schedule was right; the test's
+# stand-in gather multiplied the uint8 buffer by 2**r, which turned it into fp32 and broke the
+# unpack (test_properties.LocalCollectives now scales the packed parts instead).
+_AG = {"kind": "all_gather", "group": 0, "how": "none", "barrier": None}
+KNOWN_BYTE_BUCKET = {
+    "stages": [
+        {"head": "all_gather", "from_weight": False, "links": [_AG, _AG], "group": 0, "bf16": False, "out": False,
+         "barrier_after": True},
+        {"head": "all_gather", "from_weight": True, "links": [dict(_AG, how="matmul"), _AG], "group": 0, "bf16": True,
+         "out": False, "barrier_after": True},
+        {"head": "all_gather", "from_weight": False, "links": [_AG], "group": 0, "bf16": False, "out": False,
+         "barrier_after": True},
+        {"head": "all_gather", "from_weight": True, "links": [], "group": 0, "bf16": False, "out": False,
+         "barrier_after": True},
+        {"head": "all_gather", "from_weight": False, "links": [], "group": 0, "bf16": False, "out": False,
+         "barrier_after": True},
+    ],
+    "issue": "stage", "perm": [0, 1, 2, 3, 4], "waits": "top", "wait_stage": [0, 0, 0, 0, 0], "chain_at_top": False,
+}
+
+
+def test_a_byte_bucket_of_two_dtypes_in_a_chained_graph(fake_pg, two_groups):
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    gm = trace(build(KNOWN_BYTE_BUCKET, groups), *shapes_for(KNOWN_BYTE_BUCKET))
+    overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, max_in_flight_bytes=None, bucket="auto"))
+    assert any(n.meta.get("val") is not None and n.meta["val"].dtype == torch.uint8
+               for n in gm.graph.nodes if n.target == F.all_gather_into_tensor.default), "no byte bucket formed"
+    run_example(groups, KNOWN_BYTE_BUCKET, 1, None, "auto")

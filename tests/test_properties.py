@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
 from graphs import F, ag, trace, wait
+from overlapc.passes.bucket_ops import pack
 
 N_MAX = 6
 
@@ -77,13 +78,28 @@ def build(p, groups):
     return fn
 
 
+PACK = torch.ops.overlapc.pack.default
+
+
 class LocalCollectives(fx.Interpreter):
     """Runs a graph with collectives replaced by local ops of the same shapes. Rank r's
     shard of an all-gather is the local one times 2**r: exact in every float dtype, so a
-    cast commutes with the gather as with a real one (the narrow-gather rewrite casts first)."""
+    cast commutes with the gather as with a real one (the narrow-gather rewrite casts first).
+    A byte bucket's shard (``overlapc.pack`` of parts of several dtypes, as bytes) is the
+    pack of its parts times 2**r, so that each part is gathered as it would be alone; other
+    bytes (float8 carried as uint8) are the same on every rank."""
+
+    def run_node(self, n):
+        self.node = n
+        if n.target is PACK:   # its parts, kept for the gather (``_byte_shard``)
+            self.parts = getattr(self, "parts", {})
+            self.parts[n] = [self.env[part] for part in n.args[0]]
+        return super().run_node(n)
 
     def call_function(self, target, args, kwargs):
         if target == F.all_gather_into_tensor.default:
+            if args[0].dtype == torch.uint8:
+                return torch.cat([self._byte_shard(self.node.args[0], args[0], r) for r in range(args[1])])
             return torch.cat([args[0] * 2.0 ** r for r in range(args[1])])
         if target == F.reduce_scatter_tensor.default:
             return args[0].chunk(args[2])[0] * 3
@@ -92,6 +108,13 @@ class LocalCollectives(fx.Interpreter):
         if target == F.wait_tensor.default:
             return args[0].clone()
         return super().call_function(target, args, kwargs)
+
+
+    def _byte_shard(self, source: fx.Node, value: torch.Tensor, r: int) -> torch.Tensor:
+        if source.target is not PACK or not source.args[2]:
+            return value
+        parts = [part * 2.0 ** r for part in self.parts[source]]
+        return pack(parts, source.args[1], True)
 
 
 def inputs_for(p):
