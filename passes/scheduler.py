@@ -172,8 +172,8 @@ class _Core:
                     continue
                 target = s.spine_target[wait] if self.move_starts else s.target[wait]
                 self.waits_at.setdefault(target, []).append(wait)
-        for waits in self.waits_at.values():
-            waits.sort(key=s.wait_key)
+        for waits in self.waits_at.values():   # as the serial order has them: other kinds (their chains) first
+            waits.sort(key=lambda wait: (s.coll_of_wait[wait].kind == "all_gather", s.wait_key(wait)))
         self.gates_at: dict[fx.Node, list[fx.Node]] = {}
         for start, index in self.gate.items():
             self.gates_at.setdefault(self.spine[index], []).append(start)

@@ -411,3 +411,40 @@ def test_late_reductions_with_one_in_flight_are_scheduled_without_degrading(fake
     overlapc.schedule(gm, overlapc.OverlapConfig(max_in_flight=1, on_error="raise"))
     warned = degradations(caplog.records)
     assert not warned, warned[0][:300]
+
+
+# Found by a 3,000-example search of the chained property above: an all-gather -> all-gather ->
+# reduce-scatter chain whose wait is due at the same barrier (an in-place add_) as two plain
+# all-gathers' waits. The core placed the waits due there in graph order, so the plain all-gathers
+# were issued (and their results live) before the chain ran; the serial order puts the chain
+# first (collectives other than all-gathers, with what they pull in), so the schedule peaked
+# 64 B above it and the reduce-scatter was placed serially (a WARNING). Waits due at one node now
+# go in the serial order's order.
+KNOWN_WAITS_AT_A_BARRIER = {
+    "stages": [
+        {"head": "all_gather", "from_weight": False, "links": [], "group": 0, "bf16": False, "out": False,
+         "barrier_after": False},
+        {"head": "all_gather", "from_weight": False, "group": 0, "bf16": False, "out": False, "barrier_after": False,
+         "links": [{"kind": "all_gather", "group": 0, "how": "none", "barrier": None},
+                   {"kind": "all_gather", "group": 0, "how": "none", "barrier": "add_"}]},
+        {"head": "all_gather", "from_weight": True, "links": [], "group": 1, "bf16": False, "out": False,
+         "barrier_after": False},
+    ],
+    "issue": "reversed", "perm": [1, 2, 0], "waits": "random", "wait_stage": [0, 1, 1], "chain_at_top": False,
+}
+
+
+@pytest.mark.degrades
+def test_waits_due_at_one_barrier_run_the_chain_first_as_the_serial_order_does(fake_pg, two_groups, caplog):
+    p = KNOWN_WAITS_AT_A_BARRIER
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    gm = trace(chain_props.build(p, groups), *chain_props.shapes_for(p))
+    inputs = chain_props.inputs_for(p)
+    expected = Stand(gm).run(*inputs)
+    cfg = overlapc.OverlapConfig(max_in_flight=None, on_error="raise")   # the defaults otherwise
+    overlapc.schedule(gm, cfg)
+    for a, b in zip(expected, Stand(gm).run(*inputs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    warned = degradations(caplog.records)
+    assert not warned, warned[0][:300]
+    overlapc.verify(gm, cfg)
