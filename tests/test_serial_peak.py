@@ -434,14 +434,33 @@ KNOWN_WAITS_AT_A_BARRIER = {
 }
 
 
+# Found by the same search: a reduce-scatter -> all-gather -> all-gather -> all-gather chain
+# (two groups) beside an all-gather whose result an in-place copy_ writes into a graph input,
+# two collectives in flight: the whole graph ran in its serial order (a WARNING), with or
+# without the collectives the failures named placed serially. The same cause as above: at the
+# copy_, the wait of the all-gather it reads went before the chain's, so that all-gather's
+# 8 KiB result was live while the chain ran (19,648 B against the serial order's 12,416).
+KNOWN_WHOLE_GRAPH_FALLBACK_AT_TWO = {
+    "stages": [
+        {"head": "all_gather", "from_weight": False, "group": 0, "bf16": False, "out": False, "barrier_after": False,
+         "links": [{"kind": "all_gather", "group": 0, "how": "none", "barrier": "copy_"}]},
+        {"head": "reduce_scatter", "from_weight": True, "group": 0, "bf16": False, "out": False, "barrier_after": False,
+         "links": [{"kind": "all_gather", "group": group, "how": "none", "barrier": None} for group in (0, 1, 0)]},
+    ],
+    "issue": "reversed", "perm": [0, 1], "waits": "top", "wait_stage": [0, 1], "chain_at_top": True,
+}
+
+
 @pytest.mark.degrades
-def test_waits_due_at_one_barrier_run_the_chain_first_as_the_serial_order_does(fake_pg, two_groups, caplog):
-    p = KNOWN_WAITS_AT_A_BARRIER
+@pytest.mark.parametrize("p, limit, bucket", [(KNOWN_WAITS_AT_A_BARRIER, None, "auto"),
+                                               (KNOWN_WHOLE_GRAPH_FALLBACK_AT_TWO, 2, None)],
+                         ids=["barrier", "two-in-flight"])
+def test_chains_due_at_one_barrier_schedule_without_degrading(fake_pg, two_groups, caplog, p, limit, bucket):
     groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
     gm = trace(chain_props.build(p, groups), *chain_props.shapes_for(p))
     inputs = chain_props.inputs_for(p)
     expected = Stand(gm).run(*inputs)
-    cfg = overlapc.OverlapConfig(max_in_flight=None, on_error="raise")   # the defaults otherwise
+    cfg = overlapc.OverlapConfig(max_in_flight=limit, bucket=bucket, on_error="raise")   # the defaults otherwise
     overlapc.schedule(gm, cfg)
     for a, b in zip(expected, Stand(gm).run(*inputs)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
