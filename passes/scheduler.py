@@ -15,7 +15,9 @@ collectives' bundles, see ``structure.py``) in its order and places around it:
   before its wait, after waiting what else of its group is open;
 * every wait is placed just before its target (first real consumer, or the
   barrier closing its region, or the output) unless the budget waited it
-  earlier; all-gathers are never waited early for room.
+  earlier; all-gathers are never waited early for room. Waits due at one
+  target go as in the serial order: other kinds first (a start issued then
+  pulls in its chain), then all-gathers, each kind by ``Structure.wait_key``.
 
 Room: the count bound always; the byte budget, or, when the budget has a
 headroom (``max_in_flight_bytes="auto"``), the headroom from the spine node
