@@ -598,12 +598,16 @@ class _Core:
     def _force_issue(self, c: Collective, gathers: bool = True, reason: str = "forced by consumer") -> None:
         """Issue ``c`` now (all-gathers before it in its lane first): its wait is
         due, or (``gathers`` False) its chain point came; open all-gathers are
-        waited for room only when ``gathers``."""
+        waited for room only when ``gathers``. At a chain point an all-gather goes
+        only where it fits the bounds (``_gather_fits``; never one placed serially),
+        else its lane issues it later, at the latest when its result is due."""
         if c.kind == "all_gather":
             lane, starts = self._lane(c), self.lanes[self._lane(c)]
             while c.start not in self.issued:
                 earlier = self.managed[starts[self.head[lane]]]
                 self._make_room(earlier, gathers=gathers)
+                if not gathers and not self._gather_fits(earlier):
+                    return
                 if earlier.start not in self.issued:
                     self._issue(earlier, reason if earlier is c else None)
         else:

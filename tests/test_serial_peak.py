@@ -451,11 +451,34 @@ KNOWN_WHOLE_GRAPH_FALLBACK_AT_TWO = {
 }
 
 
+# Found by a 15,000-example search after those fixes: an all-gather -> all-gather -> all-to-all ->
+# all-gather -> all-gather chain (as built: the chain's third link cannot gather its shape and is a
+# reduce-scatter) beside an all-gather whose result a matmul reads, one collective in flight. The
+# chain's last all-gather was issued at its chain point, before that matmul, without asking the
+# bounds (its 8 KiB result live across the matmul: 27,968 B against the serial order's 26,944),
+# and placed serially it was still issued there, past the count bound (two all-gathers of its group
+# in flight): the whole graph ran in its serial order. An all-gather now goes at its chain point
+# only where it fits the bounds (never one placed serially), else when its lane lets it.
+KNOWN_CHAIN_POINT_PAST_THE_BOUNDS = {
+    "stages": [
+        {"head": "all_gather", "from_weight": False, "group": 0, "bf16": False, "out": False, "barrier_after": False,
+         "links": [{"kind": "all_gather", "group": 0, "how": "matmul", "barrier": "add_"}]},
+        {"head": "all_gather", "from_weight": True, "links": [], "group": 1, "bf16": False, "out": False,
+         "barrier_after": False},
+        {"head": "all_gather", "from_weight": True, "group": 0, "bf16": False, "out": False, "barrier_after": False,
+         "links": [{"kind": kind, "group": 0, "how": "none", "barrier": None}
+                   for kind in ("all_gather", "all_to_all", "all_gather", "all_gather")]},
+    ],
+    "issue": "random", "perm": [1, 2, 0], "waits": "top", "wait_stage": [0, 0, 1], "chain_at_top": True,
+}
+
+
 @pytest.mark.degrades
 @pytest.mark.parametrize("p, limit, bucket", [(KNOWN_WAITS_AT_A_BARRIER, None, "auto"),
-                                               (KNOWN_WHOLE_GRAPH_FALLBACK_AT_TWO, 2, None)],
-                         ids=["barrier", "two-in-flight"])
-def test_chains_due_at_one_barrier_schedule_without_degrading(fake_pg, two_groups, caplog, p, limit, bucket):
+                                               (KNOWN_WHOLE_GRAPH_FALLBACK_AT_TWO, 2, None),
+                                               (KNOWN_CHAIN_POINT_PAST_THE_BOUNDS, 1, None)],
+                         ids=["barrier", "two-in-flight", "chain-point"])
+def test_searched_chains_schedule_without_degrading(fake_pg, two_groups, caplog, p, limit, bucket):
     groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
     gm = trace(chain_props.build(p, groups), *chain_props.shapes_for(p))
     inputs = chain_props.inputs_for(p)
