@@ -164,12 +164,16 @@ class InFlight:
 
     def open_in(self, group: str) -> list[Collective]:
         """Open collectives of ``group``, oldest first."""
-        queue = self.queue.get(group)
-        if not queue:
+        if not self.any_open(group):
             return []
+        return [c for c in self.queue[group] if c.start in self.is_open]
+
+    def any_open(self, group: str) -> bool:
+        """Whether a collective of ``group`` is open (closed ones at the head of its queue go)."""
+        queue = self.queue.get(group)
         while queue and queue[0].start not in self.is_open:
             queue.popleft()
-        return [c for c in queue if c.start in self.is_open]
+        return bool(queue)
 
     def open_besides(self, c: Collective) -> list[Collective]:
         """Open collectives of ``c``'s group that are not pieces of ``c``'s collective, oldest

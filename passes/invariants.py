@@ -78,7 +78,7 @@ class _Order:
 
     def __init__(self, s: Structure, order: list[fx.Node]):
         self.s, self.nodes = s, order
-        self.pos = {node: index for index, node in enumerate(order)}
+        self.pos = s.pos if order is s.nodes else dict(zip(order, range(len(order))))
         self.first: dict[fx.Node, int] = {}
         pos = self.pos
         for wait, consumers in s.consumers.items():
@@ -124,15 +124,17 @@ def check(s: Structure, order: list[fx.Node], budget: Budget,
     each all-gather right before its wait, everything else waited right after
     its start) unless ``serial`` is False; ``verify`` passes ``order`` =
     ``s.nodes`` and no reference: the serial order alone."""
-    if order is not s.nodes:
+    if order != s.nodes:   # (Nodes compare by identity)
         check_compute_order(s.nodes, order)
+    else:   # nothing moved: the positions of ``s``
+        order = s.nodes
     o = _Order(s, order)
     _check_waits(o)
     _check_consumer_order(o)
     flight, peak_count = _check_bounds(o, budget)
     room = budget.headroom   # built on this structure: its liveness and serial order serve here too
     liveness = room.liveness if room is not None else Liveness(s.nodes)
-    live = liveness.live_bytes(order, o.pos)
+    live = room.live if room is not None and order == room.serial else liveness.live_bytes(order, o.pos)
     peak = max(live, default=0)
     if budget.within_peak:
         serial_peak = room.peak if room is not None else liveness.peak_bytes(serial_order(s, asap=True))
@@ -356,12 +358,12 @@ def _check_consumer_order(o: _Order) -> None:
             lanes.setdefault((c.group, s.region_of(c.start)), []).append(c)
     for starts in lanes.values():
         starts.sort(key=lambda c: o.pos[c.start])
-        for before, after in zip(starts, starts[1:]):
-            if o.consumer_key(before) > o.consumer_key(after):
+        keys = list(map(o.consumer_key, starts))
+        for before, after, key_before, key_after in zip(starts, starts[1:], keys, keys[1:]):
+            if key_before > key_after:
                 raise o.fail(after.start,
                              f"all-gather issued after {before.start.name} but consumed first (at "
-                             f"{o.nodes[o.consumer_key(after)[0]].name} vs "
-                             f"{o.nodes[o.consumer_key(before)[0]].name}): consumer order broken")
+                             f"{o.nodes[key_after[0]].name} vs {o.nodes[key_before[0]].name}): consumer order broken")
 
 
 def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
@@ -371,7 +373,9 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     peak_count = 0
     here = 0   # s.pos of the last spine node
     bundled, pos, start_of, wait_of = s.bundled, s.pos, s.coll_of_start.get, s.coll_of_wait.get
-    for node in o.nodes:
+    bounded = any(limit is not None for limit in budget.max_bytes.values())   # else ``here`` is not read
+    nodes = o.nodes if bounded else filter((s.coll_of_start.keys() | s.coll_of_wait.keys()).__contains__, o.nodes)
+    for node in nodes:
         if node not in bundled:
             here = pos[node]
             continue   # neither a start nor a wait (both are bundled)
@@ -435,7 +439,7 @@ class _Serial:
             for i in s.bundle_inputs[c.start]:
                 self.blocked_on.setdefault(i, []).append(c.start)
         before = None   # each start also waits for the spine node it follows in ``s``
-        for node in s.nodes:
+        for node in s.coll_of_start if asap else s.nodes:   # (asap reads no ``before``: the starts alone)
             c = s.coll_of_start.get(node)
             if c is not None and c.kind != "all_gather":
                 region = s.region_of(node)   # with asap: for the barrier that opens its region
@@ -485,7 +489,7 @@ class _Serial:
             return
         for member in s.start_bundle[start]:
             self._place(member)
-        for wait in sorted(s.coll_of_start[start].waits, key=s.wait_key):
+        for wait in s.in_wait_order(s.coll_of_start[start].waits):
             for member in s.wait_bundle[wait]:
                 self._place(member)
 
@@ -507,7 +511,7 @@ class _Serial:
             if c is not None and i not in self.placed:
                 found[c.start] = None
         if node in self.due_at:
-            for wait in sorted(self.due_at[node], key=s.wait_key):
+            for wait in s.in_wait_order(self.due_at[node]):
                 if wait not in self.placed:
                     found[s.coll_of_wait[wait].start] = None
         if not found:   # most spine nodes

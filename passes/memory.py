@@ -113,7 +113,7 @@ class Liveness:
             -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
         """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
         if pos is None:
-            pos = {node: index for index, node in enumerate(order)}
+            pos = dict(zip(order, range(len(order))))
         last = self._last_use(order, pos)
         change = [0] * (len(order) + 1)
         for r, nbytes in self.size.items():
@@ -537,6 +537,7 @@ class Headroom:
         self.serial, self.in_place = serial, in_place
         self.liveness = liveness or Liveness(s.nodes)   # kept: the invariant check reuses both
         live, index, last = along if along is not None else self.liveness.along(self.serial)
+        self.live = live   # bytes live at each node of ``serial`` (the invariant check reuses them)
         peak = max(live, default=0) if peak is None else peak
         level = [peak] * len(s.nodes)
         spine = None   # s.pos of the spine node the reference ran last

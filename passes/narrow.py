@@ -57,6 +57,7 @@ Deterministic: matches are taken in graph order, nodes are named from graph orde
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.fx as fx
@@ -89,6 +90,7 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
           aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.clone.default}
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 _MAXES = {aten.max.default, aten.amax.default}
+_MAX_IDS = frozenset(map(id, _MAXES))   # (hashing an OpOverload runs Python code; ids of these live ops are theirs)
 # ops an amax may read the value through: with abs they commute with rounding (Inductor's fused
 # code may skip a bfloat16 rounding before them: the max of the rounded values is the rounded max)
 _MONOTONE = {aten.abs.default, aten.neg.default}
@@ -162,10 +164,11 @@ def narrow_gathers(gm: fx.GraphModule, before_rewrite=None) -> NarrowResult:
 
     ``before_rewrite()`` runs once before the graph first changes (the pipeline's
     snapshot). Returns the notes (also appended to ``gm.meta``, ``meta.NARROW``)."""
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    nodes = list(gm.graph.nodes)
+    position = functools.cache(lambda: dict(zip(nodes, range(len(nodes)))))   # node -> index, built on a first match
     narrowest = _narrowest(gm.graph)
     matches, skipped = [], []
-    for start in list(gm.graph.nodes):
+    for start in nodes:
         if start.op != "call_function" or start.target is not C10D.all_gather_into_tensor.default:
             continue
         try:
@@ -257,7 +260,7 @@ def _narrowest(graph: fx.Graph) -> int:
     max (``_MAXES``): no gather of a value at most that wide reaches a narrowing node."""
     narrowest = None
     for node in graph.nodes:
-        if node.target in _MAXES:
+        if id(node.target) in _MAX_IDS:
             return 0
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
@@ -289,10 +292,11 @@ def _reaches_narrowing(start: fx.Node, narrowest: int) -> bool:
     return False
 
 
-def _match(start: fx.Node, position: dict, narrowest: int) -> _Match | None:
+def _match(start: fx.Node, position, narrowest: int) -> _Match | None:
     """The rewrite of ``start``'s gather, None when it has no narrowing cast at all;
     raise _Refused (with the reason) where the pattern does not hold. ``narrowest``:
-    ``_narrowest`` of the graph (a gather no wider has nothing to rewrite or to explain)."""
+    ``_narrowest`` of the graph (a gather no wider has nothing to rewrite or to explain);
+    ``position()``: node -> index in the graph."""
     waits = wait_nodes(start)
     gathered = _val(start)
     if len(waits) != 1 or gathered is None or not gathered.dtype.is_floating_point \
@@ -331,8 +335,8 @@ def _match(start: fx.Node, position: dict, narrowest: int) -> _Match | None:
     after = sum(numel * _val(c).dtype.itemsize for c in casts)
     if after >= before:
         raise _Refused(f"the narrow gathers would move {after} bytes, not fewer than {before}")
-    return _Match(start, wait, str(start.args[2]), int(world), parent, casts, sorted(amaxes, key=position.get),
-                  sorted(scale_nodes, key=position.get), source, before, after)
+    return _Match(start, wait, str(start.args[2]), int(world), parent, casts, sorted(amaxes, key=position().get),
+                  sorted(scale_nodes, key=position().get), source, before, after)
 
 
 def _region(wait: fx.Node, numel: int):

@@ -141,7 +141,7 @@ def reference_order(s: Structure, liveness: Liveness) -> tuple[list[fx.Node], tu
     are live with buffers the graph's own order frees first; under the own order the core
     issues such a collective early only where its buffers fit the headroom."""
     asap = invariants.serial_order(s, asap=True)
-    early = liveness.along(asap)
+    early = liveness.along(asap, s.pos if asap == s.nodes else None)   # (Nodes compare by identity)
     if all(c.kind == "all_gather" or _stands_where_ready(s, c) for c in s.movable):
         return asap, early, False   # the two orders issue every collective after the same spine node
     own = invariants.serial_order(s)
@@ -202,11 +202,13 @@ def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",
         if mode == "sink" or not degrade:
             raise failed.error from None
         order, reasons, peaks = _degrade(s, budget, kinds, failed, room)
-    apply_order(gm, order)
+    modified = order != s.nodes   # (Nodes compare by identity)
+    if modified:
+        apply_order(gm, order)
     for node, reason in reasons.items():
         meta.set_reason(node, reason)
-    placed = tuple((n.name, reasons[n]) for n in order if n in reasons)
-    return _Placed(len(s.movable), order != s.nodes, peaks, placed, s)
+    placed = tuple((n.name, reasons[n]) for n in filter(reasons.__contains__, order))
+    return _Placed(len(s.movable), modified, peaks, placed, s)
 
 
 class _Failed(Exception):
@@ -335,6 +337,8 @@ def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dic
 
 def _check_kept(s: Structure, order: list[fx.Node]) -> None:
     """Compute (the spine) kept its order, and no movable start or wait changed region."""
+    if order == s.nodes:   # nothing moved (Nodes compare by identity)
+        return
     members = s.start_of_member.keys() | s.wait_of_member.keys()   # (membership only)
     spine = [n for n in s.nodes if n not in members]
     placed = [n for n in order if n not in members]
@@ -423,7 +427,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         elif buckets:
             s = Structure(gm)
             room = _rewritten_room(gm, s, cfg, room)
-    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or cfg.bucket is not None or rewritten \
+    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or buckets or rewritten \
         or narrowed is not None and narrowed.modified else None
     retry_unbucketed = bool(buckets) and within_peak and cfg.bucket != "module"
     try:

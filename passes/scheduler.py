@@ -175,7 +175,8 @@ class _Core:
                 target = s.spine_target[wait] if self.move_starts else s.target[wait]
                 self.waits_at.setdefault(target, []).append(wait)
         for waits in self.waits_at.values():   # as the serial order has them: other kinds (their chains) first
-            waits.sort(key=lambda wait: (s.coll_of_wait[wait].kind == "all_gather", s.wait_key(wait)))
+            if len(waits) > 1:
+                waits.sort(key=lambda wait: (s.coll_of_wait[wait].kind == "all_gather", s.wait_key(wait)))
         self.gates_at: dict[fx.Node, list[fx.Node]] = {}
         for start, index in self.gate.items():
             self.gates_at.setdefault(self.spine[index], []).append(start)
@@ -444,7 +445,7 @@ class _Core:
 
     def _wait(self, c: Collective, reason: str) -> None:
         """Place every wait of ``c`` not yet placed, in wait order."""
-        for wait in sorted(c.waits, key=self.s.wait_key):
+        for wait in self.s.in_wait_order(c.waits):
             if wait not in self.placed:
                 self._wait_one(wait, reason)
 
@@ -507,7 +508,7 @@ class _Core:
     def _make_room(self, c: Collective, gathers: bool) -> None:
         """Wait the oldest open collectives of ``c``'s group until ``c`` fits or
         nothing more may be waited (all-gathers only when ``gathers``)."""
-        while True:
+        while self.flight.any_open(c.group):   # none open: nothing to wait, whether ``c`` fits or not
             if self._count_full(c):
                 victim = self.flight.oldest(c.group, kind=c.kind) \
                     if gathers or c.kind != "all_gather" else None

@@ -60,7 +60,7 @@ class Structure:
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
         self.nodes: list[fx.Node] = list(gm.graph.nodes)
-        self.pos = {node: index for index, node in enumerate(self.nodes)}
+        self.pos = dict(zip(self.nodes, range(len(self.nodes))))
         self.output = next(n for n in reversed(self.nodes) if n.op == "output")
         self.barriers: list[fx.Node] = []
         waits, starts = [], []
@@ -152,7 +152,12 @@ class Structure:
         """Position of the latest spine target among ``c``'s waits (-1 when none has
         one): where ``c`` is complete in any schedule (a chained wait, read by a
         start bundle, is placed before its spine target)."""
-        return max((self.pos[self.spine_target[w]] for w in c.waits if w in self.spine_target), default=-1)
+        due = -1
+        for wait in c.waits:
+            target = self.spine_target.get(wait)
+            if target is not None and self.pos[target] > due:
+                due = self.pos[target]
+        return due
 
     # -- bundles -----------------------------------------------------------------
     def _input_chain(self, start: fx.Node) -> list[fx.Node]:
@@ -235,8 +240,12 @@ class Structure:
         read = self._order_read(target).get(wait, len(self.nodes))
         return self.pos[target], read, self.pos[wait]
 
+    def in_wait_order(self, waits) -> list[fx.Node]:
+        """``waits`` sorted by ``wait_key`` (a single wait without computing its key)."""
+        return sorted(waits, key=self.wait_key) if len(waits) > 1 else list(waits)
+
     def consumer_key(self, c: Collective) -> tuple[int, int, int]:
-        return min(self.wait_key(w) for w in c.waits)
+        return min(map(self.wait_key, c.waits))
 
 
 class Kernels:
