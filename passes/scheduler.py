@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, InFlight, piece_of
+from overlapc.passes.invariants import fail
 from overlapc.passes.memory import Headroom, SpineRoom
 from overlapc.passes.structure import Structure, holds_output
 
@@ -188,9 +189,10 @@ class _Core:
         placed (and, when gated, its chain point is reached). An input that is a
         chained wait counts once that collective is issued (issuing the gated
         start places the wait first); any other wait's member counts once placed
-        (at its spine target, or earlier when waited for room). All-gathers go in
-        lanes (group, region) in consumer order, an upstream all-gather consumed
-        at its gated reader's chain point."""
+        (at its spine target, or earlier when waited for room). All-gathers (but
+        those placed serially) go in lanes (group, region) in consumer order, an
+        upstream all-gather consumed at its gated reader's chain point, where the
+        walk issues that reader (``_issue_ranks``)."""
         s = self.s
         for c in managed:
             self.by_name[c.start.name] = c
@@ -201,19 +203,47 @@ class _Core:
             self.missing[c.start] = len(inputs) + (c.start in self.gate)
             for node in inputs:
                 self.blocked_on.setdefault(node, []).append(c.start)
-            if c.kind == "all_gather":
+            if c.kind == "all_gather" and c.start not in self.serial:   # placed serially: issued when due
                 self.lanes.setdefault(self._lane(c), []).append(c.start)
+        ranks: dict[fx.Node, dict[fx.Node, int]] = {}   # chain point -> ``_issue_ranks``
         for start, index in self.gate.items():
+            point = self.spine[index]
             for i in s.bundle_inputs[start]:
                 wait = s.wait_of_member.get(i)
                 if wait in self.chained and s.coll_of_wait[wait].kind == "all_gather":
+                    if point not in ranks:
+                        ranks[point] = self._issue_ranks(point)
                     up = s.coll_of_wait[wait].start
-                    key = (s.pos[self.spine[index]], s.pos[start] - len(s.nodes), s.pos[up])
+                    key = (s.pos[point], ranks[point][start] - len(s.nodes), s.pos[up])
                     self.key[up] = min(self.key[up], key)
         for lane, starts in self.lanes.items():
             starts.sort(key=lambda start: (self.key[start], s.pos[start]))
             self.head[lane] = 0
         self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
+
+    def _issue_ranks(self, node: fx.Node) -> dict[fx.Node, int]:
+        """Starts the walk issues at spine ``node``, numbered in the order it issues them
+        there (``run``): gated starts kept serial, then the collectives of the waits due
+        there (``waits_at``'s order: other kinds first), then the other gated starts, each
+        after the gated starts it reads (issued first, when it is). An all-gather read at a
+        chain point is consumed in that order, so its lane follows it."""
+        s, gates = self.s, self.gates_at.get(node, [])
+        due = [s.coll_of_wait[wait].start for wait in self.waits_at.get(node, ())]
+        ranks: dict[fx.Node, int] = {}
+        for first in dict.fromkeys([start for start in gates if start in self.serial] + due + gates):
+            stack = [(first, False)]
+            while stack:   # depth first, each start after its gated upstream starts
+                start, expanded = stack.pop()
+                if start in ranks:
+                    continue
+                if expanded:
+                    ranks[start] = len(ranks)
+                    continue
+                stack.append((start, True))
+                ups = [s.coll_of_wait[s.wait_of_member[i]].start for i in s.bundle_inputs[start]
+                       if s.wait_of_member.get(i) in self.chained] if start in self.gate else []
+                stack += [(up, False) for up in reversed(ups) if up in self.gate]
+        return ranks
 
     def _place_anchor(self, c: Collective) -> fx.Node | None:
         """When the "serial-peak" reference keeps collectives other than all-gathers where
@@ -386,7 +416,7 @@ class _Core:
         self.flight.open(c)
         if self.budget.within_peak and not holds_output(c) and self.s.pos[c.start] > self.here:
             self.ahead[c.start] = self.budget.headroom.liveness.size.get(c.start, 0)
-        if c.kind == "all_gather":
+        if c.kind == "all_gather" and c.start not in self.serial:
             lane = self._lane(c)
             starts = self.lanes[lane]
             while self.head[lane] < len(starts) and starts[self.head[lane]] in self.issued:
@@ -586,7 +616,7 @@ class _Core:
         and, for an all-gather, those of every all-gather ahead of it in its lane (a gated
         all-gather whose lane is not ready issues through its lane later, at the latest
         when its result is due)."""
-        if c.kind != "all_gather":
+        if c.kind != "all_gather" or c.start in self.serial:
             return True
         lane, starts = self._lane(c), self.lanes[self._lane(c)]
         for start in starts[self.head[lane]:]:
@@ -601,11 +631,19 @@ class _Core:
         due, or (``gathers`` False) its chain point came; open all-gathers are
         waited for room only when ``gathers``. At a chain point an all-gather goes
         only where it fits the bounds (``_gather_fits``; never one placed serially),
-        else its lane issues it later, at the latest when its result is due."""
-        if c.kind == "all_gather":
+        else its lane issues it later, at the latest when its result is due. An all-gather
+        placed serially is in no lane: it goes when its result is due, alone."""
+        if c.kind == "all_gather" and c.start in self.serial:
+            if gathers:
+                self._make_room(c, gathers=True)
+                self._issue(c, reason)
+        elif c.kind == "all_gather":
             lane, starts = self._lane(c), self.lanes[self._lane(c)]
             while c.start not in self.issued:
                 earlier = self.managed[starts[self.head[lane]]]
+                if earlier.start in self.issued:   # being issued: its start bundle reads ``c``'s result
+                    raise fail(self.s, c.start, f"all-gather read by {earlier.start.name}, which stands ahead "
+                                                "of it in its lane (consumer order): cannot be issued first")
                 self._make_room(earlier, gathers=gathers)
                 if not gathers and not self._gather_fits(earlier):
                     return

@@ -23,6 +23,7 @@ in flight.
 """
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -218,3 +219,48 @@ def test_a_byte_bucket_of_two_dtypes_in_a_chained_graph(fake_pg, two_groups):
     assert any(n.meta.get("val") is not None and n.meta["val"].dtype == torch.uint8
                for n in gm.graph.nodes if n.target == F.all_gather_into_tensor.default), "no byte bucket formed"
     run_example(groups, KNOWN_BYTE_BUCKET, 1, None, "auto")
+
+
+# Found by a 2,500-example search of this property (2026-11-29): two chains in one all-gather
+# lane whose readers are due at one in-place op (add_): the core issued the lane's all-gathers
+# in the order of their readers' positions, but at that node it issues a reader of another
+# kind (here the reduce-scatter the second stage's chain became) before an all-gather reader,
+# so the second all-gather was consumed first. Placed serially, the two all-gathers were still
+# issued in lane order: the whole graph ran in its serial order. A lane now follows the order
+# in which the walk issues the readers at their chain point (``_Core._issue_ranks``), and an
+# all-gather placed serially is in no lane (issued when its result is due).
+def _stage(head, group, links, from_weight=True, bf16=False, out=False):
+    return {"head": head, "from_weight": from_weight, "group": group, "bf16": bf16, "out": out,
+            "barrier_after": False,
+            "links": [{"kind": kind, "group": g, "how": how, "barrier": barrier} for kind, g, how, barrier in links]}
+
+
+KNOWN_READERS_AT_ONE_BARRIER = {
+    "stages": [_stage("all_gather", 0, [("all_gather", 0, "none", None), ("all_to_all", 0, "none", "add_")],
+                      from_weight=False),
+               _stage("all_gather", 0, [("all_gather", 0, "none", None)])],
+    "issue": "reversed", "perm": [0, 1], "waits": "top", "wait_stage": [0, 1], "chain_at_top": True,
+}
+# The same family with five chains over three groups (the search's original): a reader whose
+# upstream all-gather is itself gated at the same chain point is issued after it.
+KNOWN_READERS_AT_ONE_BARRIER_FIVE_CHAINS = {
+    "stages": [
+        _stage("reduce_scatter", 0, [("reduce_scatter", 1, "matmul", "copy_"), ("all_gather", 0, "view", None)]),
+        _stage("all_gather", 1, [("all_gather", 1, "view", "copy_"), ("all_reduce", 2, "reshape", None),
+                                 ("all_gather", 1, "view", "copy_"), ("reduce_scatter", 2, "reshape", None)],
+               bf16=True, out=True),
+        _stage("all_gather", 1, [("all_gather", 2, "cast", None), ("all_gather", 1, "reshape", None),
+                                 ("all_to_all", 2, "none", "add_"), ("all_reduce", 1, "cast", "copy_")]),
+        _stage("all_reduce", 2, [("all_gather", 2, "view", None), ("all_gather", 1, "view", None),
+                                 ("all_to_all", 0, "matmul", None)], bf16=True),
+        _stage("all_gather", 1, [("all_gather", 2, "view", None)]),
+    ],
+    "issue": "reversed", "perm": [2, 4, 0, 3, 1], "waits": "top", "wait_stage": [0, 1, 0, 0, 2], "chain_at_top": True,
+}
+
+
+@pytest.mark.parametrize("p", [KNOWN_READERS_AT_ONE_BARRIER, KNOWN_READERS_AT_ONE_BARRIER_FIVE_CHAINS],
+                         ids=["two-chains", "five-chains"])
+def test_chained_readers_due_at_one_node_keep_consumer_order(fake_pg, two_groups, p):
+    groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
+    run_example(groups, p, 2, 16384, None)
