@@ -514,6 +514,8 @@ def alias_closure(wait: fx.Node, within=None) -> list[fx.Node]:
 
 def real_consumers(wait: fx.Node, closure: Iterable[fx.Node]) -> list[fx.Node]:
     """Users of the wait or its alias closure that are not themselves in the closure."""
+    if isinstance(closure, list) and not closure:   # the common case: the wait's users
+        return list(wait.users)
     inside = {wait, *closure}
     found: dict[fx.Node, None] = {}
     for node in (wait, *closure):

@@ -112,31 +112,37 @@ class InFlight:
         return whole
 
     def open(self, c: Collective) -> None:
-        self.queue.setdefault(c.group, deque()).append(c)
-        self.is_open.add(c.start)
-        whole = self._whole_of(c)
-        self.pieces_open[whole] = self.pieces_open.get(whole, 0) + 1
-        if self.pieces_open[whole] == 1:
-            key = (c.group, c.kind)
-            self.counts[key] = self.counts.get(key, 0) + 1
-            self.peak_counts[key] = max(self.peak_counts.get(key, 0), self.counts[key])
-        size = self.held[c.start]
-        group_bytes = self.bytes[c.group] = self.bytes.get(c.group, 0) + size
+        group, start = c.group, c.start
+        queue = self.queue.get(group)
+        if queue is None:
+            queue = self.queue[group] = deque()
+        queue.append(c)
+        self.is_open.add(start)
+        whole = self._whole.get(start) or self._whole_of(c)
+        pieces = self.pieces_open[whole] = self.pieces_open.get(whole, 0) + 1
+        if pieces == 1:
+            key = (group, c.kind)
+            count = self.counts[key] = self.counts.get(key, 0) + 1
+            if count > self.peak_counts.get(key, 0):
+                self.peak_counts[key] = count
+        size = self.held[start]
+        group_bytes = self.bytes[group] = self.bytes.get(group, 0) + size
         self.total += size
         if self.total > self.peak_total:
             self.peak_total = self.total
-        if group_bytes >= self.peak_bytes.get(c.group, 0):
-            self.peak_bytes[c.group] = group_bytes
+        if group_bytes >= self.peak_bytes.get(group, 0):
+            self.peak_bytes[group] = group_bytes
 
     def close(self, c: Collective) -> None:
-        self.is_open.discard(c.start)
-        self._forget_closed(c.group)
-        whole = self._whole_of(c)
-        self.pieces_open[whole] -= 1
-        if self.pieces_open[whole] == 0:
-            self.counts[(c.group, c.kind)] -= 1
-        size = self.held[c.start]
-        self.bytes[c.group] -= size
+        group, start = c.group, c.start
+        self.is_open.discard(start)
+        self._forget_closed(group)
+        whole = self._whole.get(start) or self._whole_of(c)
+        pieces = self.pieces_open[whole] = self.pieces_open[whole] - 1
+        if pieces == 0:
+            self.counts[(group, c.kind)] -= 1
+        size = self.held[start]
+        self.bytes[group] -= size
         self.total -= size
 
     def _forget_closed(self, group: str) -> None:
@@ -144,8 +150,8 @@ class InFlight:
         (one closed out of order stays there until then): ``open_in`` reads the queue,
         so it must not grow with everything ever issued. O(1) amortized a close."""
         queue = self.queue[group]
-        self.closed_queued[group] = self.closed_queued.get(group, 0) + 1
-        if 2 * self.closed_queued[group] > len(queue):
+        closed = self.closed_queued[group] = self.closed_queued.get(group, 0) + 1
+        if 2 * closed > len(queue):
             self.queue[group] = deque(x for x in queue if x.start in self.is_open)
             self.closed_queued[group] = 0
 

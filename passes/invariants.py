@@ -79,8 +79,11 @@ class _Order:
     def __init__(self, s: Structure, order: list[fx.Node]):
         self.s, self.nodes = s, order
         self.pos = s.pos if order is s.nodes else dict(zip(order, range(len(order))))
-        self.first: dict[fx.Node, int] = {}
         pos = self.pos
+        if order is s.nodes:   # the first consumers of ``s``: its targets
+            self.first: dict[fx.Node, int] = {wait: pos[target] for wait, target in s.target.items()}
+            return
+        self.first = {}
         for wait, consumers in s.consumers.items():
             end = pos[s.nodes[s.region_end(wait)]]
             self.first[wait] = min(min([pos[u] for u in consumers]), end) if consumers else end

@@ -132,7 +132,7 @@ class Liveness:
         for start, waits in self.held_until.items():   # a collective's inputs: until its last wait
             if start not in pos:
                 continue
-            until = max(pos[w] for w in waits)
+            until = pos[waits[0]] if len(waits) == 1 else max(pos[w] for w in waits)
             for r in reads[start]:
                 if last[r] < until:
                     last[r] = until

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import heapq
 import operator
+from itertools import accumulate
 
 import torch
 import torch.fx as fx
@@ -91,25 +92,32 @@ class Structure:
         self.wait_of_member: dict[fx.Node, fx.Node] = {}
         self.target: dict[fx.Node, fx.Node] = {}
         self.consumers: dict[fx.Node, list[fx.Node]] = {}
+        pos = self.pos
         for c in self.movable:
             for wait in c.waits:
                 end = self.region_end(wait)
-                closure = alias_closure(wait, within=(lambda n, end=end: self.pos[n] < end) if self.barriers else None)
-                closure.sort(key=self.pos.__getitem__)
-                self.wait_bundle[wait] = [wait, *closure]
-                for member in self.wait_bundle[wait]:
+                closure = alias_closure(wait, within=(lambda n, end=end: pos[n] < end) if self.barriers else None)
+                if len(closure) > 1:
+                    closure.sort(key=pos.__getitem__)
+                self.wait_bundle[wait] = bundle = [wait, *closure]
+                for member in bundle:
                     self.wait_of_member[member] = wait
-                self.consumers[wait] = sorted(real_consumers(wait, closure), key=self.pos.__getitem__)
-                first = min([self.pos[u] for u in self.consumers[wait]] + [end])
-                self.target[wait] = self.nodes[first]
+                consumers = real_consumers(wait, closure)
+                if len(consumers) > 1:
+                    consumers.sort(key=pos.__getitem__)
+                self.consumers[wait] = consumers
+                self.target[wait] = self.nodes[min(pos[consumers[0]], end) if consumers else end]
 
         self.start_bundle: dict[fx.Node, list[fx.Node]] = {}
         self.start_of_member: dict[fx.Node, fx.Node] = {}
         for c in self.movable:
-            getitems = sorted((u for u in c.start.users if u.target is operator.getitem),
-                              key=self.pos.__getitem__)
-            self.start_bundle[c.start] = self._input_chain(c.start) + [c.start] + getitems
-            for member in self.start_bundle[c.start]:
+            bundle = self._input_chain(c.start)
+            bundle.append(c.start)
+            getitems = [u for u in c.start.users if u.target is operator.getitem]
+            if getitems:
+                bundle += sorted(getitems, key=pos.__getitem__)
+            self.start_bundle[c.start] = bundle
+            for member in bundle:
                 self.start_of_member[member] = c.start
         # Nodes that may stand between a wait and its consumer: bundle members and any wait.
         self.bundled = set(self.start_of_member) | set(self.wait_of_member) | set(waits)
@@ -163,11 +171,13 @@ class Structure:
     def _input_chain(self, start: fx.Node) -> list[fx.Node]:
         """Cheap, marked or carried-compute nodes in ``start``'s region whose every
         use is ``start`` or the chain."""
-        chain: set[fx.Node] = set()
         nodes, pos, region = self.nodes, self.pos, self.region
-        here = region[pos[start]]
         heap = [-pos[i] for i in start._input_nodes]   # latest first: a node's users are decided before it
+        if not heap:
+            return []
         heapq.heapify(heap)
+        here, wait_of_member, coll_of_start = region[pos[start]], self.wait_of_member, self.coll_of_start
+        chain: dict[fx.Node, None] = {}   # members, latest first (positions pop in falling order)
         seen = set()
         while heap:
             at = -heapq.heappop(heap)
@@ -176,17 +186,19 @@ class Structure:
             seen.add(at)
             node = nodes[at]
             if (node.op in ("placeholder", "get_attr", "output")
-                    or node in self.wait_of_member or node in self.coll_of_start
+                    or node in wait_of_member or node in coll_of_start
                     or region[at] != here
-                    or any(u is not start and u not in chain for u in node.users)
+                    or not all(u is start or u in chain for u in node.users)
                     or not (is_cheap(node) or in_input_chain(node)
-                            or carries_compute(node, self.wait_of_member.__contains__))
+                            or carries_compute(node, wait_of_member.__contains__))
                     or barrier_reason(node) is not None):
                 continue
-            chain.add(node)
+            chain[node] = None
             for i in node._input_nodes:
                 heapq.heappush(heap, -pos[i])
-        return sorted(chain, key=pos.__getitem__)
+        members = list(chain)
+        members.reverse()
+        return members
 
     def _must_follow(self, start: fx.Node, bundle: list[fx.Node]) -> list[fx.Node]:
         """In graph order: the nodes the bundle's members read that are not members
@@ -209,7 +221,7 @@ class Structure:
         """Nodes the members read that are not members themselves, in graph order."""
         inside = set(members)
         found = {i for m in members for i in m._input_nodes if i not in inside}
-        return sorted(found, key=self.pos.__getitem__)
+        return sorted(found, key=self.pos.__getitem__) if len(found) > 1 else list(found)
 
     # -- consumer order ------------------------------------------------------------
     def _order_read(self, target: fx.Node) -> dict[fx.Node, int]:
@@ -258,10 +270,11 @@ class Kernels:
     convolutions, attention, anything else that runs as a kernel of its own."""
 
     def __init__(self, s: Structure):
-        self._before = [0]   # _before[i]: kernels among s.nodes[:i]
         fused_by_target: dict[int, bool] = {}   # call targets live as long as the graph's nodes
-        for node in s.nodes:
-            self._before.append(self._before[-1] + _is_kernel(node, s, fused_by_target))
+        bundled = s.bundled
+        kernel = [node.op == "call_function" and node not in bundled and _kernel_call(node, fused_by_target)
+                  for node in s.nodes]
+        self._before = list(accumulate(kernel, initial=0))   # _before[i]: kernels among s.nodes[:i]
 
     def between(self, low: int, high: int) -> int:
         """Kernels at positions strictly between ``low`` and ``high``."""
@@ -269,10 +282,10 @@ class Kernels:
         return self._before[high] - self._before[low] if high > low else 0
 
 
-def _is_kernel(node: fx.Node, s: Structure, fused_by_target: dict[int, bool]) -> bool:
-    """Whether ``node`` is a hiding kernel (``Kernels``); ``fused_by_target`` caches what its
-    call target decides."""
-    if node.op != "call_function" or node in s.bundled or is_cheap(node):
+def _kernel_call(node: fx.Node, fused_by_target: dict[int, bool]) -> bool:
+    """Whether call_function ``node``, outside every bundle, is a hiding kernel (``Kernels``);
+    ``fused_by_target`` caches what its call target decides."""
+    if is_cheap(node):
         return False
     fused = fused_by_target.get(id(node.target))
     if fused is None:
@@ -352,8 +365,8 @@ def _reads_a_wait(start: fx.Node) -> bool:
         seen.add(node)
         if is_wait(node):
             return True
-        if is_cheap(node) or (carries_compute(node, is_wait)
-                              and all(u is start or u in seen for u in node.users)):
+        if is_cheap(node) or (all(u is start or u in seen for u in node.users)
+                              and carries_compute(node, is_wait)):
             frontier.extend(node._input_nodes)
     return False
 
