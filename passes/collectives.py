@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Iterable
 
 import torch
 import torch.fx as fx
@@ -512,17 +511,12 @@ def alias_closure(wait: fx.Node, within=None) -> list[fx.Node]:
     return members
 
 
-def real_consumers(wait: fx.Node, closure: Iterable[fx.Node]) -> list[fx.Node]:
+def real_consumers(wait: fx.Node, closure: list[fx.Node]) -> list[fx.Node]:
     """Users of the wait or its alias closure that are not themselves in the closure."""
-    if isinstance(closure, list) and not closure:   # the common case: the wait's users
+    if not closure:   # the common case: the wait's users
         return list(wait.users)
     inside = {wait, *closure}
-    found: dict[fx.Node, None] = {}
-    for node in (wait, *closure):
-        for user in node.users:
-            if user not in inside:
-                found[user] = None
-    return list(found)
+    return list(dict.fromkeys(user for node in (wait, *closure) for user in node.users if user not in inside))
 
 
 def _dtype_of(value) -> torch.dtype | None:

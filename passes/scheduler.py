@@ -205,14 +205,12 @@ class _Core:
                 self.blocked_on.setdefault(node, []).append(c.start)
             if c.kind == "all_gather" and c.start not in self.serial:   # placed serially: issued when due
                 self.lanes.setdefault(self._lane(c), []).append(c.start)
-        ranks: dict[fx.Node, dict[fx.Node, int]] = {}   # chain point -> ``_issue_ranks``
+        ranks = {point: self._issue_ranks(point) for point in self.gates_at}   # chain point -> its ranks
         for start, index in self.gate.items():
             point = self.spine[index]
             for i in s.bundle_inputs[start]:
                 wait = s.wait_of_member.get(i)
                 if wait in self.chained and s.coll_of_wait[wait].kind == "all_gather":
-                    if point not in ranks:
-                        ranks[point] = self._issue_ranks(point)
                     up = s.coll_of_wait[wait].start
                     key = (s.pos[point], ranks[point][start] - len(s.nodes), s.pos[up])
                     self.key[up] = min(self.key[up], key)
@@ -223,26 +221,20 @@ class _Core:
 
     def _issue_ranks(self, node: fx.Node) -> dict[fx.Node, int]:
         """Starts the walk issues at spine ``node``, numbered in the order it issues them
-        there (``run``): gated starts kept serial, then the collectives of the waits due
-        there (``waits_at``'s order: other kinds first), then the other gated starts, each
-        after the gated starts it reads (issued first, when it is). An all-gather read at a
-        chain point is consumed in that order, so its lane follows it."""
-        s, gates = self.s, self.gates_at.get(node, [])
+        (``run``): gated starts kept serial, the collectives of the waits due there
+        (``waits_at``'s order), the other gated starts; each after the gated starts it reads.
+        An all-gather read at a chain point is consumed in that order: its lane follows it."""
+        s, gates, ranks = self.s, self.gates_at.get(node, []), {}
         due = [s.coll_of_wait[wait].start for wait in self.waits_at.get(node, ())]
-        ranks: dict[fx.Node, int] = {}
-        for first in dict.fromkeys([start for start in gates if start in self.serial] + due + gates):
-            stack = [(first, False)]
-            while stack:   # depth first, each start after its gated upstream starts
-                start, expanded = stack.pop()
-                if start in ranks:
-                    continue
-                if expanded:
-                    ranks[start] = len(ranks)
-                    continue
-                stack.append((start, True))
-                ups = [s.coll_of_wait[s.wait_of_member[i]].start for i in s.bundle_inputs[start]
-                       if s.wait_of_member.get(i) in self.chained] if start in self.gate else []
-                stack += [(up, False) for up in reversed(ups) if up in self.gate]
+        stack = [(start, False) for start in reversed([g for g in gates if g in self.serial] + due + gates)]
+        while stack:   # depth first: each start after the gated starts it reads
+            start, expanded = stack.pop()
+            if start not in ranks and expanded:
+                ranks[start] = len(ranks)
+            elif start not in ranks:
+                ups = [s.coll_of_wait[s.wait_of_member[i]].start for i in reversed(s.bundle_inputs[start])
+                       if s.wait_of_member.get(i) in self.chained]
+                stack += [(start, True)] + [(up, False) for up in ups if up in self.gate]
         return ranks
 
     def _place_anchor(self, c: Collective) -> fx.Node | None:
@@ -633,26 +625,22 @@ class _Core:
         only where it fits the bounds (``_gather_fits``; never one placed serially),
         else its lane issues it later, at the latest when its result is due. An all-gather
         placed serially is in no lane: it goes when its result is due, alone."""
-        if c.kind == "all_gather" and c.start in self.serial:
-            if gathers:
-                self._make_room(c, gathers=True)
-                self._issue(c, reason)
-        elif c.kind == "all_gather":
-            lane, starts = self._lane(c), self.lanes[self._lane(c)]
-            while c.start not in self.issued:
-                earlier = self.managed[starts[self.head[lane]]]
-                if earlier.start in self.issued:   # being issued: its start bundle reads ``c``'s result
-                    raise fail(self.s, c.start, f"all-gather read by {earlier.start.name}, which stands ahead "
-                                                "of it in its lane (consumer order): cannot be issued first")
-                self._make_room(earlier, gathers=gathers)
-                if not gathers and not self._gather_fits(earlier):
-                    return
-                if earlier.start not in self.issued:
-                    self._issue(earlier, reason if earlier is c else None)
-        else:
-            self._make_room(c, gathers=False)
-            if c.start not in self.issued:
-                self._issue(c, reason)
+        if c.kind != "all_gather" or c.start in self.serial:
+            if c.kind != "all_gather" or gathers:
+                self._make_room(c, gathers=c.kind == "all_gather")
+                if c.start not in self.issued:
+                    self._issue(c, reason)
+            return
+        lane, starts = self._lane(c), self.lanes[self._lane(c)]
+        while c.start not in self.issued:
+            earlier = self.managed[starts[self.head[lane]]]
+            if earlier.start in self.issued:   # being issued: its start bundle reads ``c``'s result
+                raise fail(self.s, c.start, f"all-gather read by {earlier.start.name}, ahead of it in its lane")
+            self._make_room(earlier, gathers=gathers)
+            if not gathers and not self._gather_fits(earlier):
+                return
+            if earlier.start not in self.issued:
+                self._issue(earlier, reason if earlier is c else None)
 
     # -- the walk ---------------------------------------------------------------------------
     def run(self) -> list[fx.Node]:
