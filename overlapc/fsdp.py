@@ -55,7 +55,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from overlapc.torch_compat import quiet_checkpoint_context_warning
+from overlapc.torch_compat import quiet_checkpoint_context_warning, route_gloo_all_gathers
 
 __all__ = ["shard"]
 
@@ -131,9 +131,13 @@ def shard(
       ``child.weight``) is kept (how: the module docstring). ``False``:
       gathered parameters that backward needs are saved, as FSDP2's.
     - Works in eager and under ``torch.compile`` (aot_eager, inductor, overlapc).
+      On a gloo mesh it installs ``overlapc.torch_compat.route_gloo_all_gathers``
+      (process-wide: gloo's coalesced all-gather crashes with several in flight).
     """
     _refuse_sharded(model)
     layout = _layout(model, _as_mesh(mesh), dp_dim)
+    if any("gloo" in str(dist.get_backend(layout.dp.get_group(d))) for d in range(layout.dp.ndim)):
+        route_gloo_all_gathers()   # a module's gathers in flight together crash gloo (torch_compat)
     _shard_modules(model, layout, _Gather(layout, param_dtype, reduce_dtype), reshard_after_forward)
     quiet_checkpoint_context_warning(_recompute_contexts)
     if param_dtype is not None:

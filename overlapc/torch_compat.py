@@ -21,8 +21,9 @@ decides whether the installed torch needs it and the behaviour it works around:
   which passes the mesh into graphs as an opaque input; per compile: the
   backend's joint-graph pass ``overlapc.backend.compiler.SaveSeededOps``).
 - ``route_gloo_all_gathers``: gloo's coalesced all-gather corrupting the heap
-  with many in flight (seen on 2.13; process-wide, installed by the backend
-  when it compiles for a gloo group, never at import).
+  with many in flight (seen on 2.13 and 2.14.1; process-wide, installed by the
+  backend when it compiles for a gloo group and by ``overlapc.fsdp.shard`` on a
+  gloo mesh, never at import).
 - ``fake_cuda_patches``: what a fake CUDA device (``overlapc.backend.cuda_capture.fake_h100``)
   needs besides on the installed build (``~tensor``'s C binding takes a CUDA device
   guard; for the duration of the fake device only).
@@ -230,10 +231,14 @@ def route_gloo_all_gathers() -> bool:
     heap when several are in flight: 2 ranks keeping 24 in flight die with
     "malloc(): unaligned tcache chunk detected" within 300 rounds, while the out=
     path ran 75 in flight for 300 rounds clean. overlapc keeps several in flight
-    by design, so the backend installs this when it compiles for a gloo group.
+    by design, so the backend installs this when it compiles for a gloo group,
+    and ``overlapc.fsdp.shard`` when its mesh is on gloo (its gathers keep a
+    module's parameters in flight together under any backend, eager included).
+    On 2.14.1, 2 ranks keeping 24 in flight died with SIGSEGV within 300 rounds
+    (and a rank of tests/test_fsdp_modules.py once, in a compiled backward).
     The check: every supported release (2.11 up) routes the functional op
-    through the coalesced path and no release is known to fix it (2.14.1 not
-    re-measured), so it is installed on all of them.
+    through the coalesced path and no release is known to fix it, so it is
+    installed on all of them.
     """
     if _gloo_route:
         return False

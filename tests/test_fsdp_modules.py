@@ -6,7 +6,8 @@ gradient, the buffers (BatchNorm's running stats) and the parameters'
 gradients must equal the unsharded module's (its gradients averaged over the
 ranks by hand; each rank feeds different data). In-place ops after saved
 outputs (ReLU(inplace), RMSNorm's decomposition, BatchNorm, GRU) once crashed
-the eager reshard path.
+the eager reshard path; a compiled backward once died of gloo's coalesced
+all-gather (SIGSEGV) before shard() routed it (overlapc.torch_compat).
 """
 import torch
 import torch.distributed as dist
@@ -131,12 +132,15 @@ def _job_battery(rank, world_size, port):
             raise RuntimeError(f"rank {rank}, {label}: {error}") from error
         compiled[label] = len(compiled_graphs) - before
         bad += [f"{label}: {m}" for m in _mismatches(name, reference, sharded, ref_out, out, ref_dx, dx)]
-    return bad, compiled
+    from overlapc.torch_compat import route_gloo_all_gathers
+    routed = not route_gloo_all_gathers()   # False: shard() installed it (a gloo mesh)
+    return bad, compiled, routed
 
 
 def test_common_modules_match_unsharded_eager_and_compiled():
-    for rank, (bad, compiled) in enumerate(run_ranks(_job_battery, timeout=400.0)):
+    for rank, (bad, compiled, routed) in enumerate(run_ranks(_job_battery, timeout=400.0)):
         assert not bad, f"rank {rank}:\n" + "\n".join(bad)
+        assert routed, f"rank {rank}: shard() on a gloo mesh left gloo's coalesced all-gather in place"
         for label, graphs in compiled.items():
             if label.endswith("aot_eager") and not label.startswith("gru"):  # Dynamo runs RNNs eagerly
                 assert graphs >= 1, f"rank {rank}: {label} was not compiled"

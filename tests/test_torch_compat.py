@@ -104,8 +104,8 @@ print(json.dumps({"untouched": untouched, "imported": imported, "sharded": shard
 
 def test_importing_installs_nothing_process_wide_compiling_does(tmp_path):
     """Importing every overlapc module leaves loggers and torch's dispatcher as they were;
-    fsdp.shard installs the checkpoint-warning filter on torch's logger, and compiling
-    with backend="overlapc" on gloo the rank tags and the gloo all-gather kernel."""
+    fsdp.shard on a gloo mesh installs the checkpoint-warning filter on torch's logger
+    and the gloo all-gather kernel, and compiling with backend="overlapc" the rank tags."""
     import json
     import subprocess
     import sys
@@ -117,7 +117,7 @@ def test_importing_installs_nothing_process_wide_compiling_does(tmp_path):
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     nothing = {"overlapc_logger": [], "torch_wrap_logger": [], "cpu_all_gather_kernel": False}
     assert seen["untouched"] == nothing and seen["imported"] == nothing, seen
-    assert seen["sharded"] == {**nothing, "torch_wrap_logger": ["_QuietOwnRegions"]}, seen
+    assert seen["sharded"] == {**nothing, "torch_wrap_logger": ["_QuietOwnRegions"], "cpu_all_gather_kernel": True}, seen
     assert seen["compiled"] == {"overlapc_logger": ["_RankAndGraph"], "torch_wrap_logger": ["_QuietOwnRegions"],
                                 "cpu_all_gather_kernel": True}, seen
 
