@@ -65,7 +65,7 @@ def pytest_xdist_make_scheduler(config, log):
     """Under ``-n N`` (``--dist load``), hand out tests one at a time, except that every
     test of a module defining a module-scoped fixture goes to one worker: those fixtures
     compile models or run gloo jobs for minutes, and each worker running the module's
-    tests built its own (the suite took 1,277 s on 2 workers before, 1,167 s after).
+    tests built its own (5 fixtures built twice: 365 s of worker time in one run).
     ``--dist loadgroup`` would do it with marks, but pytest-xdist 3.8 under pytest 9
     ignores them: a marked module's tests still went to both workers."""
     if config.getvalue("dist") != "load":   # another --dist asked for by name: xdist's own

@@ -131,7 +131,7 @@ def _train(rank, backend, options=None):
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = overlapc.fsdp.shard(Llama(vocab=128, dim=64, heads=4, hidden=128, depth=2), mesh)
+    model = overlapc.fsdp.shard(Llama(vocab=128, dim=64, heads=4, hidden=128, depth=1), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = model if backend is None else torch.compile(model, backend=backend, options=options)
     g = torch.Generator().manual_seed(100 + rank)
