@@ -55,7 +55,7 @@ def _job_fp32(rank, world_size, port):
     fully_shard(reference, mesh=mesh)
     result["fsdp2"] = _train(reference, rank)
     from overlapc.torch_compat import route_gloo_all_gathers
-    result["backend_routed_gloo"] = not route_gloo_all_gathers()   # False: already installed
+    result["backend_routed_gloo"] = not route_gloo_all_gathers()   # False: installed (fsdp.shard, the backend)
     dist.destroy_process_group()
     return result
 
