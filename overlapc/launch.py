@@ -77,6 +77,9 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
+PORT_TRIES = 3   # attempts of ``run``, each on a new port, while the picked one turns out taken
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -112,10 +115,23 @@ def run(fn: Callable, world_size: int = 2, args: tuple = (), *, timeout: float =
         gloo: bool = True, gloo_timeout: float = 240.0,
         on_message: Callable[[int, Any], None] | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ranks 0..world_size-1; return the results by rank.
-    See the module docstring for what happens when a rank raises, dies or hangs."""
+    See the module docstring for what happens when a rank raises, dies or hangs. A rank
+    that finds the picked port taken when it joins (EADDRINUSE: another process bound it
+    between ``free_port`` and the join) ends the attempt; up to ``PORT_TRIES`` attempts,
+    each on a new port, the ranks of a failed one all ended first."""
+    attempt = 1
+    while True:
+        try:
+            return _run_once(fn, world_size, args, timeout, gloo, gloo_timeout, on_message, free_port())
+        except Exception as error:
+            if "EADDRINUSE" not in str(error) or attempt == PORT_TRIES:
+                raise
+            attempt += 1
+
+
+def _run_once(fn, world_size, args, timeout, gloo, gloo_timeout, on_message, port) -> list:
     where = _locate(fn)
     ctx = get_context("spawn")
-    port = free_port()
     procs, conns = [], []
     try:
         for rank in range(world_size):
