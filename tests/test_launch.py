@@ -53,34 +53,30 @@ def test_results_come_back_in_rank_order_with_the_group_joined():
     assert launch.run(_sum_of_ranks, 3, (10,), timeout=180) == [(0, 3, "3"), (10, 3, "3"), (20, 3, "3")]
 
 
-def test_a_port_taken_before_the_ranks_join_is_replaced(monkeypatch):
+@pytest.fixture
+def taken_port():
+    """A port on 127.0.0.1 that a socket of this process holds bound and listening."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+def test_a_port_taken_before_the_ranks_join_is_replaced(monkeypatch, taken_port):
     """The port ``free_port`` picked is bound by someone else by the time rank 0 listens
     on it (EADDRINUSE): the launcher ends that attempt and joins on a new port."""
-    import socket
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    ports = [taken.getsockname()[1]]
+    ports = [taken_port]
     original = launch.free_port
     monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0) if ports else original())
-    try:
-        assert launch.run(_sum_of_ranks, 2, (1,), timeout=180) == [(0, 1, "2"), (1, 1, "2")]
-    finally:
-        taken.close()
+    assert launch.run(_sum_of_ranks, 2, (1,), timeout=180) == [(0, 1, "2"), (1, 1, "2")]
     assert ports == []   # the taken port was tried first
 
 
-def test_a_port_taken_every_time_fails_naming_it(monkeypatch):
-    import socket
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1])
-    try:
-        with pytest.raises(Exception, match="EADDRINUSE"):
-            launch.run(_sum_of_ranks, 2, (1,), timeout=180)
-    finally:
-        taken.close()
+def test_a_port_taken_every_time_fails_naming_it(monkeypatch, taken_port):
+    monkeypatch.setattr(launch, "free_port", lambda: taken_port)
+    with pytest.raises(Exception, match="EADDRINUSE"):
+        launch.run(_sum_of_ranks, 2, (1,), timeout=180)
 
 
 def test_a_raising_rank_is_reraised_with_its_traceback():
