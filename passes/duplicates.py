@@ -16,6 +16,9 @@ from overlapc.passes.structure import Structure
 
 log = logging.getLogger("overlapc")
 
+# (node, its waits when it starts a collective else None, is a barrier, its collective's group or None)
+_Mark = tuple[fx.Node, "tuple[fx.Node, ...] | None", bool, "str | None"]
+
 
 def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None,
                      structure: Structure | None = None) -> list[tuple[str, ...]]:
@@ -38,7 +41,7 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
     ``before_rewrite``: as for ``bucket_collectives``. ``structure``: ``Structure(gm)`` of the graph
     as it stands, when the caller has it (its collectives and barriers stand for a walk of the graph)."""
     marks = _starts_and_barriers(gm, structure)
-    names = _drop_unread_repeats(gm, [(node, waits) for node, waits, _ in marks if waits is not None],
+    names = _drop_unread_repeats(gm, [(node, waits) for node, waits, _, _ in marks if waits is not None],
                                  before_rewrite)
     if names:   # a write that the erased collectives read may be no barrier now
         marks = _starts_and_barriers(gm)
@@ -49,23 +52,23 @@ def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | No
     return names
 
 
-def _starts_and_barriers(gm: fx.GraphModule, structure: Structure | None = None) \
-        -> list[tuple[fx.Node, tuple[fx.Node, ...] | None, bool]]:
-    """(node, its waits (``wait_nodes``) when it starts a collective else None, is a barrier)
-    for each node of ``gm`` that does either, in graph order: what both merging steps read,
-    from one ``role`` lookup a node, or from ``structure`` (``Structure(gm)``: its collectives,
-    found and paired the same way, and its barriers)."""
+def _starts_and_barriers(gm: fx.GraphModule, structure: Structure | None = None) -> list[_Mark]:
+    """(node, its waits (``wait_nodes``) when it starts a collective else None, is a barrier,
+    its collective's group or None) for each node of ``gm`` that starts a collective or is a
+    barrier, in graph order: what both merging steps read, from one ``role`` lookup a node, or
+    from ``structure`` (``Structure(gm)``: its collectives, found and paired the same way, and
+    its barriers)."""
     if structure is not None:
-        found = {c.start: [c.waits, False] for c in structure.all}
+        found = {c.start: [c.waits, False, c.group] for c in structure.all}
         for barrier in structure.barriers:
-            found.setdefault(barrier, [None, False])[1] = True
-        return sorted(((node, waits, barrier) for node, (waits, barrier) in found.items()),
-                      key=lambda mark: structure.pos[mark[0]])
+            found.setdefault(barrier, [None, False, None])[1] = True
+        return sorted(((node, *mark) for node, mark in found.items()), key=lambda mark: structure.pos[mark[0]])
     marks = []
     for node in gm.graph.nodes:
         start, _, barrier = role(node)
         if start is not None or barrier is not None:
-            marks.append((node, wait_nodes(node) if start is not None else None, barrier is not None))
+            marks.append((node, wait_nodes(node) if start is not None else None, barrier is not None,
+                          group_of(node) if start is not None else None))
     return marks
 
 
@@ -111,7 +114,7 @@ def _unread(start: fx.Node, waits: tuple[fx.Node, ...]) -> bool:
     return bool(waits) and only_waits and not any(w.users for w in waits)
 
 
-def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, tuple[fx.Node, ...] | None, bool]],
+def _merge_identical_runs(gm: fx.GraphModule, marks: list[_Mark],
                           before_rewrite: Callable[[], None] | None) -> list[tuple[str, ...]]:
     """Merge runs of identical, adjacent-in-their-group collectives (see
     ``merge_duplicates``); ``marks``: ``_starts_and_barriers`` of ``gm``. Returns the
@@ -119,12 +122,11 @@ def _merge_identical_runs(gm: fx.GraphModule, marks: list[tuple[fx.Node, tuple[f
     runs: list[list[fx.Node]] = []
     run_of: dict[fx.Node, list[fx.Node]] = {}   # mergeable start -> its run (identical starts so far)
     last: dict[str, fx.Node] = {}                # the latest start of each group
-    for node, waits, barrier in marks:
+    for node, waits, barrier, group in marks:
         if barrier:
             run_of.clear()
             last.clear()
             continue
-        group = group_of(node)
         if len(waits) == 1 and waits[0].args[0] is node and len(node.users) == 1:
             # a run goes on only from the group's latest start (identical arguments name the
             # same group): compare with that one, the input nodes first (no arguments hashed)

@@ -45,7 +45,7 @@ from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.invariants import fail
 from overlapc.passes.memory import Headroom, SpineRoom
-from overlapc.passes.structure import Structure, holds_output
+from overlapc.passes.structure import Structure
 
 UNBOUNDED = Budget(None, {}, {})
 MODES = ("schedule", "sink", "serial")
@@ -346,7 +346,7 @@ class _Core:
         in flight, where issuing and waiting them back to back frees them first."""
         s, size = self.s, self.chain_room.liveness.size
         ups = dict.fromkeys(s.coll_of_wait[w] for w in chained)
-        return sum(size.get(c.start, 0) for c in ups if not holds_output(c))
+        return sum(size.get(c.start, 0) for c in ups if not s.holds[c.start])
 
     def _chain_bytes(self, start: fx.Node, chained: list[fx.Node]) -> int:
         """Bytes that gated ``start``'s chain point adds beyond what is counted in
@@ -406,7 +406,7 @@ class _Core:
         for member in self.s.start_bundle[c.start]:
             self._place(member)
         self.flight.open(c)
-        if self.budget.within_peak and not holds_output(c) and self.s.pos[c.start] > self.here:
+        if self.budget.within_peak and not self.s.holds[c.start] and self.s.pos[c.start] > self.here:
             self.ahead[c.start] = self.budget.headroom.liveness.size.get(c.start, 0)
         if c.kind == "all_gather" and c.start not in self.serial:
             lane = self._lane(c)

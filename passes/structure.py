@@ -125,7 +125,9 @@ class Structure:
         # spine node its carried compute followed in the given order.
         self.bundle_inputs = {start: self._must_follow(start, bundle)
                               for start, bundle in self.start_bundle.items()}
-        self.held = {c.start: held_bytes(c) for c in self.movable}
+        # Whether each movable collective's held bytes count its output (``holds_output``)
+        self.holds = {c.start: holds_output(c) for c in self.movable}
+        self.held = {c.start: held_bytes(c, self.holds[c.start]) for c in self.movable}
         # First consumer that no start bundle carries (else the region's end): a
         # wait read by another collective's start bundle (a chain) is due by then.
         self.spine_target: dict[fx.Node, fx.Node] = {}
@@ -297,13 +299,14 @@ def _kernel_call(node: fx.Node, fused_by_target: dict[int, bool]) -> bool:
     return not fused
 
 
-def held_bytes(c: Collective) -> int:
+def held_bytes(c: Collective, holds: bool | None = None) -> int:
     """Bytes a collective holds while in flight beyond what issuing and waiting it
     back to back would: an all-gather's output and input (the gathered buffer and
     the shard, or the cast copy made for it), another collective's input (the
     c10d work keeps it until the wait) and, when that input is another
     collective's result (a chain, whose start goes to a chain point, possibly
-    before where it stood), its output too. Unknown sizes count 0."""
+    before where it stood), its output too. Unknown sizes count 0. ``holds``:
+    ``holds_output(c)`` when the caller has it."""
     inputs = 0
     for i in c.start._input_nodes:   # tensor_nbytes of the list of their values, without building it
         value = node_value(i)
@@ -313,7 +316,9 @@ def held_bytes(c: Collective) -> int:
                 inputs = 0
                 break
             inputs += nbytes
-    return (c.nbytes or 0) + inputs if holds_output(c) else inputs
+    if holds is None:
+        holds = holds_output(c)
+    return (c.nbytes or 0) + inputs if holds else inputs
 
 
 def holds_output(c: Collective) -> bool:

@@ -51,7 +51,7 @@ def _runs_by_key(gm: fx.GraphModule) -> list[tuple[str, ...]]:
     from overlapc.passes.duplicates import _key, _starts_and_barriers
     from overlapc.passes.collectives import group_of, wait_nodes
     runs, open_run, last = [], {}, {}
-    for node, _, barrier in _starts_and_barriers(gm):
+    for node, _, barrier, _ in _starts_and_barriers(gm):
         if barrier:
             open_run.clear()
             last.clear()
