@@ -13,6 +13,9 @@ into a replicated input of attention and the feed-forward, as torchtitan's
 plan does: DTensor all-gathers dim 1 as an all-gather on dim 0 + split + cat,
 and reduce-scatters dim 1 after a split + cat.
 """
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,6 +25,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp_sp import check_split  # noqa: E402  (the sibling example's size check)
 
 
 def rotary_table(head_dim: int, seq: int, theta: float = 10000.0) -> torch.Tensor:
@@ -121,8 +127,11 @@ def parallelize(model: Decoder, mesh) -> Decoder:
 def build(dim: int = 64, heads: int = 4, kv_heads: int = 2, hidden: int = 192, depth: int = 2, seq: int = 32,
           batch: int = 4):
     """(the decoder over the default process group, (local sequence shard [batch, seq/world, dim],))."""
+    world = dist.get_world_size()
+    check_split("examples/tp_llama.py", world, {"the sequence": seq, "the query heads": heads,
+                                                "the key/value heads": kv_heads, "the hidden size": hidden})
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (world,))
     model = parallelize(Decoder(dim, heads, kv_heads, hidden, depth, seq), mesh)
     torch.manual_seed(1 + dist.get_rank())
     return model, (torch.randn(batch, seq // mesh.size(), dim, requires_grad=True),)

@@ -114,12 +114,27 @@ def parallelize(model: Stack, mesh) -> Stack:
     return model
 
 
+def check_split(example: str, world: int, split: dict[str, int]) -> None:
+    """ValueError unless ``world`` tensor-parallel ranks divide every size in ``split``
+    (what -> size): the message names the sizes and the world sizes that would do."""
+    if not any(n % world for n in split.values()):
+        return
+    fits = [str(k) for k in range(2, min(split.values()) + 1) if not any(n % k for n in split.values())]
+    advice = f"run it with --world-size {', '.join(fits[:-1])}{' or ' if len(fits) > 1 else ''}{fits[-1]}, or " \
+        if fits else ""
+    raise ValueError(f"{example} splits {', '.join(f'{what} ({n})' for what, n in split.items())} over the {world} "
+                     f"tensor-parallel ranks, so the world size must divide each: {advice}build it with other sizes")
+
+
 def build(dim: int = 64, heads: int = 4, hidden: int = 256, depth: int = 2, seq: int = 64,
           batch: int = 2, attention: bool = True, batch_first: bool = False):
     """(TP+SP model over the default process group, (local sequence shard: [seq/world, batch, dim],
     or [batch, seq/world, dim] when ``batch_first``))."""
+    world = dist.get_world_size()
+    check_split("examples/tp_sp.py", world, {"the sequence": seq, "the hidden size": hidden}
+                | ({"the attention heads": heads} if attention else {}))
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (world,))
     model = parallelize(Stack(dim, heads, hidden, depth, attention, batch_first), mesh)
     x = torch.randn(seq // mesh.size(), batch, dim)
     if batch_first:

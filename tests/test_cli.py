@@ -117,6 +117,18 @@ def test_report_text_on_the_fsdp_examples(tmp_path, capsys):
     assert "bw_0:" in out and "reduce_scatter" in out and "fw_0" not in out
 
 
+@pytest.mark.parametrize("name, advice", [("tp_sp", "run it with --world-size 2 or 4, or build"),
+                                          ("tp_llama", "run it with --world-size 2, or build")])
+def test_tp_examples_name_the_world_sizes_that_split_them(fake_pg, name, advice):
+    """At world size 8 (the fake group's; what the README runs examples/llama.py at) the TP
+    examples' 4 heads do not split: build says which sizes and what to run instead of
+    failing inside Dynamo's trace."""
+    with pytest.raises(ValueError, match="over the 8 tensor-parallel ranks") as raised:
+        example(name).build()
+    assert f"examples/{name}.py splits" in str(raised.value) and "heads (4)" in str(raised.value)
+    assert advice in str(raised.value)
+
+
 def test_timeline_trace_is_well_formed(tmp_path, capsys):
     path = tmp_path / "trace.json"
     code, _, err = run(capsys, "timeline", ALLGATHER, *WORLD, "-o", path, "--quiet")
