@@ -120,8 +120,8 @@ def check_split(example: str, world: int, split: dict[str, int]) -> None:
     if not any(n % world for n in split.values()):
         return
     fits = [str(k) for k in range(2, min(split.values()) + 1) if not any(n % k for n in split.values())]
-    advice = f"run it with --world-size {', '.join(fits[:-1])}{' or ' if len(fits) > 1 else ''}{fits[-1]}, or " \
-        if fits else ""
+    listed = " or ".join([", ".join(fits[:-1]), fits[-1]] if len(fits) > 1 else fits)
+    advice = f"run it with --world-size {listed}, or " if fits else ""
     raise ValueError(f"{example} splits {', '.join(f'{what} ({n})' for what, n in split.items())} over the {world} "
                      f"tensor-parallel ranks, so the world size must divide each: {advice}build it with other sizes")
 
