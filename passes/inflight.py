@@ -162,6 +162,11 @@ class InFlight:
         """Whether opening ``c`` raises its (group, kind) count: no piece of its collective is open."""
         return not self.pieces_open.get(self._whole_of(c))
 
+    def closes_one(self, c: Collective) -> bool:
+        """Whether closing ``c`` lowers its (group, kind) count: it is open, the last open piece
+        of its collective."""
+        return c.start in self.is_open and self.pieces_open.get(self._whole_of(c)) == 1
+
     def nbytes(self, group: str) -> int:
         return self.bytes.get(group, 0)
 

@@ -37,6 +37,7 @@ Deterministic: ties break on graph positions, never on hashes.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 
 import torch.fx as fx
@@ -243,7 +244,7 @@ class _Core:
         followed in the graph handed in (None when none stands before it); else None."""
         room = self.budget.headroom
         if not (self.budget.within_peak and room is not None and room.in_place) \
-                or c.kind == "all_gather" or c.start in self.gate:
+                or c.kind == "all_gather":
             return None
         s = self.s
         at = s.pos[c.start]
@@ -280,14 +281,17 @@ class _Core:
         start bundle allocates, beyond the bytes in flight that count them while
         the chain passes from one collective to the next) fit the headroom, else hi,
         or sooner where the upstream results may not stay live (``_roomy_gate``).
-        Serial mode uses the same chain points.
+        Serial mode uses the same chain points. A start placed serially (``serial``) is
+        issued where it stood: its chain point is the spine node it stood before (lo when
+        that is earlier), and it is not gated when it stood after hi (a chained wait's
+        spine target: that wait is placed there, before it, as where it stood).
         When hi < lo, B is not gated: its chained waits stay at their targets."""
         s, spine = self.s, self.spine
         if not any(i in s.wait_of_member for c in managed for i in s.bundle_inputs[c.start]):
             return   # no start reads a wait: nothing is chained
         index = {node: i for i, node in enumerate(spine)}
-        room = None if self.chain_room is None or self.late_chains else \
-            SpineRoom(self.chain_room, [s.pos[node] for node in spine])
+        spine_pos = [s.pos[node] for node in spine]
+        room = None if self.chain_room is None or self.late_chains else SpineRoom(self.chain_room, spine_pos)
         body = next((i for i, node in enumerate(spine) if node.op != "placeholder"), 0)
         region_first = [body] + [index[b] + 1 for b in s.barriers]   # placeholders stay together
         deadline: dict[fx.Node, int] = {}
@@ -313,39 +317,67 @@ class _Core:
                     hi = min(hi, index[s.spine_target[wait]])
                 else:
                     lo = max(lo, index[s.spine_target[wait]])
-            if chained and lo <= hi:
-                gate = hi if self.late_chains else lo + (hi - lo) // 2
-                self.gate[c.start] = gate if room is None else self._roomy_gate(room, gate, hi, c.start, chained)
+            stood = bisect.bisect_left(spine_pos, s.pos[c.start])   # the spine node it stood before
+            gate = self._chain_point(c.start, lo, hi, stood, chained, room) if chained and lo <= hi else None
+            if gate is not None:
+                self.gate[c.start] = gate
                 self.chained.update(chained)
                 for wait in chained:
                     self.readers.setdefault(wait, []).append(c.start)
-                earliest[c.start] = self.gate[c.start]
+                earliest[c.start] = gate
             else:
                 for wait in chained:   # not gated: each chained wait stays at its target
                     lo = max(lo, index[s.spine_target[wait]])
                 earliest[c.start] = lo
 
-    def _roomy_gate(self, room: SpineRoom, first: int, hi: int, start: fx.Node, chained: list[fx.Node]) -> int:
+    def _chain_point(self, start: fx.Node, lo: int, hi: int, stood: int, chained: list[fx.Node],
+                     room: SpineRoom | None) -> int | None:
+        """The chain point of ``start``, reading the waits ``chained``, between spine indices
+        ``lo`` and ``hi`` (``_plan_gates``), or None: not gated. ``stood``: the index of the
+        spine node it stood before in the graph handed in. Placed serially: there (``lo``
+        when that is earlier), not gated when that is past ``hi``. Otherwise ``hi`` with
+        ``late_chains``, halfway without a ``room``, else ``_roomy_gate`` from halfway; when
+        nothing up to ``hi`` fits and it stood past ``hi`` (a chained wait's spine
+        consumer stood between its upstream and it), not gated: as where it stood, its
+        chained wait before that consumer and it after."""
+        if start in self.serial:
+            return max(lo, stood) if stood <= hi else None
+        if self.late_chains:
+            return hi
+        halfway = lo + (hi - lo) // 2
+        if room is None:
+            return halfway
+        gate = self._roomy_gate(room, halfway, hi, start, chained, ahead=stood > hi)
+        if gate is None:
+            return None if stood > hi else hi
+        return gate
+
+    def _roomy_gate(self, room: SpineRoom, first: int, hi: int, start: fx.Node, chained: list[fx.Node],
+                    ahead: bool = False) -> int | None:
         """The chain point of gated ``start`` (reading the waits ``chained``) from spine
         index ``first`` (halfway) on: the first index up to ``hi`` where its chain's own
-        bytes fit the headroom (``_chain_bytes``), unless an index before it has less
+        bytes fit the headroom (``_chain_bytes``; with ``ahead``, a chain point ahead of
+        spine nodes ``start`` followed, also all it holds in flight), unless an index before it has less
         headroom than the upstream results no held bytes count (``_uncounted_results``):
         the chain point goes there, the latest that does not keep those upstream
-        collectives in flight, their results live, across that node. ``hi`` when
+        collectives in flight, their results live, across that node. None when
         neither comes."""
-        fits = room.first_fitting(first, hi, self._chain_bytes(start, chained))
+        need = self._chain_bytes(start, chained) + (self.s.held[start] if ahead else 0)
+        fits = room.first_fitting(first, hi, need)
         short = room.first_short(first, hi if fits is None else fits, self._uncounted_results(chained))
         found = [index for index in (fits, short) if index is not None]
-        return min(found, default=hi)
+        return min(found, default=None)
 
     def _uncounted_results(self, chained: list[fx.Node]) -> int:
         """Bytes of the results of the collectives whose waits ``chained`` are, that their
         held bytes do not count (``structure.holds_output``: an all-reduce's, an
         all-to-all's, a reduce-scatter's). Their reader, the gated start's bundle, moves
         with the chain point, so until it those results stay live with the collectives
-        in flight, where issuing and waiting them back to back frees them first."""
+        in flight, where issuing and waiting them back to back frees them first. A result
+        that a spine node reads after the chain point (its wait's spine target is a
+        consumer, not its region's end) stays live until then anyway: not counted."""
         s, size = self.s, self.chain_room.liveness.size
-        ups = dict.fromkeys(s.coll_of_wait[w] for w in chained)
+        ups = dict.fromkeys(s.coll_of_wait[w] for w in chained if s.spine_target[w] not in s.consumers[w])
         return sum(size.get(c.start, 0) for c in ups if not s.holds[c.start])
 
     def _chain_bytes(self, start: fx.Node, chained: list[fx.Node]) -> int:
@@ -462,7 +494,7 @@ class _Core:
             # reader other than an all-gather goes at once if ready (it frees that result)
             self._open_gate(reader)
             if not self.missing[reader] and reader not in self.issued and self.managed[reader].kind != "all_gather" \
-                    and not self._ready_before(reader):
+                    and not self._ready_before(reader) and not self._defer(self.managed[reader]):
                 self._try_issue(self.managed[reader])
 
     def _wait(self, c: Collective, reason: str) -> None:
@@ -473,8 +505,24 @@ class _Core:
 
     # -- the budget ----------------------------------------------------------------------
     def _count_full(self, c: Collective) -> bool:
+        """Whether issuing ``c`` now would open more than ``max_count`` collectives of its
+        group and kind, not counting those its issue waits first (``_waited_first``)."""
         limit = self.budget.max_count
-        return limit is not None and self.flight.count(c.group, c.kind) >= limit and self.flight.adds_one(c)
+        return limit is not None and self.flight.adds_one(c) \
+            and self.flight.count(c.group, c.kind) - self._waited_first(c) >= limit
+
+    def _waited_first(self, c: Collective) -> int:
+        """How many open collectives of ``c``'s group and kind issuing gated ``c`` closes
+        first: its chained waits are placed right before it (``_ensure`` waits every wait of
+        their collectives), so a count bound full of them leaves room for ``c``; held to
+        it, ``c`` went later than its chain point, and with it the point where its upstream
+        all-gather is consumed, past other all-gathers' consumers (consumer order broken)."""
+        if c.start not in self.gate:
+            return 0
+        s, flight = self.s, self.flight
+        ups = dict.fromkeys(s.coll_of_wait[s.wait_of_member[i]] for i in s.bundle_inputs[c.start]
+                            if s.wait_of_member.get(i) in self.chained)
+        return sum(1 for up in ups if up.group == c.group and up.kind == c.kind and flight.closes_one(up))
 
     def _bytes_over(self, c: Collective) -> bool:
         if self.budget.within_peak:

@@ -343,3 +343,52 @@ def test_a_chain_point_does_not_move_past_compute_its_upstream_result_would_rais
     reduce_ = next(c for c in overlapc.collectives(gm) if c.kind == "all_reduce")
     mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
     assert pos[reduce_.waits[0]] < pos[mm]
+
+
+# Found by random DAGs (tests/test_inductor_windows.py's ``dags``, scheduled alone, 2026-11-29).
+def test_a_chained_all_reduce_stays_after_the_consumer_its_upstream_result_feeds_when_no_room(fake_pg):
+    """An all-reduce of an all-reduce's result, where a matmul reads that result first: a
+    chain point has to come before the matmul (the chained wait's spine consumer), and no
+    node there has room for what the second all-reduce holds. It is not gated: it goes
+    after the matmul, as it stood (before, the whole graph fell back to its serial order
+    under ``max_in_flight=1``: placed serially, its chain point still stood before the matmul)."""
+    def fn(x, y):
+        reduced = wait(F.all_reduce(x, "sum", "0"))
+        added = x + y
+        product = y @ reduced
+        return added, product, wait(F.all_reduce(reduced, "sum", "0"))
+    for limit in (1, 2, None):
+        gm = trace(fn, (32, 32), (32, 32))
+        cfg = overlapc.OverlapConfig(max_in_flight=limit, on_error="raise")
+        overlapc.schedule(gm, cfg)
+        independent_checks(gm, cfg)
+        pos = _positions(gm)
+        second = max((c for c in overlapc.collectives(gm)), key=lambda c: pos[c.start])
+        mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+        assert pos[second.start] > pos[mm] and second.start.args[0] in {w for c in overlapc.collectives(gm)
+                                                                         for w in c.waits}
+
+
+def test_a_chained_all_gather_issues_at_its_chain_point_when_its_upstream_fills_the_count(fake_pg):
+    """Two all-gathers in flight (``max_in_flight=2``), one the upstream of a chained
+    all-gather: at the chain point the upstream is waited first, so the chained one fits
+    the count and goes there. Held back to a later point, its upstream was consumed after
+    the other all-gather's consumer although issued first: consumer order broke, and both
+    all-gathers were placed serially with a WARNING. (At ``max_in_flight=1``, and at 2
+    under "serial-peak", they still are: the other all-gather, ahead in the lane, cannot
+    go at the chain point while the upstream is open; the docs say so.)"""
+    def fn(x, y):
+        added, relu = x + y, torch.relu(x)
+        reduced = wait(F.all_reduce(x, "sum", "0"))
+        first = wait(F.all_gather_into_tensor(reduced[:4], WORLD, "0"))
+        second = wait(F.all_gather_into_tensor(x[:4], WORLD, "0"))
+        relu = torch.relu(relu)
+        both = second + first
+        again = wait(F.all_gather_into_tensor(second[:4], WORLD, "0"))
+        scattered = wait(F.reduce_scatter_tensor(first, "sum", WORLD, "0")).repeat(WORLD, 1)
+        return added, relu, both, again, scattered
+    for limit, byte_limit in ((2, None), (3, None)):
+        gm = trace(fn, (32, 32), (32, 32))
+        cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, on_error="raise")
+        overlapc.schedule(gm, cfg)
+        independent_checks(gm, cfg)
