@@ -240,8 +240,10 @@ class _Core:
 
     def _place_anchor(self, c: Collective) -> fx.Node | None:
         """When the "serial-peak" reference keeps collectives other than all-gathers where
-        they stand (``Headroom.in_place``) and ``c`` is one, not gated: the spine node it
-        followed in the graph handed in (None when none stands before it); else None."""
+        they stand (``Headroom.in_place``) and ``c`` is one: the spine node it followed in
+        the graph handed in (None when none stands before it); else None. A gated ``c``
+        waits for it too when it becomes ready early (its chained wait placed for room);
+        its chain point still issues it there."""
         room = self.budget.headroom
         if not (self.budget.within_peak and room is not None and room.in_place) \
                 or c.kind == "all_gather":
