@@ -286,8 +286,9 @@ def _culprits(s: Structure, failed: _Failed) -> list[Collective]:
     it names, those in flight at its position of the failed order (a memory or bound
     error) and those other than all-gathers issued before that position although they
     stood after its node in the graph handed in (their input chain and output allocated
-    early; an all-gather only while its result is still read after that position), in
-    graph order; none when the core failed before building an order."""
+    early; an all-gather only while its result is still read after that position), and
+    the collectives whose results these read (a chain), in graph order; none when the
+    core failed before building an order."""
     error, order = failed.error, failed.order
     node = getattr(error, "node", None)
     found = [c for c in (s.coll_of_start.get(node), s.coll_of_wait.get(node),
@@ -303,6 +304,8 @@ def _culprits(s: Structure, failed: _Failed) -> list[Collective]:
             return c.kind != "all_gather" or any(pos[u] > position for w in c.waits for u in s.consumers[w])
 
         found += [c for c in s.movable if pos[c.start] <= position < max(pos[w] for w in c.waits) or early(c)]
+    found += [s.coll_of_wait[s.wait_of_member[i]] for c in found for i in s.bundle_inputs[c.start]
+              if i in s.wait_of_member]   # their upstream in a chain: placed serially, they follow it
     unique = {c.start: c for c in found}
     return sorted(unique.values(), key=lambda c: s.pos[c.start])
 

@@ -198,9 +198,8 @@ class _Core:
         for c in managed:
             self.by_name[c.start.name] = c
             inputs = [self._producer(i, c.start) for i in s.bundle_inputs[c.start]]
-            anchor = self._place_anchor(c) if c.start in self.serial else None
-            if anchor is not None:   # placed serially: issued where it stood, as the reference has it
-                inputs.append(anchor)
+            if c.start in self.serial:   # placed serially: issued where it stood, as the reference has it
+                inputs += self._serial_anchors(c)
             self.missing[c.start] = len(inputs) + (c.start in self.gate)
             for node in inputs:
                 self.blocked_on.setdefault(node, []).append(c.start)
@@ -219,6 +218,24 @@ class _Core:
             starts.sort(key=lambda start: (self.key[start], s.pos[start]))
             self.head[lane] = 0
         self.lane_order = sorted(self.lanes, key=lambda lane: (lane[1], lane[0]))
+
+    def _serial_anchors(self, c: Collective) -> list[fx.Node]:
+        """Spine nodes that ``c``, placed serially and not gated, follows as the serial
+        reference has it: the one it followed in the graph handed in (``_place_anchor``),
+        and, for a collective other than an all-gather, the spine node each all-gather whose
+        result its bundle reads is due at (the reference issues that all-gather right
+        before that node, and what else it makes ready after it)."""
+        anchor = self._place_anchor(c)
+        found = [] if anchor is None else [anchor]
+        if c.kind == "all_gather" or c.start in self.gate:
+            return found
+        s = self.s
+        for i in s.bundle_inputs[c.start]:
+            wait = s.wait_of_member.get(i)
+            if wait is not None and i in self.moving and wait not in self.chained \
+                    and s.coll_of_wait[wait].kind == "all_gather":
+                found.append(s.spine_target[wait])
+        return found
 
     def _issue_ranks(self, node: fx.Node) -> dict[fx.Node, int]:
         """Starts the walk issues at spine ``node``, numbered in the order it issues them
@@ -287,12 +304,14 @@ class _Core:
         issued where it stood: its chain point is the spine node it stood before (lo when
         that is earlier), and it is not gated when it stood after hi (a chained wait's
         spine target: that wait is placed there, before it, as where it stood).
-        When hi < lo, B is not gated: its chained waits stay at their targets."""
+        When hi < lo, B is not gated: its chained waits stay at their targets. An
+        all-gather placed serially is issued when its result is due: its readers' lo is
+        past that spine node (as in ``invariants.serial_order``)."""
         s, spine = self.s, self.spine
         if not any(i in s.wait_of_member for c in managed for i in s.bundle_inputs[c.start]):
             return   # no start reads a wait: nothing is chained
         index = {node: i for i, node in enumerate(spine)}
-        spine_pos = [s.pos[node] for node in spine]
+        spine_pos = self._spine_pos = [s.pos[node] for node in spine]
         room = None if self.chain_room is None or self.late_chains else SpineRoom(self.chain_room, spine_pos)
         body = next((i for i, node in enumerate(spine) if node.op != "placeholder"), 0)
         region_first = [body] + [index[b] + 1 for b in s.barriers]   # placeholders stay together
@@ -331,6 +350,8 @@ class _Core:
                 for wait in chained:   # not gated: each chained wait stays at its target
                     lo = max(lo, index[s.spine_target[wait]])
                 earliest[c.start] = lo
+            if c.kind == "all_gather" and c.start in self.serial:   # issued when due: read after that node
+                earliest[c.start] = max(earliest[c.start], 1 + min(index[s.spine_target[w]] for w in c.waits))
 
     def _chain_point(self, start: fx.Node, lo: int, hi: int, stood: int, chained: list[fx.Node],
                      room: SpineRoom | None) -> int | None:
@@ -366,20 +387,26 @@ class _Core:
         neither comes."""
         need = self._chain_bytes(start, chained) + (self.s.held[start] if ahead else 0)
         fits = room.first_fitting(first, hi, need)
-        short = room.first_short(first, hi if fits is None else fits, self._uncounted_results(chained))
+        short = room.first_short(first, hi if fits is None else fits, self._uncounted_results(chained, first))
         found = [index for index in (fits, short) if index is not None]
         return min(found, default=None)
 
-    def _uncounted_results(self, chained: list[fx.Node]) -> int:
+    def _uncounted_results(self, chained: list[fx.Node], first: int) -> int:
         """Bytes of the results of the collectives whose waits ``chained`` are, that their
         held bytes do not count (``structure.holds_output``: an all-reduce's, an
         all-to-all's, a reduce-scatter's). Their reader, the gated start's bundle, moves
         with the chain point, so until it those results stay live with the collectives
-        in flight, where issuing and waiting them back to back frees them first. A result
-        that a spine node reads after the chain point (its wait's spine target is a
-        consumer, not its region's end) stays live until then anyway: not counted."""
+        in flight, where issuing and waiting them back to back frees them first. Not
+        counted: a result that is live at spine index ``first`` in the graph handed in
+        anyway (its collective stood before that node, and a spine node reads the result
+        after any chain point: its wait's spine target is a consumer, not its region's end)."""
         s, size = self.s, self.chain_room.liveness.size
-        ups = dict.fromkeys(s.coll_of_wait[w] for w in chained if s.spine_target[w] not in s.consumers[w])
+
+        def live_anyway(wait: fx.Node) -> bool:
+            c = s.coll_of_wait[wait]
+            return s.spine_target[wait] in s.consumers[wait] \
+                and bisect.bisect_left(self._spine_pos, s.pos[c.start]) <= first
+        ups = dict.fromkeys(s.coll_of_wait[w] for w in chained if not live_anyway(w))
         return sum(size.get(c.start, 0) for c in ups if not s.holds[c.start])
 
     def _chain_bytes(self, start: fx.Node, chained: list[fx.Node]) -> int:

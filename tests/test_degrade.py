@@ -119,8 +119,9 @@ def test_a_failure_names_an_all_gather_issued_early_whose_result_is_still_live(f
     """A memory failure at a node where an all-gather, moved ahead of that node and already
     waited, still holds its result for a later reader: the collectives the degrade step
     places serially include that all-gather (naming only those in flight there found
-    nothing new, and the whole graph went serial). The order is the one the core built for
-    this graph before its chain points were issued on an early wait (test_serial_peak)."""
+    nothing new, and the whole graph went serial), and the all-gather upstream of the
+    reduce-scatter (a chain). The order is the one the core built for this graph before its
+    chain points were issued on an early wait (test_serial_peak)."""
     import test_chain_properties as chain_props
     from test_serial_peak import KNOWN_WHOLE_GRAPH_FALLBACK as p
     from overlapc.passes.structure import Structure
@@ -136,4 +137,25 @@ def test_a_failure_names_an_all_gather_issued_early_whose_result_is_still_live(f
     position = order.index(by_name["reduce_scatter_tensor"])
     error = ScheduleError("injected: peak exceeded", node=by_name["reduce_scatter_tensor"], position=position)
     named = [c.start.name for c in pipeline._culprits(s, pipeline._Failed(error, order))]
-    assert named == ["reduce_scatter_tensor", "all_gather_into_tensor_2"]
+    assert named == ["all_gather_into_tensor_1", "reduce_scatter_tensor", "all_gather_into_tensor_2"]
+
+
+def test_a_failing_chain_names_its_upstream_and_degrades_locally(fake_pg, caplog):
+    """An all-gather whose result two chained all-reduces carry on, and an add reads last,
+    under max_in_flight=1 and "serial-peak" (found by random DAGs): the failures name the
+    all-reduces, and placed serially they still went before the add while the all-gather was
+    due there. Now a failure names a chain's upstream too, the all-gather placed serially
+    lets its readers go after the node it is due at (as the serial order has them), and the
+    rest stays scheduled: one WARNING of collectives placed serially, not the whole graph."""
+    def fn(x, y):
+        gathered = F.wait_tensor(F.all_gather_into_tensor(x[:4], 8, "0"))
+        reduced = F.wait_tensor(F.all_reduce(y, "sum", "0"))
+        twice = F.wait_tensor(F.all_reduce(F.wait_tensor(F.all_reduce(gathered, "sum", "0")), "sum", "0"))
+        return reduced, twice, x + gathered
+    gm = trace(fn, (32, 32), (32, 32))
+    config = overlapc.OverlapConfig(max_in_flight=1, on_error="raise")
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        overlapc.schedule(gm, config)
+    overlapc.verify(gm, config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "placed serially" in warnings[0] and "runs in its serial order" not in warnings[0], warnings
