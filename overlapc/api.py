@@ -69,9 +69,13 @@ def schedule_graph(gm: fx.GraphModule, config: OverlapConfig | dict | None = Non
     """Schedule ``gm`` in place (``pipeline.run`` with ``estimator_for(config)``), log
     its INFO line, and return the result with its report: built when ``report`` is
     True, or for the INFO line when the "overlapc" logger is enabled for INFO and a
-    collective was placed; once, from the result's Structure."""
+    collective was placed; once, from the result's Structure. ValueError (the graph
+    untouched) when ``config.profile`` names no built-in profile and no readable file."""
     pipeline.check_graph(gm)
     cfg = as_config(config)
+    if cfg.enabled:   # a profile that does not resolve fails here, before the graph changes, at any log level
+        from overlapc import estimate
+        estimate.resolve(schedule_profile(cfg.profile))
     rewrites = cfg.enabled and (cfg.chunks != 1 or cfg.bucket is not None)
     counted = None
     if rewrites and log.isEnabledFor(logging.INFO):

@@ -338,6 +338,10 @@ def _compute_between(o: _Order, first: int, last: int) -> fx.Node | None:
 
 
 def _check_waits(o: _Order) -> None:
+    """Every wait comes before its first consumer; an all-gather's first wait placed comes
+    just before the first consumer of any of its waits (with several waits, as coalesced
+    all-gathers and a gather Inductor reads through several waits have, the first one
+    completes the collective: the others may come with it or later)."""
     s, pos = o.s, o.pos
     for c in s.movable:
         for wait in c.waits:
@@ -345,12 +349,14 @@ def _check_waits(o: _Order) -> None:
             if pos[wait] > first:
                 raise o.fail(wait, f"wait of {c.kind} {c.start.name} comes after its first consumer "
                                    f"{o.nodes[first].name} (position {first})")
-            if c.kind == "all_gather":
-                between = _compute_between(o, pos[wait] + 1, first)
-                if between is not None:
-                    raise o.fail(wait, f"wait of all-gather {c.start.name} is not just before its first "
-                                       f"consumer {o.nodes[first].name} (position {first}): {between.name} "
-                                       "stands between")
+        if c.kind == "all_gather":
+            wait = min(c.waits, key=pos.__getitem__)
+            first = min(o.first[w] for w in c.waits)
+            between = _compute_between(o, pos[wait] + 1, first)
+            if between is not None:
+                raise o.fail(wait, f"wait of all-gather {c.start.name} is not just before its first "
+                                   f"consumer {o.nodes[first].name} (position {first}): {between.name} "
+                                   "stands between")
 
 
 def _check_consumer_order(o: _Order) -> None:

@@ -200,6 +200,42 @@ def test_coalesced_all_gather_holds_its_slot_until_its_last_wait(fake_pg):
     assert first.nbytes == 2 * 16 * 16 * 4
 
 
+def test_an_all_gather_read_through_two_waits_is_scheduled(fake_pg, caplog):
+    """One all-gather waited twice, its start also a graph output: what Inductor makes of
+    two gathers of one weight that a block applied twice reads (its CSE merges them), in
+    the partitioned forward. The first wait completes it, so the second may come with it
+    or later. Before, every wait had to stand just before its own first consumer; the
+    serial fallback, which places a collective's waits together, broke that too, and the
+    graph was left unscheduled."""
+    def fn(shard, shard2, x):
+        gathered = F.all_gather_into_tensor(shard, 8, "0")
+        y = torch.relu(x * F.wait_tensor(gathered))
+        y = y @ wait(ag(shard2)).view(16, 16)
+        return torch.relu(y * F.wait_tensor(F.all_gather_into_tensor(shard, 8, "0"))), gathered
+    gm = trace(fn, (2,), (32,), (4, 16))
+    starts = [n for n in gm.graph.nodes if n.target == F.all_gather_into_tensor.default]
+    starts[2].replace_all_uses_with(starts[0])   # the third gather is the first one again, waited a second time
+    gm.graph.erase_node(starts[2])
+    gm.graph.lint()
+    gm.recompile()
+    config = overlapc.OverlapConfig(on_error="raise")
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        overlapc.schedule(gm, config)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    overlapc.verify(gm, config)
+
+
+@pytest.mark.parametrize("level", [logging.WARNING, logging.INFO])
+def test_a_profile_that_does_not_resolve_fails_before_the_graph_changes(fake_pg, caplog, level):
+    """At any log level (before, only the INFO line's report read the profile: it raised
+    after the graph was reordered, and at WARNING the profile was never checked)."""
+    gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
+    before = body(gm)
+    with caplog.at_level(level, logger="overlapc"), pytest.raises(ValueError, match="unknown profile 'tpu:nvlink'"):
+        overlapc.schedule(gm, overlapc.OverlapConfig(profile="tpu:nvlink"))
+    assert body(gm) == before
+
+
 def test_byte_limit_bounds_gathered_bytes(fake_pg):
     gm = trace(thunder, (4, 16), *[(2, 16)] * 4)
     one = 16 * 16 * 4 + 2 * 16 * 4     # held while in flight: gathered output and input shard
