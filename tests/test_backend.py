@@ -139,6 +139,8 @@ def test_disable_env_turns_scheduling_off(fake_pg, monkeypatch, caplog):
         _, (forward, _) = compile_and_run(GatheredMLP())
     assert not any("moved" in r.getMessage() for r in caplog.records)
     assert len(serial_pairs(collective_events(forward))) == 4
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and " off (" in r.getMessage()]
+    assert said and all("off (OVERLAPC_DISABLE is set)" in m and "without scheduling" in m for m in said), said
 
 
 def test_one_info_summary_per_graph_and_config_logged(fake_pg, caplog):

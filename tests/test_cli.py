@@ -167,6 +167,13 @@ def _bad_return_target(tmp_path):
     return f"{path}:build"
 
 
+def _target(tmp_path, source: str) -> str:
+    """A target file holding ``source``, as ``path:build``."""
+    path = tmp_path / "target.py"
+    path.write_text("import torch\n" + source)
+    return f"{path}:build"
+
+
 def _json(tmp_path, document):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(document))
@@ -184,6 +191,13 @@ def _unwritable(tmp_path):
      "has no function 'buld'; did you mean 'build'?"),
     ("not (model, inputs)", lambda t: ["report", _bad_return_target(t), *WORLD],
      "must return (model, example_inputs), got int"),
+    ("build raises", lambda t: ["report", _target(t, "def build():\n    raise RuntimeError('boom')\n"), *WORLD],
+     "target.py:build raised RuntimeError at "),
+    ("build takes an argument", lambda t: ["report", _target(t, "def build(n):\n    return n\n"), *WORLD],
+     "target.py:build must take no arguments: missing a required argument: 'n'"),
+    ("inputs a dict", lambda t: ["report", _target(t, "def build():\n    return torch.nn.ReLU(), "
+                                                      "{'x': torch.ones(2)}\n"), *WORLD],
+     "target.py:build's example_inputs must be a tuple or list of the model's positional inputs, got dict"),
     ("world size < 1", lambda t: ["report", ALLGATHER, "--world-size", "0"], "world size must be >= 1"),
     ("rank out of range", lambda t: ["report", ALLGATHER, *WORLD, "--rank", "8"], "rank 8 is not in [0, 8)"),
     ("unwritable output", lambda t: ["dump", ALLGATHER, *WORLD, *_unwritable(t)], "cannot write to"),

@@ -361,6 +361,10 @@ def overlapc_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, A
     warn_if_untested()
     index = _next_index()
     log.info("overlapc: compiling graph %d (fw_%d, bw_%d) with %s", index, index, index, cfg)
+    if not cfg.enabled:   # never silent when overlap is off: a stale environment variable turns it off too
+        why = "enabled=False" if (options or {}).get("enabled") is False else "OVERLAPC_DISABLE is set"
+        log.warning("overlapc: off (%s): graph %d is compiled by %s without scheduling its collectives",
+                    why, index, cfg.inner)
     if cfg.enabled and _uses_gloo():
         route_gloo_all_gathers()
     names = input_names_of(gm)

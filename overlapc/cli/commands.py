@@ -107,7 +107,7 @@ import sys
 import tempfile
 
 from overlapc.cli.parser import REPORT_SCHEMA, UsageError, build_parser
-from overlapc.cli.targets import describe, fake_process_group, load_target
+from overlapc.cli.targets import build_model, fake_process_group, load_target
 from overlapc.cli.timeline import timeline_document, write_timeline
 
 
@@ -246,9 +246,7 @@ def _run(args: argparse.Namespace) -> int:
         options["profile"] = args.profile   # the backend's own log lines use it too
 
     with fake_process_group(args.world_size, args.rank):
-        built = build()
-        if not (isinstance(built, (tuple, list)) and len(built) == 2 and callable(built[0])):
-            raise UsageError(f"{args.target} must return (model, example_inputs), got {describe(built)}")
+        built = build_model(build, args.target)
         say(f"capturing forward/backward of {args.target} at world size {args.world_size} "
             f"(rank {args.rank}) ...")
         notes: list[str] = []

@@ -5,6 +5,7 @@ import contextlib
 import difflib
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -63,6 +64,30 @@ def _import_errors(where: str):
         raise UsageError(f"{where} does not import: {at}{type(error).__name__}: {error}") from None
 
 
+def build_model(build, target: str) -> tuple:
+    """``build()`` of a loaded target, checked: (model, example_inputs), the inputs a tuple
+    or list. UsageError, one line, when it needs arguments, raises (the exception and the
+    file:line of the target's frame that raised it) or returns anything else."""
+    try:
+        inspect.signature(build).bind()
+    except TypeError as error:
+        raise UsageError(f"{target} must take no arguments: {error}") from None
+    except ValueError:   # no signature (a builtin): call it and see
+        pass
+    try:
+        built = build()
+    except Exception as error:   # the user's code: one line naming it, not a traceback
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")]
+        at = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
+        raise UsageError(f"{target} raised {type(error).__name__}{at}: {error}") from None
+    if not (isinstance(built, (tuple, list)) and len(built) == 2 and callable(built[0])):
+        raise UsageError(f"{target} must return (model, example_inputs), got {describe(built)}")
+    if not isinstance(built[1], (tuple, list)):
+        raise UsageError(f"{target}'s example_inputs must be a tuple or list of the model's positional "
+                         f"inputs, got {describe(built[1])}")
+    return built
+
+
 def describe(value) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
@@ -105,7 +130,7 @@ def html_for_target(target: str, world_size: int, *, rank: int = 0, options: dic
     device = cuda_capture.dispatch_for(costmodel.resolve(profile))
     build = load_target(target)
     with fake_process_group(world_size, rank):
-        model, inputs = build()
+        model, inputs = build_model(build, target)
         records, dispatch = cuda_capture.capture_as(device, model, inputs, options)
         notes = [f"target {target}, world size {world_size}, rank {rank}; max_in_flight={cfg.max_in_flight}, "
                  f"max_in_flight_bytes={cfg.max_in_flight_bytes}, bucket={cfg.bucket}, chunks={cfg.chunks}",
