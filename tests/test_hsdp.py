@@ -213,6 +213,26 @@ def test_shard_size_1_is_ddp_in_the_graph(fake_pg):
     assert dtypes == {torch.float32}, f"all-reduce in reduce_dtype: {dtypes}"
 
 
+def test_in_graph_ddp_gets_no_nothing_to_schedule_warning(fake_pg, caplog):
+    """Its forward has no collective by design (every parameter whole on every rank) and its
+    backward all-reduces: the "nothing to schedule" WARNING, said at the first graph without
+    collectives, is not said at that forward (it was, before the backward was scheduled)."""
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import overlapc
+
+    mesh = init_device_mesh("cpu", (8, 1), mesh_dim_names=HSDP_DIMS)
+    model = overlapc.fsdp.shard(_model(), mesh)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        torch.compile(model, backend="overlapc", options={"inner": "aot_eager"})(torch.randn(5, 8)).sum().backward()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "nothing to schedule in" in m], messages
+    assert any("bw_" in m and "moved" in m for m in messages), messages
+
+
 def test_mesh_dims_by_name(fake_pg):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard

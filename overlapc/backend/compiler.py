@@ -208,15 +208,20 @@ class _Model:
     name: str
     found: str              # what makes its parameters distributed, in words ("" when nothing does)
     advice: str
+    replicated: bool = False   # every distributed parameter replicated: its forward needs no collective
     collectives: bool = False
     warned: bool = False
     breaks: set = dataclasses.field(default_factory=set)
 
     def saw(self, gm: fx.GraphModule, graph: str) -> None:
-        """One WARNING (rank 0) at the first graph without collectives, unless an earlier graph had some."""
+        """One WARNING (rank 0) at the first graph without collectives, unless an earlier graph had
+        some; not at the forward of a model whose parameters are all replicated (in-graph DDP:
+        its backward all-reduces the gradients)."""
         from overlapc.collectives import collective_op
         if any(collective_op(n) for n in gm.graph.nodes):
             self.collectives = True
+        elif self.replicated and graph.startswith("fw_"):
+            return
         elif self.found and not self.collectives and not self.warned:
             self.warned = True
             if _rank() == 0:
@@ -258,7 +263,7 @@ def _compiled_model() -> _Model | None:
         inner = getattr(module, "module", None) if isinstance(module, torch.nn.parallel.DistributedDataParallel) \
             else None
         name = type(module).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
-        _models[module] = _Model(name, *_distributed(module))
+        _models[module] = _Model(name, *_distributed(module), replicated=_all_replicated(module))
     return _models[module]
 
 
@@ -286,6 +291,15 @@ def _distributed(module: torch.nn.Module) -> tuple[str, str]:
         return (f"{dtensors} DTensor parameters", "The graphs read the parameters without communicating "
                 "(already replicated or local); nothing to overlap")
     return "", ""
+
+
+def _all_replicated(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has DTensor parameters and every one is whole on every rank: each
+    placement replicated, or sharded over a mesh dim of size 1 (in-graph DDP's dp_shard)."""
+    from torch.distributed.tensor import DTensor
+    params = [p for p in module.parameters() if isinstance(p, DTensor)]
+    return bool(params) and all(pl.is_replicate() or p.device_mesh.size(dim) == 1
+                                for p in params for dim, pl in enumerate(p.placements))
 
 
 def _reads_parameters(example_inputs) -> bool:
