@@ -380,8 +380,9 @@ class _Core:
         """The chain point of gated ``start`` (reading the waits ``chained``) from spine
         index ``first`` (halfway) on: the first index up to ``hi`` where its chain's own
         bytes fit the headroom (``_chain_bytes``; with ``ahead``, a chain point ahead of
-        spine nodes ``start`` followed, also all it holds in flight), unless an index before it has less
-        headroom than the upstream results no held bytes count (``_uncounted_results``):
+        spine nodes ``start`` followed, also all it holds in flight), unless an index
+        before it has less headroom than the upstream results no held bytes count
+        (``_uncounted_results``):
         the chain point goes there, the latest that does not keep those upstream
         collectives in flight, their results live, across that node. None when
         neither comes."""

@@ -158,4 +158,5 @@ def test_a_failing_chain_names_its_upstream_and_degrades_locally(fake_pg, caplog
         overlapc.schedule(gm, config)
     overlapc.verify(gm, config)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "placed serially" in warnings[0] and "runs in its serial order" not in warnings[0], warnings
+    assert len(warnings) == 1 and "placed serially" in warnings[0], warnings
+    assert "runs in its serial order" not in warnings[0], warnings
