@@ -36,8 +36,8 @@ test: install
 
 # make bench: reruns the cheap, CPU-only benchmarks whose results are committed,
 # each writing its JSON (with benchmarks/provenance.py's record: commit, torch,
-# machine, date, command) into benchmarks/results/. About 20 minutes on 2 idle
-# cores: pass_time ~2 min, rankcheck_cost ~2 min, byte_modes ~1 min, joint_graph ~2 min (only with
+# machine, date, command) into benchmarks/results/. About 25 minutes on 2 idle
+# cores: pass_time ~2 min, rankcheck_cost ~2 min, byte_modes ~1 min, random_dags ~4 min, joint_graph ~2 min (only with
 # torchtitan installed: make bench WITH_TORCHTITAN=1), projection ~13 min (32
 # layers captured on the meta device; simulated, so load changes only its wall
 # time). Timings taken on a loaded machine are loaded: say so where they are quoted.
@@ -48,6 +48,7 @@ bench: install
 	$(PYTHON) benchmarks/pass_time.py --repeat 5 --sizes 1000 10000 27770 100000 --json $(RESULTS)/pass_time.json
 	$(PYTHON) benchmarks/rankcheck_cost.py --json $(RESULTS)/rankcheck_cost.json
 	$(PYTHON) benchmarks/byte_modes.py --json $(RESULTS)/byte_modes.json
+	$(PYTHON) benchmarks/random_dags.py --json $(RESULTS)/random_dags.json
 	@if $(PYTHON) -c "import torchtitan" 2>/dev/null; then \
 		$(PYTHON) benchmarks/joint_graph.py --options '{"bucket": "module"}' --json $(RESULTS)/joint_graph.json \
 		&& $(PYTHON) benchmarks/joint_graph.py --mesh hsdp --json $(RESULTS)/joint_graph_hsdp.json; \
