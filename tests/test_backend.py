@@ -143,6 +143,33 @@ def test_disable_env_turns_scheduling_off(fake_pg, monkeypatch, caplog):
     assert said and all("off (OVERLAPC_DISABLE is set)" in m and "without scheduling" in m for m in said), said
 
 
+def test_a_module_compiled_in_place_gets_the_nothing_to_schedule_warning(fake_pg, caplog):
+    """``model.compile(backend="overlapc")`` on an FSDP2 model (its collectives in hooks,
+    outside the graphs) warns as ``torch.compile(model)`` does; before, only an
+    OptimizedModule on the stack was recognised, and the in-place form stayed silent."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):   # compute between the layers: Dynamo compiles it (the hooks break around it)
+            return self.b(torch.relu(self.a(torch.tanh(x))) * 2)
+
+    torch.manual_seed(0)
+    model, mesh = Two(), init_device_mesh("cpu", (8,))
+    for layer in (model.a, model):   # b stays with the root: the root's graph reads its parameters
+        fully_shard(layer, mesh=mesh)
+    torch._dynamo.reset()
+    model.compile(backend="overlapc", options={"inner": "aot_eager"})
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        model(torch.randn(4, 16)).sum().backward()
+    said = [r.getMessage() for r in caplog.records if "nothing to schedule in FSDPTwo" in r.getMessage()]
+    assert len(said) == 1 and "FSDP2 fully_shard module(s)" in said[0], [r.getMessage() for r in caplog.records]
+
+
 def test_one_info_summary_per_graph_and_config_logged(fake_pg, caplog):
     with caplog.at_level(logging.INFO, logger="overlapc"):
         compile_and_run(GatheredMLP(), {"max_in_flight": 1})

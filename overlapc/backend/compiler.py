@@ -250,21 +250,32 @@ _models: "weakref.WeakKeyDictionary[torch.nn.Module, _Model]" = weakref.WeakKeyD
 
 def _compiled_model() -> _Model | None:
     """The module torch.compile wrapped (found on the Python stack, as an
-    OptimizedModule's ``self``) and what makes its parameters distributed; None
-    for a compiled function. Inspected once per model."""
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name in MODULE_CALLS and isinstance(
-            frame.f_locals.get("self"), torch._dynamo.eval_frame.OptimizedModule)):
-        frame = frame.f_back   # only module-call frames have their locals read
-    if frame is None:
+    OptimizedModule's ``self``, or a module that ``nn.Module.compile()`` compiled in
+    place) and what makes its parameters distributed; None for a compiled function.
+    Inspected once per model."""
+    frame, module = sys._getframe(1), None
+    while frame is not None and module is None:
+        if frame.f_code.co_name in MODULE_CALLS:   # only module-call frames have their locals read
+            module = _compiled_module(frame.f_locals.get("self"))
+        frame = frame.f_back
+    if module is None:
         return None
-    module = frame.f_locals["self"]._orig_mod
     if module not in _models:
         inner = getattr(module, "module", None) if isinstance(module, torch.nn.parallel.DistributedDataParallel) \
             else None
         name = type(module).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
         _models[module] = _Model(name, *_distributed(module), replicated=_all_replicated(module))
     return _models[module]
+
+
+def _compiled_module(candidate) -> torch.nn.Module | None:
+    """The module ``candidate`` compiles: an OptimizedModule's original module, or
+    ``candidate`` itself when ``nn.Module.compile()`` compiled it in place; else None."""
+    if isinstance(candidate, torch._dynamo.eval_frame.OptimizedModule):
+        return candidate._orig_mod
+    if isinstance(candidate, torch.nn.Module) and getattr(candidate, "_compiled_call_impl", None) is not None:
+        return candidate
+    return None
 
 
 def _distributed(module: torch.nn.Module) -> tuple[str, str]:
