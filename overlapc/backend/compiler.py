@@ -208,7 +208,7 @@ class _Model:
     name: str
     found: str              # what makes its parameters distributed, in words ("" when nothing does)
     advice: str
-    replicated: bool = False   # every distributed parameter replicated: its forward needs no collective
+    replicated: bool = False   # every DTensor parameter whole on every rank: its forward needs no collective
     collectives: bool = False
     warned: bool = False
     breaks: set = dataclasses.field(default_factory=set)
