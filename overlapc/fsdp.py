@@ -53,9 +53,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-from overlapc.torch_compat import quiet_checkpoint_context_warning, route_gloo_all_gathers
+from overlapc.torch_compat import output_aware_checkpoint_contexts, quiet_checkpoint_context_warning, route_gloo_all_gathers
 
 __all__ = ["shard"]
 
@@ -635,6 +635,7 @@ class _WeightPolicy:
         from torch.utils.weak import WeakIdKeyDictionary
         self.derived = WeakIdKeyDictionary()
         self.produced = WeakIdKeyDictionary()
+        self._derives = False   # whether the op just decided derives from gathered parameters alone
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         policy = _recompute_policy(ctx, op, *args, **kwargs)
@@ -645,14 +646,17 @@ class _WeightPolicy:
             policy = CheckpointPolicy.MUST_SAVE   # a float8 cast of other compute: keep the 1-byte value
         elif policy is CheckpointPolicy.MUST_SAVE and from_weights and self._elementwise(op):
             policy = CheckpointPolicy.MUST_RECOMPUTE
-        outputs = _flat_tensors(ctx.op_output, {})
-        for out in outputs:
-            self.produced[out] = True
-        if op in _GATHER_OPS or from_weights and (policy is CheckpointPolicy.MUST_RECOMPUTE
-                                                  or op in _WEIGHT_REDUCTIONS):
-            for out in outputs:
-                self.derived[out] = True
+        self._derives = op in _GATHER_OPS or from_weights and (policy is CheckpointPolicy.MUST_RECOMPUTE
+                                                               or op in _WEIGHT_REDUCTIONS)
         return policy
+
+    def record_outputs(self, out) -> None:
+        """Remember the result of the op just decided (``torch_compat.output_aware_checkpoint_contexts``
+        calls this after each decision)."""
+        for tensor in _flat_tensors(out, {}):
+            self.produced[tensor] = True
+            if self._derives:
+                self.derived[tensor] = True
 
     @staticmethod
     def _elementwise(op) -> bool:
@@ -671,4 +675,4 @@ def _flat_tensors(args, kwargs) -> list:
 
 
 def _recompute_contexts():
-    return create_selective_checkpoint_contexts(_WeightPolicy())
+    return output_aware_checkpoint_contexts(_WeightPolicy())

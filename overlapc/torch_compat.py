@@ -31,6 +31,9 @@ decides whether the installed torch needs it and the behaviour it works around:
   ``context_fn`` checkpoint under torch.compile, dropped for overlapc.fsdp's
   own regions (installed on torch's logger by ``overlapc.fsdp.shard``, never
   at import).
+- ``output_aware_checkpoint_contexts``: a selective-checkpoint policy that
+  needs each op's result (torch 2.11-2.12 call the policy before the op runs;
+  keyed on ``SelectiveCheckpointContext``'s ``op_output``; per region).
 
 Importing overlapc installs nothing process-wide (tests/test_torch_compat.py).
 """
@@ -303,3 +306,43 @@ def quiet_checkpoint_context_warning(context_fn) -> bool:
         return False
     logger.addFilter(_QuietOwnRegions(context_fn))
     return True
+
+
+# ---------------------------------------------------------------- selective checkpoint policies that see results
+
+
+def _policies_see_outputs() -> bool:
+    import inspect
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+    return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+def output_aware_checkpoint_contexts(policy):
+    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` for a
+    policy that also learns each op's result: after ``policy(ctx, op, *args, **kwargs)``
+    decides an op of the region's forward, ``policy.record_outputs(out)`` is called
+    with that op's result, before the next op's decision.
+
+    Works around: torch 2.11-2.12 call the policy before the op runs, and their
+    ``SelectiveCheckpointContext`` has no ``op_output`` (2.13 added it). The check:
+    the context's constructor takes ``op_output``. Without it, a subclass of
+    torch's caching mode (the one that calls the policy in the forward) hands the
+    result over once the op has run; ops torch's mode lets through without asking
+    the policy are not recorded."""
+    from torch.utils import checkpoint as ckpt
+    if _policies_see_outputs():
+        def policy_fn(ctx, op, *args, **kwargs):
+            decision = policy(ctx, op, *args, **kwargs)
+            policy.record_outputs(ctx.op_output)
+            return decision
+        return ckpt.create_selective_checkpoint_contexts(policy_fn)
+    caching, cached = ckpt.create_selective_checkpoint_contexts(policy)
+
+    class _RecordingCachingMode(type(caching)):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func not in ckpt.SAC_IGNORED_OPS:
+                policy.record_outputs(out)
+            return out
+
+    return _RecordingCachingMode(caching.policy_fn, caching.storage), cached

@@ -209,7 +209,7 @@ def _call_facts(node: fx.Node) -> _OpFacts:
     target = node.target
     tags = getattr(target, "tags", ())
     name = str(target)
-    mutable = torch.Tag.inplace in tags or getattr(getattr(target, "_schema", None), "is_mutable", True)
+    mutable = getattr(getattr(target, "_schema", None), "is_mutable", True)   # in-place ops mutate self
     pointwise = not mutable and (torch.Tag.pointwise in tags or name in _EXTRA_POINTWISE)
     start, wait, _ = role(node)   # what it starts or waits depends on the target alone
     return _OpFacts(is_alias(node), start is not None, wait, pointwise,

@@ -154,3 +154,40 @@ def test_inductor_keeps_order_holds_when_reordering_is_turned_back_on_inside():
         assert memory.reorder_for_peak_memory is spy
     finally:
         memory.reorder_for_peak_memory = original
+
+
+class _RecordingPolicy:
+    """Saves everything; logs each decision and each result it is handed, in order."""
+
+    def __init__(self):
+        self.log = []
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+        if not ctx.is_recompute:
+            self.log.append(("decide", op.__name__))
+        return CheckpointPolicy.MUST_SAVE
+
+    def record_outputs(self, out):
+        self.log.append(("result", tuple(out.shape)))
+
+
+@pytest.mark.parametrize("force_before_the_op", [False, True], ids=["installed_torch", "before_the_op"])
+def test_a_checkpoint_policy_learns_each_result_right_after_its_decision(monkeypatch, force_before_the_op):
+    """Both paths of output_aware_checkpoint_contexts: torch >= 2.13 hands the result in the
+    policy's context; 2.11-2.12 (forced here on a newer torch) ask the policy before the op
+    runs, and the result comes once it has. Either way each decided op's result follows its
+    decision."""
+    from torch.utils.checkpoint import checkpoint
+    if force_before_the_op:
+        monkeypatch.setattr(torch_compat, "_policies_see_outputs", lambda: False)
+    policy = _RecordingPolicy()
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    out = checkpoint(lambda a, b: (a @ b).relu().sum(), x, w, use_reentrant=False,
+                     context_fn=lambda: torch_compat.output_aware_checkpoint_contexts(policy))
+    out.backward()
+    assert policy.log == [("decide", "mm.default"), ("result", (4, 5)),
+                          ("decide", "relu.default"), ("result", (4, 5)),
+                          ("decide", "sum.default"), ("result", ())]
+    assert torch.allclose(w.grad, x.detach().t() @ ((x.detach() @ w.detach()) > 0).float())
