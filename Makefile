@@ -14,13 +14,15 @@ TORCHTITAN_NO_DEPS := torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0 tens
 	protobuf==7.36.2 absl-py==2.5.1 tokenizers==0.23.3
 TORCHTITAN_DEPS := numpy==2.4.6 tyro==1.0.17 "datasets>=3.6,<4.8"
 
-.PHONY: install install-torchtitan demo test bench
+.PHONY: install install-torch install-torchtitan demo test bench
 
-install:
-	@$(PYTHON) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v in '$(TESTED_TORCH)'.split() and ('$(origin TORCH)' == 'file' or v == '$(TORCH)') else 1)" 2>/dev/null \
-		|| $(PIP) install "torch==$(TORCH)"
+install: install-torch
 	$(PIP) install -q -e ".[dev]"
 	@if [ "$(WITH_TORCHTITAN)" = 1 ]; then $(MAKE) --no-print-directory install-torchtitan PYTHON=$(PYTHON); fi
+
+install-torch:
+	@$(PYTHON) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v in '$(TESTED_TORCH)'.split() and ('$(origin TORCH)' == 'file' or v == '$(TORCH)') else 1)" 2>/dev/null \
+		|| $(PIP) install "torch==$(TORCH)"
 
 install-torchtitan:
 	$(PIP) install -q --no-deps $(TORCHTITAN_NO_DEPS)

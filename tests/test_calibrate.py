@@ -1,6 +1,11 @@
-"""overlapc calibrate: the fit, the profile file, and its use by the report (2 real gloo ranks)."""
+"""overlapc calibrate: the fit, the profile file, and its use by the report and the demo (2 real gloo
+ranks)."""
+import contextlib
+import io
 import json
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -241,10 +246,19 @@ def test_compute_only_profile_records_the_builtin_link(tmp_path):
     assert loaded.source.startswith(f"file {tmp_path / 'p.json'} (calibrated: none")
 
 
-def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
-    path = tmp_path / "profile.json"
-    code = cli.main(["calibrate", "--world-size", "2", "-o", str(path), "--quick", "--quiet", "--timeout", "400"])
-    out, err = capsys.readouterr()
+@pytest.fixture(scope="module")
+def two_rank_profile(tmp_path_factory):
+    """(exit code, stdout, stderr, path) of `overlapc calibrate --world-size 2 --quick --quiet`:
+    2 gloo ranks on this machine, once for this module (the demo test below reuses the profile)."""
+    path = tmp_path_factory.mktemp("calibrated") / "profile.json"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["calibrate", "--world-size", "2", "-o", str(path), "--quick", "--quiet", "--timeout", "400"])
+    return code, out.getvalue(), err.getvalue(), path
+
+
+def test_calibrate_on_two_gloo_ranks_and_report_uses_it(two_rank_profile, capsys):
+    code, out, err, path = two_rank_profile
     assert code == 0 and out == "" and err == "", err
     doc = json.loads(path.read_text())
     assert doc["schema"] == costmodel.PROFILE_SCHEMA
@@ -321,6 +335,37 @@ def test_calibrate_on_two_gloo_ranks_and_report_uses_it(tmp_path, capsys):
         *capsys.readouterr()
     assert json.loads(default)["graphs"][0]["rows"][0]["comm_ms"] != pytest.approx(
         report["graphs"][0]["rows"][0]["comm_ms"])
+
+
+def test_demo_prints_its_header_first_without_profiler_noise_within_120_columns(two_rank_profile, tmp_path):
+    """`make demo`'s terminal (a smaller model, the profile calibrated above): the header block
+    within the first 15 lines, no torch profiler line (the ranks' stderr goes to their logs), no
+    line over 120 columns."""
+    code, _, err, profile = two_rank_profile
+    assert code == 0, err
+    kept = tmp_path / "kept"
+    done = subprocess.run([sys.executable, "-m", "overlapc.cli", "demo", "--layers", "1", "--width", "32",
+                           "--heads", "2", "--batch", "2", "--seq", "8", "--steps", "3", "--keep", str(kept),
+                           "--profile", str(profile)],
+                          capture_output=True, text=True, timeout=1200, cwd=REPO)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    terminal = done.stdout + done.stderr
+    assert "USDT" not in terminal and "SyncActivityProfilerHandler" not in terminal
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+    first = next(i for i, line in enumerate(lines) if line.startswith("== overlapc demo:"))
+    assert first < 15, lines[:first + 1]
+    block = [line.split()[0] for line in lines[first + 2:first + 7]]
+    assert block == ["losses", "step", "estimated", "peak", "exposed"], lines[first:first + 8]
+    assert "equal in all 3 steps" in lines[first + 2] and "Inductor" in lines[first + 3]
+    assert f"profile.json (given: --profile {profile})" in done.stdout
+    assert sum(line.startswith(("fw_", "bw_")) and "by estimate with profile.json (calibrated)" in line
+               for line in lines) == 2
+    assert "== details ==" not in done.stdout and os.path.isfile(kept / "rank0.log")
+    assert os.path.isfile(kept / "rank1.log") and os.path.isfile(kept / "trace_rank0.json")
+    assert json.loads((kept / "profile.json").read_text()) == json.loads(profile.read_text())
+    page = (kept / "schedule.html").read_text()   # the kept folder's schedule page, with the profiled run
+    assert "fw_0" in page and "bw_0" in page and "measured" in page and "https://" not in page
 
 
 def test_interleaved_takes_samples_round_robin():

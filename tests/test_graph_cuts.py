@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+import pytest
 import torch
 
 from multiproc import init_gloo, run_ranks
@@ -59,14 +60,28 @@ class _Records(logging.Handler):
         self.lines.append((record.levelname, record.getMessage()))
 
 
-def _job(rank, world_size, port, kind, inner):
+def _job(rank, world_size, port, kinds, inner):
+    """{kind: the "overlapc" log lines of training a model of that kind} on this rank, the kinds one
+    after another in this process (Dynamo reset between them; each model is new)."""
     init_gloo(rank, world_size, port)
     from torch._inductor import config as inductor_config
     inductor_config.compile_threads = 1
-    records = _Records()
     logger = logging.getLogger("overlapc")
-    logger.addHandler(records)
     logger.setLevel(logging.INFO)
+    lines = {}
+    for kind in kinds:
+        torch._dynamo.reset()
+        records = _Records()
+        logger.addHandler(records)
+        try:
+            _train(kind, inner, rank)
+        finally:
+            logger.removeHandler(records)
+        lines[kind] = records.lines
+    return lines
+
+
+def _train(kind, inner, rank):
     model = _make(kind)
     options = {"inner": inner}
     if kind == "per_block":
@@ -87,15 +102,22 @@ def _job(rank, world_size, port, kind, inner):
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
         step(torch.randint(0, 128, (2, 16), generator=g)).float().pow(2).mean().backward()
-    return records.lines
+
+
+@pytest.fixture(scope="module")
+def aot_eager():
+    """{kind: (rank 0's lines, rank 1's lines)}: every kind under inner="aot_eager", in one 2-rank job."""
+    kinds = ("break", "per_block", "function", "whole")
+    rank0, rank1 = run_ranks(_job, world_size=2, args=(kinds, "aot_eager"), timeout=TIMEOUT)
+    return {kind: (rank0[kind], rank1[kind]) for kind in kinds}
 
 
 def _warnings(lines, text="are cut at"):
     return [m for level, m in lines if level == "WARNING" and text in m]
 
 
-def test_graph_break_inside_the_block_loop_is_one_warning():
-    rank0, rank1 = run_ranks(_job, world_size=2, args=("break", "aot_eager"), timeout=TIMEOUT)
+def test_graph_break_inside_the_block_loop_is_one_warning(aot_eager):
+    rank0, rank1 = aot_eager["break"]
     cut = _warnings(rank0)
     assert len(cut) == 1, cut
     # where: the loop's call of the block in the forward Dynamo skipped, and Dynamo's reason
@@ -106,8 +128,8 @@ def test_graph_break_inside_the_block_loop_is_one_warning():
     assert _warnings(rank1) == []
 
 
-def test_per_block_compile_is_one_warning():
-    rank0, rank1 = run_ranks(_job, world_size=2, args=("per_block", "aot_eager"), timeout=TIMEOUT)
+def test_per_block_compile_is_one_warning(aot_eager):
+    rank0, rank1 = aot_eager["per_block"]
     cut = _warnings(rank0)
     assert len(cut) == 1, cut
     assert "layers.0 is compiled on its own" in cut[0], cut[0]
@@ -116,8 +138,8 @@ def test_per_block_compile_is_one_warning():
     assert _warnings(rank1) == []
 
 
-def test_compiled_function_over_part_of_the_model_is_one_warning():
-    rank0, rank1 = run_ranks(_job, world_size=2, args=("function", "aot_eager"), timeout=TIMEOUT)
+def test_compiled_function_over_part_of_the_model_is_one_warning(aot_eager):
+    rank0, rank1 = aot_eager["function"]
     cut = _warnings(rank0)
     assert len(cut) == 1, cut
     assert "the compiled function <lambda> reads only embed, layers.0's parameters" in cut[0], cut[0]
@@ -126,15 +148,16 @@ def test_compiled_function_over_part_of_the_model_is_one_warning():
     assert _warnings(rank1) == []
 
 
-def test_whole_model_compile_is_not_a_cut():
-    rank0, _ = run_ranks(_job, world_size=2, args=("whole", "aot_eager"), timeout=TIMEOUT)
+def test_whole_model_compile_is_not_a_cut(aot_eager):
+    rank0, _ = aot_eager["whole"]
     assert _warnings(rank0) == []
-    assert [m for _, m in rank0 if "fw_0: " in m and "moved" in m], rank0
+    assert [m for _, m in rank0 if "] fw_" in m and "moved" in m], rank0   # graphs are numbered per process
 
 
 def test_every_graph_of_a_per_block_compile_has_an_info_line(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    rank0, _ = run_ranks(_job, world_size=2, args=("per_block", "inductor"), timeout=TIMEOUT)
+    rank0, _ = (lines["per_block"] for lines in run_ranks(_job, world_size=2, args=(("per_block",), "inductor"),
+                                                                    timeout=TIMEOUT))
     compiled = [m for _, m in rank0 if "compiling graph" in m]
     assert len(compiled) == 2, compiled   # one Dynamo graph per block
     for index in range(len(compiled)):

@@ -4,7 +4,9 @@ First the ranks calibrate a profile of this machine and link (``overlapc
 calibrate``'s quick sweep, not under the profiler: the timed steps the header
 compares with are not profiled either), so the estimates are this machine's;
 overlapc compiles with it (``profile.json``), and every estimate the demo prints
-uses it.
+uses it. ``--profile FILE`` uses a profile calibrated before instead (``overlapc
+calibrate --world-size 2`` on this machine; copied to ``profile.json``), and the
+demo starts training at once.
 Each rank builds the same model, shards it with overlapc.fsdp, and compiles it
 twice from the same initial weights: under backend="overlapc" (default options
 unless flags say otherwise) and under plain Inductor. After one compiling step
@@ -44,6 +46,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -154,10 +157,14 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, dump_dir: s
     data = [(torch.randn(args.batch, args.seq, args.width, generator=generator),
              torch.randn(args.batch, args.seq, args.width, generator=generator)) for _ in range(4)]
 
-    from overlapc import calibrate
     profile = os.path.join(dump_dir, "profile.json")
-    say("calibrating this machine and link (quick sweep) ...")
-    calibrate.run_in_group(profile, quick=True)
+    if args.profile:
+        if rank == 0:
+            shutil.copyfile(args.profile, profile)
+    else:
+        from overlapc import calibrate
+        say("calibrating this machine and link (quick sweep) ...")
+        calibrate.run_in_group(profile, quick=True)
     dist.barrier()
     options = {"dump_dir": dump_dir, "profile": profile, **_schedule_options(args)}
     models = {}
@@ -222,7 +229,7 @@ def _write_page(rank: int, mesh, args, data, options: dict, profile: str, trace:
 def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str, results: dict,
                   parameters: int, estimates: dict) -> str:
     """Rank 0's three parts: the header block (estimates with ``profile``: ``_estimates``), a compact
-    table per graph (the dumps': the profile calibrated before compiling), details (--verbose)."""
+    table per graph (the dumps': the same profile), details (--verbose)."""
     from overlapc.estimate import costmodel
     from overlapc.explain import report
     from overlapc.explain.analysis_output import comparison_text
@@ -234,7 +241,8 @@ def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str
     barrier = calibrated.link.for_kind("all_reduce")[1] * 1e-3   # the step's dist.barrier(): latency
     measured = analyze(trace, dump_dir)
     lines = _header(args, world_size, results, graphs, framework + barrier, measured, estimates)
-    lines += [f"estimates above and below: {os.path.basename(profile)} (calibrated before compiling)",
+    when = f"given: --profile {args.profile}" if args.profile else "calibrated before compiling"
+    lines += [f"estimates above and below: {os.path.basename(profile)} ({when})",
               "", "schedule per graph"]
     text = "\n".join(report.wrap(line, "    ").rstrip("\n") for line in lines) + "\n"
     for name, rows, summary in graphs:
@@ -369,6 +377,8 @@ def _arguments() -> argparse.ArgumentParser:
     parser.add_argument("--keep", metavar="DIR", help="write the rank logs, profile, schedule dumps, "
                         "profiler traces and the schedule page schedule.html here and keep them (default: a temporary folder); then try "
                         "`overlapc analyze DIR/trace_rank0.json --dump DIR`")
+    parser.add_argument("--profile", metavar="FILE", help="a profile from `overlapc calibrate --world-size 2` "
+                        "on this machine, used instead of calibrating first (default: calibrate, about a minute)")
     parser.add_argument("--verbose", action="store_true", help="also print losses and times per step, the "
                         "wide tables and the estimated vs measured profiled steps (default: off)")
     return parser
@@ -384,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
         OverlapConfig.from_options(_schedule_options(args), env={})
     except ValueError as error:
         parser.error(str(error))
+    if args.profile:
+        from overlapc.estimate import costmodel
+        try:
+            costmodel.load_profile(args.profile)
+        except ValueError as error:
+            parser.error(f"--profile: {error}")
     world_size = 2
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
