@@ -128,6 +128,9 @@ def _cuda_trace() -> dict:
                            "dur": length, "args": {"correlation": correlation[0], "stream": stream, "device": 0}})
 
     op("ProfilerStep#0", 0, 1000, cat="user_annotation")
+    # CUDA traces repeat the step's annotation on the device's timeline (seen on an H200, torch 2.11)
+    events.append({"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#0", "pid": 0, "tid": 7,
+                   "ts": 40, "dur": 580})
     op("CompiledFunction", 10, 45)
     op("_c10d_functional::all_gather_into_tensor", 20, 10, ("ncclDevKernel_AllGather_RING_LL", 40, 200, 20))
     op("aten::mm", 30, 5, ("sm90_xmma_gemm_f32f32", 50, 100, 7))

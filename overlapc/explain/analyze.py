@@ -1,7 +1,7 @@
 """``overlapc analyze TRACE``: measured communication of a torch.profiler trace, per collective.
 
 Input: a Chrome trace written by ``torch.profiler.profile(...).export_chrome_trace``
-(one rank's file). Steps are the profiler's ``ProfilerStep#N`` spans (pass
+(one rank's file). Steps are the profiler's ``ProfilerStep#N`` spans on the CPU (pass
 ``schedule=`` and call ``prof.step()``); a trace without them is one step
 spanning the compute threads' events. Two formats:
 
@@ -402,7 +402,8 @@ def analyze(trace: "str | dict", dump: str | None = None, profile=None) -> Analy
     threads: dict = {}
     for e in spans:
         key = (e.get("pid"), e.get("tid"))
-        if key not in workers and (_is_comm_op(e["name"]) or e["name"] in _REGIONS or _STEP.match(e["name"])):
+        if key not in workers and e.get("cat") != "gpu_user_annotation" and (   # a CPU span's copy on the GPU
+                _is_comm_op(e["name"]) or e["name"] in _REGIONS or _STEP.match(e["name"])):
             threads.setdefault(key, []).append(e)
     if not any(_is_comm_op(e["name"]) for events in threads.values() for e in events):
         raise ValueError(f"{path}: no communication ops found (profile with ProfilerActivity.CPU)")
