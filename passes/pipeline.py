@@ -20,11 +20,12 @@ import warnings
 import torch.fx as fx
 
 from overlapc.passes import invariants, meta
-from overlapc.passes.collectives import Collective
+from overlapc.passes.collectives import Collective, role
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
 from overlapc.passes.memory import Headroom, Liveness
 from overlapc.passes.options import ScheduleOptions, as_options
+from overlapc.passes.rewrite import hoist_attributes
 from overlapc.passes.scheduler import UNBOUNDED, schedule_order
 from overlapc.passes.structure import Structure, apply_order
 
@@ -39,6 +40,23 @@ def check_graph(gm) -> None:
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"overlapc expects a torch.fx.GraphModule, got {type(gm).__name__}; "
                         "trace the function first (make_fx or torch.fx.symbolic_trace)")
+
+
+def _prepare(gm: fx.GraphModule) -> None:
+    """What a graph traced without tensor metadata needs (``torch.fx.symbolic_trace``):
+    its parameter reads hoisted (``rewrite.hoist_attributes``), and a WARNING when its
+    collectives carry no ``meta["val"]`` (their bytes then count as 0, so byte budgets
+    and memory estimates bound nothing). Graphs without collectives are left alone."""
+    starts = [n for n in gm.graph.nodes if role(n)[0] is not None]
+    if not starts:
+        return
+    hoist_attributes(gm.graph)
+    blind = [n.name for n in starts if "val" not in n.meta]
+    if blind:
+        log.warning("overlapc: %d of %d collectives (%s) have no meta[\"val\"] (a torch.fx.symbolic_trace "
+                    "graph?): their bytes count as 0, so byte budgets and memory estimates bound nothing; "
+                    "trace with make_fx, or run torch.fx.passes.shape_prop.ShapeProp on example inputs first",
+                    len(blind), len(starts), ", ".join(blind[:3]) + (", ..." if len(blind) > 3 else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,6 +562,7 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
     before = tuple(n.name for n in original)
     if not cfg.enabled:
         return ScheduleResult(gm, before=before)
+    _prepare(gm)
     if cfg.chunks == "auto" and estimator is None:
         raise ValueError('overlapc.passes: chunks="auto" chooses piece counts with an estimator: pass '
                          "estimator= (overlapc.costmodel.resolve(profile)), or call overlapc.schedule, which "

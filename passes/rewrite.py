@@ -1,4 +1,5 @@
-"""What the rewriting passes (chunk, bucket) share: fake values and node creation.
+"""What the rewriting passes (chunk, bucket) share: fake values and node creation; and
+``hoist_attributes``, which the pipeline runs first.
 
     fake = FakeValues(gm)
     with fake.mode:                # optional: entered once for many new nodes, not per node
@@ -17,7 +18,7 @@ from torch.utils._pytree import tree_map
 from overlapc.passes.bucket_ops import FAKE_IMPLS
 from overlapc.passes.collectives import node_value
 
-__all__ = ["FakeValues", "new_node"]
+__all__ = ["FakeValues", "hoist_attributes", "new_node"]
 
 # meta a new node copies from the node it stands for
 _PROVENANCE = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "original_aten",
@@ -85,3 +86,29 @@ def new_node(graph: fx.Graph, fake: FakeValues, target, args, kwargs=None, *, li
             if key in like.meta:
                 node.meta[key] = like.meta[key]
     return node
+
+
+def hoist_attributes(graph: fx.Graph) -> list[fx.Node]:
+    """Move every ``get_attr`` node (a parameter or buffer read off the module, as
+    ``torch.fx.symbolic_trace`` writes them: each just before its first reader) up to
+    just after the placeholders, in their order; return the nodes moved. Without
+    this a collective of a parameter cannot be issued before the attribute's read,
+    which the scheduler does not move. Reading an attribute computes nothing and
+    reads no other node, so every order stays valid and the values are the same."""
+    anchor = None
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            break
+        anchor = node
+    moved = []
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        if anchor is None:
+            first = next(iter(graph.nodes))
+            if first is not node:
+                first.prepend(node)
+                moved.append(node)
+        elif anchor.next is not node:
+            anchor.append(node)
+            moved.append(node)
+        anchor = node
+    return moved

@@ -439,3 +439,41 @@ def test_alias_and_cheap_cached_per_target_answer_as_the_rules(fake_pg):
     for _ in range(2):
         assert [(is_alias(n), is_cheap(n)) for n in nodes] == [(_alias_uncached(n), _cheap_uncached(n))
                                                                for n in nodes]
+
+
+class _SymbolicallyTraced(torch.nn.Module):
+    """Two parameters gathered where they are used and a reduction at the end, as
+    ``torch.fx.symbolic_trace`` writes them: each parameter a ``get_attr`` just before its
+    all-gather, and no ``meta["val"]`` on any node."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.w1 = torch.nn.Parameter(torch.randn(2, 16))
+        self.w2 = torch.nn.Parameter(torch.randn(2, 16))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        a = F.all_gather_into_tensor(self.w1, 8, "0")
+        h = torch.matmul(h, F.wait_tensor(a).t())
+        h = torch.relu(self.lin(h))
+        b = F.all_gather_into_tensor(self.w2, 8, "0")
+        return torch.matmul(h, F.wait_tensor(b).t())
+
+
+def test_symbolically_traced_parameters_are_prefetched_and_missing_sizes_said(fake_pg, caplog):
+    """A symbolic_trace graph: its parameter reads (get_attr) move up, so both all-gathers
+    are issued before the first linear; a WARNING says its byte counts are 0."""
+    gm = torch.fx.symbolic_trace(_SymbolicallyTraced())
+    x = torch.randn(4, 16)
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise"))
+    names = [n.name for n in gm.graph.nodes]
+    first_linear = names.index("lin")
+    assert names.index("all_gather_into_tensor") < first_linear
+    assert names.index("all_gather_into_tensor_1") < first_linear
+    said = [r.getMessage() for r in caplog.records if 'no meta["val"]' in r.getMessage()]
+    assert len(said) == 1 and "2 of 2 collectives" in said[0] and "ShapeProp" in said[0], said
+    gm.graph.lint()
+    assert sorted(names) == sorted(n.name for n in torch.fx.symbolic_trace(_SymbolicallyTraced()).graph.nodes)
+    assert gm(x).shape == (4, 16)   # it still runs (the fake group moves no data)
