@@ -55,7 +55,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-from overlapc.torch_compat import output_aware_checkpoint_contexts, quiet_checkpoint_context_warning, route_gloo_all_gathers
+from overlapc.torch_compat import (output_aware_checkpoint_contexts, quiet_checkpoint_context_warning,
+                                   route_gloo_all_gathers)
 
 __all__ = ["shard"]
 
