@@ -358,7 +358,7 @@ def test_demo_prints_its_header_first_without_profiler_noise_within_120_columns(
     block = [line.split()[0] for line in lines[first + 2:first + 7]]
     assert block == ["losses", "step", "estimated", "peak", "exposed"], lines[first:first + 8]
     assert "equal in all 3 steps" in lines[first + 2] and "Inductor" in lines[first + 3]
-    assert f"profile.json (given: --profile {profile})" in done.stdout
+    assert "estimates above and below: profile.json (given: --profile profile.json)" in done.stdout
     assert sum(line.startswith(("fw_", "bw_")) and "by estimate with profile.json (calibrated)" in line
                for line in lines) == 2
     assert "== details ==" not in done.stdout and os.path.isfile(kept / "rank0.log")

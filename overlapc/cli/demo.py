@@ -241,7 +241,7 @@ def _results_text(args, world_size: int, dump_dir: str, profile: str, trace: str
     barrier = calibrated.link.for_kind("all_reduce")[1] * 1e-3   # the step's dist.barrier(): latency
     measured = analyze(trace, dump_dir)
     lines = _header(args, world_size, results, graphs, framework + barrier, measured, estimates)
-    when = f"given: --profile {args.profile}" if args.profile else "calibrated before compiling"
+    when = f"given: --profile {os.path.basename(args.profile)}" if args.profile else "calibrated before compiling"
     lines += [f"estimates above and below: {os.path.basename(profile)} ({when})",
               "", "schedule per graph"]
     text = "\n".join(report.wrap(line, "    ").rstrip("\n") for line in lines) + "\n"
