@@ -5,35 +5,47 @@ from __future__ import annotations
 
 import heapq
 import math
+from itertools import accumulate
 
 import torch.fx as fx
 
 from overlapc.passes.memory import Liveness
+from overlapc.passes.pool import Pool, reuses
 
 
 class EditedPeak:
     """The peak live bytes of one graph's node order (``Liveness``'s model) while the
     caller edits the graph: nodes leave the order (they stay in the graph, read by
     nothing that stays) and readers of a wait are re-pointed to another wait. Each
-    ``edit`` recounts the nodes it touches and the storages they read, O((those) x
-    log n), instead of the whole graph; ``undo`` takes the last edit back. The
+    ``edit`` recounts the nodes it touches and the storages they read, and pairs the
+    pool again (``pool.reuses``, one pass over the order), moving in the tree of live
+    bytes only the storages whose span changed, O(n + (those) x log n), instead of
+    building the whole graph's liveness again; ``undo`` takes the last edit back. The
     peak is always the one ``peak_bytes`` gives for the order without the dropped
     nodes, on the graph as edited."""
 
     def __init__(self, nodes: list[fx.Node], liveness: Liveness | None = None):
         """``nodes``: the graph's nodes in graph order (positions stay theirs); ``liveness``:
         ``Liveness(nodes)`` when the caller has it (forked: this one is left as it is)."""
-        self.liveness = liveness.fork() if liveness is not None else Liveness(nodes)
+        lv = self.liveness = liveness.fork() if liveness is not None else Liveness(nodes)
+        self.nodes = nodes
         self.pos = {node: index for index, node in enumerate(nodes)}
         self.end = len(nodes) - 1
         self.dropped: set[fx.Node] = set()
-        self.unread = set(self.liveness.unread)
-        self.last = self.liveness._last_use(nodes, self.pos)
+        self.unread = set(lv.unread)
+        self.base = lv._last_use(nodes, self.pos)   # storage -> freed after, by its readers
+        self.taken = reuses(lv.pool, nodes, self.base, lv.size)   # storage -> the allocation that takes it
+        self.span = {r: (n, self.taken[r] - 1 if r in self.taken else self.base[r])   # what the tree counts
+                     for r, n in lv.size.items() if n}
         self.readers: dict[fx.Node, dict[fx.Node, None]] = {}   # storage -> nodes that read it
         for node in nodes:
-            for r in self.liveness.reads[node]:
+            for r in lv.reads[node]:
                 self.readers.setdefault(r, {})[node] = None
-        self._live = _MaxAfterAdds(self.liveness.live_bytes(nodes))
+        change = [0] * (len(nodes) + 1)   # the live bytes of these spans (``Liveness.along``'s, paired along ``nodes``)
+        for r, (nbytes, last) in self.span.items():
+            change[self.pos[r]] += nbytes
+            change[last + 1] -= nbytes
+        self._live = _MaxAfterAdds(list(accumulate(change[:-1])))
         self._undo: list = []
 
     @property
@@ -46,13 +58,13 @@ class EditedPeak:
         another wait, in place of one) and what reads them through aliases and fused-away
         ops; return the new peak. Kept until ``undo``."""
         lv = self.liveness
-        saved = {}   # node -> (root, size, inlined, reads) before, None: absent
+        saved = {}   # node -> its entries in the tables of ``_TABLES`` before, None: absent
         touched: dict[fx.Node, None] = {}   # storages whose bytes or readers may have changed
         drop = drop - self.dropped
 
         def save(node):
             if node not in saved:
-                saved[node] = (lv.root.get(node), lv.size.get(node), lv.inlined.get(node), lv.reads.get(node))
+                saved[node] = tuple(_entry(lv, name, node) for name in _TABLES)
         for node in sorted(drop, key=self.pos.__getitem__):
             save(node)
             touched.update(dict.fromkeys(lv.reads[node]))
@@ -67,9 +79,9 @@ class EditedPeak:
                 continue
             done.add(node)
             save(node)
-            root, nbytes, inlined, reads = saved[node]
-            lv.size.pop(node, None)
-            lv.inlined.pop(node, None)
+            root, nbytes, inlined, reads = saved[node][:4]
+            for name in _TABLES[1:3] + _TABLES[4:]:   # what ``_add`` decides afresh
+                _table(lv, name).pop(node, None)
             lv._add(node)
             touched.update(dict.fromkeys(reads))
             touched.update(dict.fromkeys(lv.reads[node]))
@@ -83,46 +95,73 @@ class EditedPeak:
 
     def undo(self) -> None:
         """Take the last ``edit`` back (the caller restores the graph's edges)."""
-        drop, saved, intervals = self._undo.pop()
+        drop, saved, (spans, bases, taken) = self._undo.pop()
         lv = self.liveness
-        for node, (root, nbytes, inlined, reads) in saved.items():
-            self._reindex(node, () if node in drop else lv.reads[node], reads)
-            for table, value in ((lv.root, root), (lv.size, nbytes), (lv.inlined, inlined), (lv.reads, reads)):
+        for node, entries in saved.items():
+            self._reindex(node, () if node in drop else lv.reads[node], entries[3])
+            for name, value in zip(_TABLES, entries):
                 if value is None:
-                    table.pop(node, None)
+                    _table(lv, name).pop(node, None)
                 else:
-                    table[node] = value
+                    _table(lv, name)[node] = None if name == "kernels" else value
         self.dropped -= drop
-        for r, (before, after) in intervals.items():
+        for r, before in bases.items():
+            if before is None:
+                self.base.pop(r, None)
+            else:
+                self.base[r] = before
+        self.taken = taken
+        for r, (before, after) in spans.items():
             self._move(r, after, before)
-            self.last[r] = before[1]
 
-    def _recount(self, saved: dict[fx.Node, tuple], touched: dict[fx.Node, None]) -> dict:
-        """Update the readers index of the nodes in ``saved`` and the live intervals of the
-        storages ``touched``; return storage -> (interval before, after) for ``undo``."""
-        lv = self.liveness
-        for node, (root, nbytes, inlined, reads) in saved.items():
-            self._reindex(node, reads, () if node in self.dropped else lv.reads[node])
-        intervals = {}
+    def _recount(self, saved: dict[fx.Node, tuple], touched: dict[fx.Node, None]) -> tuple:
+        """Update the readers index of the nodes in ``saved``, the readers' last positions of
+        the storages ``touched``, the pool's pairing and the spans the tree counts; return
+        (spans, bases, pairing) as they were, for ``undo``."""
+        lv, dropped = self.liveness, self.dropped
+        for node, entries in saved.items():
+            self._reindex(node, entries[3], () if node in dropped else lv.reads[node])
+        bases = {}
         for r in sorted(touched, key=self.pos.__getitem__):
-            before = (saved[r][1] if r in saved else lv.size.get(r)) or 0, self.last.get(r, self.pos[r])
-            alive = r not in self.dropped and lv.size.get(r)
-            after = (lv.size[r] if alive else 0), self._last_of(r)
-            if before != after:
-                self._move(r, before, after)
-                intervals[r] = (before, after)
-                self.last[r] = after[1]
-        return intervals
+            last = self._last_of(r)
+            if last != self.base.get(r):
+                bases[r] = self.base.get(r)
+                self.base[r] = last
+        before, self.taken = self.taken, reuses(self._standing(), self.nodes, self.base, lv.size)
+        changed = dict(touched)
+        changed.update(dict.fromkeys(r for r in before if self.taken.get(r) != before[r]))
+        changed.update(dict.fromkeys(r for r in self.taken if r not in before))
+        spans = {}
+        for r in sorted(changed, key=self.pos.__getitem__):
+            old = self.span.get(r, (0, self.pos[r]))
+            nbytes = 0 if r in dropped else lv.size.get(r) or 0
+            new = (nbytes, self.taken[r] - 1 if r in self.taken else self.base.get(r, self.pos[r]))
+            if old != new:
+                self._move(r, old, new)
+                spans[r] = (old, new)
+        return spans, bases, before
+
+    def _standing(self) -> Pool:
+        """The liveness's pool tables without the dropped nodes (inert where they stand)."""
+        pool, dropped = self.liveness.pool, self.dropped
+        if not dropped:
+            return pool
+        kept = Pool()
+        kept.key = {n: k for n, k in pool.key.items() if n not in dropped}
+        kept.takes = {n: k for n, k in pool.takes.items() if n not in dropped}
+        kept.kernels = {n: None for n in pool.kernels if n not in dropped}
+        kept.inputs = [n for n in pool.inputs if n not in dropped]
+        return kept
 
     def _reindex(self, node: fx.Node, old_reads, new_reads) -> None:
         """``node`` reads ``new_reads`` now, not ``old_reads`` (the readers index)."""
-        for r in old_reads:
+        for r in old_reads or ():
             self.readers.get(r, {}).pop(node, None)
         for r in new_reads:
             self.readers.setdefault(r, {})[node] = None
 
     def _last_of(self, r: fx.Node) -> int:
-        """The position after which storage ``r`` is freed (``Liveness._last_use``)."""
+        """The position after which storage ``r``'s readers let it go (``Liveness._last_use``)."""
         pos, held = self.pos, self.liveness.held_until
         last = self.end if r in self.unread else pos[r]
         for node in self.readers.get(r, ()):
@@ -131,12 +170,33 @@ class EditedPeak:
         return last
 
     def _move(self, r: fx.Node, before: tuple[int, int], after: tuple[int, int]) -> None:
-        """Storage ``r``'s (bytes, last position) from ``before`` to ``after``."""
+        """Storage ``r``'s (bytes, last position) in the tree from ``before`` to ``after``."""
         first = self.pos[r]
         if before[0]:
             self._live.add(first, before[1], -before[0])
         if after[0]:
             self._live.add(first, after[1], after[0])
+            self.span[r] = after
+        else:
+            self.span.pop(r, None)
+
+
+# Liveness's tables an edit may change: its own, then its pool's
+_TABLES = ("root", "size", "inlined", "reads", "key", "takes", "kernels")
+
+
+def _table(liveness: Liveness, name: str) -> dict:
+    """The table ``name`` of ``_TABLES`` in ``liveness``."""
+    return getattr(liveness.pool, name) if name in ("key", "takes", "kernels") else getattr(liveness, name)
+
+
+def _entry(liveness: Liveness, name: str, node: fx.Node):
+    """``node``'s entry in the table ``name`` (for "kernels", a set as a dict: True when in
+    it); None when absent."""
+    table = _table(liveness, name)
+    if name == "kernels":
+        return True if node in table else None
+    return table.get(node)
 
 
 class _MaxAfterAdds:

@@ -23,11 +23,29 @@ replays that code and ``tests/test_wrapper_replay.py`` holds the two within 3%):
   outputs live to the end; a collective's inputs are held until its last wait (the
   c10d work keeps them). Graph inputs are live from the top until their last use
   (the wrapper deletes them there), an input nothing reads until the end.
+- Inductor's pool (``pool.py``): a freed storage allocated by a compute node (not a
+  graph input), one tensor of plain sizes, stays allocated until a later node whose
+  output Inductor allocates itself (pointwise, reduction, scatter and cat kernels,
+  ``mm``-family ``out=`` calls; not fallbacks: collectives, custom ops, other aten
+  ops) and whose storage has the same dtype, device and bytes takes it (``bufY = bufX;
+  del bufX  # reuse``): it looks at the one freed last and takes it when no kernel runs
+  between, or when the hold fits in the bytes of graph inputs freed before (Inductor's
+  own estimate, with its peak-memory reordering off, counts only inputs not named
+  ``primals_*``/``arg*``/``tangents*``) less the holds already there; otherwise it
+  allocates anew and the storage waits for the next. One nothing takes is freed
+  where it was. The pairs are decided along the order ``Liveness`` is built from (the
+  graph's own: the order Inductor generates code for) and kept for every order, as
+  reads are: a storage is live until its taker where the taker comes after its last
+  reader. (Paired per order instead, the serial reference and a schedule would hold
+  different buffers, which the core's placement cannot foresee: a transformer's
+  backward, tests/test_bucket.py, then ran serially for 128 bytes of hold.)
 
-Every decision above reads the graph, never the order: one ``Liveness`` serves any
-order. Deterministic, O(nodes + edges). ``edited_peak.EditedPeak`` keeps the peak of
-one order while a pass drops nodes and re-points readers (keep-or-regather's trials),
-recounting only what each edit touches.
+Every decision above reads the graph and the order it is built from, not the order
+measured: one ``Liveness`` serves any order. Deterministic, O(nodes + edges), plus
+O(log^2 nodes) for each hold the pool weighs over kernels. ``edited_peak.EditedPeak``
+keeps the peak of one order while a pass drops nodes and re-points readers
+(keep-or-regather's trials), recounting what each edit touches and pairing the pool
+again along the order as it stands.
 """
 from __future__ import annotations
 
@@ -38,12 +56,14 @@ import torch
 import torch.fx as fx
 
 from overlapc.passes.collectives import is_alias, node_value, role, size_hint, tensor_nbytes, wait_nodes
+from overlapc.passes.pool import Pool, freeable, pool_key, reuses
 from overlapc.passes.structure import Structure
 
 
 class Liveness:
-    """What liveness needs of a graph's nodes, independent of their order; then
-    ``live_bytes(order)`` / ``peak_bytes(order)`` for any topological order of them."""
+    """What liveness needs of a graph's nodes (the pool's pairs decided along the order
+    given, the rest independent of it); then ``live_bytes(order)`` / ``peak_bytes(order)``
+    for any topological order of them."""
 
     def __init__(self, nodes: list[fx.Node]):
         """``nodes``: every node of one graph, each after its inputs (graph order)."""
@@ -53,10 +73,12 @@ class Liveness:
         self.held_until: dict[fx.Node, tuple] = {}          # start -> its waits
         self.unread: list[fx.Node] = []                     # inputs nothing reads: live to the end
         self.inlined: dict[fx.Node, list[fx.Node]] = {}     # fused-away node -> storages it reads
+        self.pool = Pool()                                  # what Inductor's buffer pool reads (``pool.reuses``)
         self._fusable: dict[fx.Node, bool] = {}
         self._extents: dict[tuple, int] = {}                # (sizes, strides, dtype) -> bytes
         for node in nodes:
             self._add(node)
+        self.held = self._pair(nodes)                       # storage -> the node whose allocation takes it
 
     def fork(self) -> Liveness:
         """A copy of these decisions that ``EditedPeak`` may edit, leaving this one as it is
@@ -64,6 +86,7 @@ class Liveness:
         twin = object.__new__(Liveness)
         twin.root, twin.size, twin.reads = dict(self.root), dict(self.size), dict(self.reads)
         twin.held_until, twin.unread, twin.inlined = dict(self.held_until), list(self.unread), dict(self.inlined)
+        twin.pool, twin.held = self.pool.copy(), dict(self.held)
         twin._fusable, twin._extents = dict(self._fusable), self._extents   # extents: by shape alone
         return twin
 
@@ -84,6 +107,8 @@ class Liveness:
                 self.held_until[node] = waits
         if inputs and (facts.waits or facts.aliases):
             root[node] = root[next(iter(inputs))]
+            if facts.waits:   # a kernel of its own (Inductor's wait kernel)
+                self.pool.kernels[node] = None
             return
         if facts.pointwise and node.users:
             if _fuses_away(node, self._fusable, read):
@@ -93,14 +118,25 @@ class Liveness:
             reused = _reused_input(node, self.size, self._extents)
             if reused is not None:
                 root[node] = reused   # Inductor writes the output into that input's buffer
+                self.pool.kernels[node] = None
                 return
         root[node] = node
         if node.op == "output":
             self.size[node] = 0
             return
-        self.size[node] = _nbytes(node, self._extents)
-        if node.op == "placeholder" and not node.users:
-            self.unread.append(node)
+        self.size[node] = nbytes = _nbytes(node, self._extents)
+        if node.op == "placeholder":
+            if not node.users:
+                self.unread.append(node)
+            elif freeable(node):
+                self.pool.inputs.append(node)
+        elif node.op == "call_function":   # a kernel; its own buffer pooled when freed, taken from the pool
+            self.pool.kernels[node] = None
+            key = pool_key(node_value(node), nbytes)
+            if key is not None:
+                self.pool.key[node] = key
+                if facts.allocates:
+                    self.pool.takes[node] = key
 
     def live_bytes(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
@@ -109,10 +145,16 @@ class Liveness:
 
     def along(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) \
             -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
-        """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
+        """(``live_bytes(order)``, node -> position in ``order``, storage -> the position in
+        ``order`` after which it is freed: ``_last_use``, or for a storage ``held`` by a node
+        that comes later, the position before that node)."""
         if pos is None:
             pos = dict(zip(order, range(len(order))))
         last = self._last_use(order, pos)
+        for r, taker in self.held.items():   # kept in the pool until the allocation that takes it
+            at = pos.get(taker)
+            if at is not None and at - 1 > last[r]:
+                last[r] = at - 1
         change = [0] * (len(order) + 1)
         for r, nbytes in self.size.items():
             if nbytes:
@@ -120,8 +162,17 @@ class Liveness:
                 change[last[r] + 1] -= nbytes
         return list(accumulate(change[:-1])), pos, last
 
+    def _pair(self, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+        """Storage -> the node whose allocation takes its buffer from Inductor's pool, along
+        ``nodes`` (``pool.reuses``; the graph order, the one Inductor generates code for)."""
+        if not self.pool.takes:
+            return {}
+        pos = dict(zip(nodes, range(len(nodes))))
+        return {r: nodes[at] for r, at in reuses(self.pool, nodes, self._last_use(nodes, pos), self.size).items()}
+
     def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
-        """Storage -> the position in ``order`` after which it is freed."""
+        """Storage -> the position in ``order`` after which the wrapper frees it (its last
+        reader, a collective's last wait; without the pool's holds, which ``along`` adds)."""
         last = {root: pos[root] for root in self.size}
         reads = self.reads
         for until, node in enumerate(order):   # positions rise: the last reader writes last
@@ -141,8 +192,7 @@ class Liveness:
     def live_at(self, order: list[fx.Node], index: int) -> list[tuple[fx.Node, int]]:
         """The storages live while ``order[index]`` runs, as (node that allocated
         it, bytes), largest first (ties in order)."""
-        pos = {node: i for i, node in enumerate(order)}
-        last = self._last_use(order, pos)
+        _, pos, last = self.along(order)
         live = [(r, n) for r, n in self.size.items() if n and pos[r] <= index <= last[r]]
         return sorted(live, key=lambda item: (-item[1], pos[item[0]]))
 
@@ -173,6 +223,8 @@ _FUSED_READERS = {"aten.index_put.default", "aten.scatter.src", "aten.scatter.va
                   "aten.scatter_add.default", "aten.slice_scatter.default",
                   "aten.select_scatter.default", "aten.cat.default"}
 _MAX_REUSE_READS = 4   # torch._inductor.config.realize_reads_threshold
+# extern kernels Inductor calls with ``out=`` a buffer it allocates (and so may take from its pool)
+_EXTERN_OUT = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
 
 
 class _OpFacts(NamedTuple):
@@ -184,10 +236,11 @@ class _OpFacts(NamedTuple):
     waits: bool          # a wait (``role``)
     pointwise: bool      # a functional pointwise op (Inductor lowers it to a loop body it can inline)
     fused_reader: bool   # reads its inputs from inside its own loop: pointwise, a reduction, a scatter, cat
+    allocates: bool      # Inductor allocates its output (a kernel it generates, or ``out=``), from its pool when it can
 
 
 _FACTS_BY_TARGET: dict[int, tuple[object, _OpFacts]] = {}
-_OTHER_FACTS = {(aliases, fused): _OpFacts(aliases, False, False, False, fused)
+_OTHER_FACTS = {(aliases, fused): _OpFacts(aliases, False, False, False, fused, False)
                 for aliases in (False, True) for fused in (False, True)}
 
 
@@ -210,8 +263,8 @@ def _call_facts(node: fx.Node) -> _OpFacts:
     mutable = getattr(getattr(target, "_schema", None), "is_mutable", True)   # in-place ops mutate self
     pointwise = not mutable and (torch.Tag.pointwise in tags or name in _EXTRA_POINTWISE)
     start, wait, _ = role(node)   # what it starts or waits depends on the target alone
-    return _OpFacts(is_alias(node), start is not None, wait, pointwise,
-                    pointwise or torch.Tag.reduction in tags or name in _FUSED_READERS)
+    fused = pointwise or torch.Tag.reduction in tags or name in _FUSED_READERS
+    return _OpFacts(is_alias(node), start is not None, wait, pointwise, fused, fused or name in _EXTERN_OUT)
 
 
 def _fusable_reader(node: fx.Node, fusable: dict[fx.Node, bool]) -> bool:
