@@ -52,8 +52,9 @@ def pool_key(value, nbytes: int) -> tuple | None:
 
 def freeable(placeholder: fx.Node) -> bool:
     """Whether Inductor's peak estimate counts graph input ``placeholder`` as freed after its
-    last reader (it is read, and its name is not one of ``_NONFREEABLE``)."""
-    return bool(placeholder.users) and not placeholder.name.startswith(_NONFREEABLE)
+    last reader: it is read, and its name in Inductor (the placeholder's target, which a
+    re-traced graph's node names need not be) is not one of ``_NONFREEABLE``."""
+    return bool(placeholder.users) and not str(placeholder.target).startswith(_NONFREEABLE)
 
 
 class Pool:
