@@ -23,32 +23,16 @@ replays that code and ``tests/test_wrapper_replay.py`` holds the two within 3%):
   outputs live to the end; a collective's inputs are held until its last wait (the
   c10d work keeps them). Graph inputs are live from the top until their last use
   (the wrapper deletes them there), an input nothing reads until the end.
-- Inductor's pool (``pool.py``): a freed storage allocated by a compute node (not a
-  graph input), one tensor of plain sizes, stays allocated until a later node whose
-  output Inductor allocates itself (pointwise, reduction, scatter and cat kernels,
-  ``mm``-family ``out=`` calls; not fallbacks: collectives, custom ops, other aten
-  ops) and whose storage has the same dtype, device and bytes takes it (``bufY = bufX;
-  del bufX  # reuse``): it looks at the one freed last and takes it when no kernel runs
-  between, or when the hold fits in the bytes of graph inputs freed before (Inductor's
-  own estimate, with its peak-memory reordering off, counts only inputs not named
-  ``primals_*``/``arg*``/``tangents*``) less the holds already there; otherwise it
-  allocates anew and the storage waits for the next. One nothing takes is freed
-  where it was. The pairs are decided along the order ``Liveness`` is built from (the
-  graph's own: the order Inductor generates code for) and kept for every order, as
-  reads are: a storage is live until its taker where the taker comes after its last
-  reader. (Paired per order instead, the serial reference and a schedule would hold
-  different buffers, which the core's placement cannot foresee: a transformer's
-  backward, tests/test_bucket.py, then ran serially for 128 bytes of hold.)
 
-Every decision above reads the graph and the order it is built from, not the order
-measured: one ``Liveness`` serves any order. Deterministic, O(nodes + edges), plus
-O(log^2 nodes) for each hold the pool weighs over kernels. ``edited_peak.EditedPeak``
-keeps the peak of one order while a pass drops nodes and re-points readers
-(keep-or-regather's trials), recounting what each edit touches and pairing the pool
-again along the order as it stands.
+Every decision above reads the graph, never the order: one ``Liveness`` serves any
+order. Deterministic, O(nodes + edges). ``EditedPeak`` keeps the peak of one order
+while a pass drops nodes and re-points readers (keep-or-regather's trials),
+recounting only what each edit touches.
 """
 from __future__ import annotations
 
+import heapq
+import math
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -56,14 +40,12 @@ import torch
 import torch.fx as fx
 
 from overlapc.passes.collectives import is_alias, node_value, role, size_hint, tensor_nbytes, wait_nodes
-from overlapc.passes.pool import Pool, freeable, pool_key, reuses
 from overlapc.passes.structure import Structure
 
 
 class Liveness:
-    """What liveness needs of a graph's nodes (the pool's pairs decided along the order
-    given, the rest independent of it); then ``live_bytes(order)`` / ``peak_bytes(order)``
-    for any topological order of them."""
+    """What liveness needs of a graph's nodes, independent of their order; then
+    ``live_bytes(order)`` / ``peak_bytes(order)`` for any topological order of them."""
 
     def __init__(self, nodes: list[fx.Node]):
         """``nodes``: every node of one graph, each after its inputs (graph order)."""
@@ -73,12 +55,10 @@ class Liveness:
         self.held_until: dict[fx.Node, tuple] = {}          # start -> its waits
         self.unread: list[fx.Node] = []                     # inputs nothing reads: live to the end
         self.inlined: dict[fx.Node, list[fx.Node]] = {}     # fused-away node -> storages it reads
-        self.pool = Pool()                                  # what Inductor's buffer pool reads (``pool.reuses``)
         self._fusable: dict[fx.Node, bool] = {}
         self._extents: dict[tuple, int] = {}                # (sizes, strides, dtype) -> bytes
         for node in nodes:
             self._add(node)
-        self.held = self._pair(nodes)                       # storage -> the node whose allocation takes it
 
     def fork(self) -> Liveness:
         """A copy of these decisions that ``EditedPeak`` may edit, leaving this one as it is
@@ -86,7 +66,6 @@ class Liveness:
         twin = object.__new__(Liveness)
         twin.root, twin.size, twin.reads = dict(self.root), dict(self.size), dict(self.reads)
         twin.held_until, twin.unread, twin.inlined = dict(self.held_until), list(self.unread), dict(self.inlined)
-        twin.pool, twin.held = self.pool.copy(), dict(self.held)
         twin._fusable, twin._extents = dict(self._fusable), self._extents   # extents: by shape alone
         return twin
 
@@ -107,8 +86,6 @@ class Liveness:
                 self.held_until[node] = waits
         if inputs and (facts.waits or facts.aliases):
             root[node] = root[next(iter(inputs))]
-            if facts.waits:   # a kernel of its own (Inductor's wait kernel)
-                self.pool.kernels[node] = None
             return
         if facts.pointwise and node.users:
             if _fuses_away(node, self._fusable, read):
@@ -118,25 +95,14 @@ class Liveness:
             reused = _reused_input(node, self.size, self._extents)
             if reused is not None:
                 root[node] = reused   # Inductor writes the output into that input's buffer
-                self.pool.kernels[node] = None
                 return
         root[node] = node
         if node.op == "output":
             self.size[node] = 0
             return
-        self.size[node] = nbytes = _nbytes(node, self._extents)
-        if node.op == "placeholder":
-            if not node.users:
-                self.unread.append(node)
-            elif freeable(node):
-                self.pool.inputs.append(node)
-        elif node.op == "call_function":   # a kernel; its own buffer pooled when freed, taken from the pool
-            self.pool.kernels[node] = None
-            key = pool_key(node_value(node), nbytes)
-            if key is not None:
-                self.pool.key[node] = key
-                if facts.allocates:
-                    self.pool.takes[node] = key
+        self.size[node] = _nbytes(node, self._extents)
+        if node.op == "placeholder" and not node.users:
+            self.unread.append(node)
 
     def live_bytes(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) -> list[int]:
         """Bytes live while each node of ``order`` runs (its output allocated, its
@@ -145,16 +111,10 @@ class Liveness:
 
     def along(self, order: list[fx.Node], pos: dict[fx.Node, int] | None = None) \
             -> tuple[list[int], dict[fx.Node, int], dict[fx.Node, int]]:
-        """(``live_bytes(order)``, node -> position in ``order``, storage -> the position in
-        ``order`` after which it is freed: ``_last_use``, or for a storage ``held`` by a node
-        that comes later, the position before that node)."""
+        """(``live_bytes(order)``, node -> position in ``order``, ``_last_use`` of ``order``)."""
         if pos is None:
             pos = dict(zip(order, range(len(order))))
         last = self._last_use(order, pos)
-        for r, taker in self.held.items():   # kept in the pool until the allocation that takes it
-            at = pos.get(taker)
-            if at is not None and at - 1 > last[r]:
-                last[r] = at - 1
         change = [0] * (len(order) + 1)
         for r, nbytes in self.size.items():
             if nbytes:
@@ -162,17 +122,8 @@ class Liveness:
                 change[last[r] + 1] -= nbytes
         return list(accumulate(change[:-1])), pos, last
 
-    def _pair(self, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
-        """Storage -> the node whose allocation takes its buffer from Inductor's pool, along
-        ``nodes`` (``pool.reuses``; the graph order, the one Inductor generates code for)."""
-        if not self.pool.takes:
-            return {}
-        pos = dict(zip(nodes, range(len(nodes))))
-        return {r: nodes[at] for r, at in reuses(self.pool, nodes, self._last_use(nodes, pos), self.size).items()}
-
     def _last_use(self, order: list[fx.Node], pos: dict[fx.Node, int]) -> dict[fx.Node, int]:
-        """Storage -> the position in ``order`` after which the wrapper frees it (its last
-        reader, a collective's last wait; without the pool's holds, which ``along`` adds)."""
+        """Storage -> the position in ``order`` after which it is freed."""
         last = {root: pos[root] for root in self.size}
         reads = self.reads
         for until, node in enumerate(order):   # positions rise: the last reader writes last
@@ -192,7 +143,8 @@ class Liveness:
     def live_at(self, order: list[fx.Node], index: int) -> list[tuple[fx.Node, int]]:
         """The storages live while ``order[index]`` runs, as (node that allocated
         it, bytes), largest first (ties in order)."""
-        _, pos, last = self.along(order)
+        pos = {node: i for i, node in enumerate(order)}
+        last = self._last_use(order, pos)
         live = [(r, n) for r, n in self.size.items() if n and pos[r] <= index <= last[r]]
         return sorted(live, key=lambda item: (-item[1], pos[item[0]]))
 
@@ -223,8 +175,6 @@ _FUSED_READERS = {"aten.index_put.default", "aten.scatter.src", "aten.scatter.va
                   "aten.scatter_add.default", "aten.slice_scatter.default",
                   "aten.select_scatter.default", "aten.cat.default"}
 _MAX_REUSE_READS = 4   # torch._inductor.config.realize_reads_threshold
-# extern kernels Inductor calls with ``out=`` a buffer it allocates (and so may take from its pool)
-_EXTERN_OUT = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
 
 
 class _OpFacts(NamedTuple):
@@ -236,11 +186,10 @@ class _OpFacts(NamedTuple):
     waits: bool          # a wait (``role``)
     pointwise: bool      # a functional pointwise op (Inductor lowers it to a loop body it can inline)
     fused_reader: bool   # reads its inputs from inside its own loop: pointwise, a reduction, a scatter, cat
-    allocates: bool      # Inductor allocates its output (a kernel it generates, or ``out=``), from its pool when it can
 
 
 _FACTS_BY_TARGET: dict[int, tuple[object, _OpFacts]] = {}
-_OTHER_FACTS = {(aliases, fused): _OpFacts(aliases, False, False, False, fused, False)
+_OTHER_FACTS = {(aliases, fused): _OpFacts(aliases, False, False, False, fused)
                 for aliases in (False, True) for fused in (False, True)}
 
 
@@ -263,8 +212,8 @@ def _call_facts(node: fx.Node) -> _OpFacts:
     mutable = getattr(getattr(target, "_schema", None), "is_mutable", True)   # in-place ops mutate self
     pointwise = not mutable and (torch.Tag.pointwise in tags or name in _EXTRA_POINTWISE)
     start, wait, _ = role(node)   # what it starts or waits depends on the target alone
-    fused = pointwise or torch.Tag.reduction in tags or name in _FUSED_READERS
-    return _OpFacts(is_alias(node), start is not None, wait, pointwise, fused, fused or name in _EXTERN_OUT)
+    return _OpFacts(is_alias(node), start is not None, wait, pointwise,
+                    pointwise or torch.Tag.reduction in tags or name in _FUSED_READERS)
 
 
 def _fusable_reader(node: fx.Node, fusable: dict[fx.Node, bool]) -> bool:
@@ -379,6 +328,179 @@ def peak_bytes(order: list[fx.Node]) -> int:
     """Most bytes live at any point of ``order``, a topological order of one graph
     (ValueError naming the first node placed before its inputs otherwise)."""
     return Liveness(_topological(order)).peak_bytes(order)
+
+
+class EditedPeak:
+    """The peak live bytes of one graph's node order (``Liveness``'s model) while the
+    caller edits the graph: nodes leave the order (they stay in the graph, read by
+    nothing that stays) and readers of a wait are re-pointed to another wait. Each
+    ``edit`` recounts the nodes it touches and the storages they read, O((those) x
+    log n), instead of the whole graph; ``undo`` takes the last edit back. The
+    peak is always the one ``peak_bytes`` gives for the order without the dropped
+    nodes, on the graph as edited."""
+
+    def __init__(self, nodes: list[fx.Node], liveness: Liveness | None = None):
+        """``nodes``: the graph's nodes in graph order (positions stay theirs); ``liveness``:
+        ``Liveness(nodes)`` when the caller has it (forked: this one is left as it is)."""
+        self.liveness = liveness.fork() if liveness is not None else Liveness(nodes)
+        self.pos = {node: index for index, node in enumerate(nodes)}
+        self.end = len(nodes) - 1
+        self.dropped: set[fx.Node] = set()
+        self.unread = set(self.liveness.unread)
+        self.last = self.liveness._last_use(nodes, self.pos)
+        self.readers: dict[fx.Node, dict[fx.Node, None]] = {}   # storage -> nodes that read it
+        for node in nodes:
+            for r in self.liveness.reads[node]:
+                self.readers.setdefault(r, {})[node] = None
+        self._live = _MaxAfterAdds(self.liveness.live_bytes(nodes))
+        self._undo: list = []
+
+    @property
+    def peak(self) -> int:
+        """Most bytes live at any point of the order as it stands (0 when empty)."""
+        return self._live.peak
+
+    def edit(self, drop: set[fx.Node], repointed: list[fx.Node]) -> int:
+        """Drop the nodes ``drop`` and recount ``repointed`` (nodes the caller made read
+        another wait, in place of one) and what reads them through aliases and fused-away
+        ops; return the new peak. Kept until ``undo``."""
+        lv = self.liveness
+        saved = {}   # node -> (root, size, inlined, reads) before, None: absent
+        touched: dict[fx.Node, None] = {}   # storages whose bytes or readers may have changed
+        drop = drop - self.dropped
+
+        def save(node):
+            if node not in saved:
+                saved[node] = (lv.root.get(node), lv.size.get(node), lv.inlined.get(node), lv.reads.get(node))
+        for node in sorted(drop, key=self.pos.__getitem__):
+            save(node)
+            touched.update(dict.fromkeys(lv.reads[node]))
+            touched[lv.root[node]] = None
+        self.dropped |= drop
+        heap = [(self.pos[n], n.name, n) for n in dict.fromkeys(repointed) if n not in self.dropped]
+        heapq.heapify(heap)
+        done: set[fx.Node] = set()
+        while heap:
+            node = heapq.heappop(heap)[2]
+            if node in done:
+                continue
+            done.add(node)
+            save(node)
+            root, nbytes, inlined, reads = saved[node]
+            lv.size.pop(node, None)
+            lv.inlined.pop(node, None)
+            lv._add(node)
+            touched.update(dict.fromkeys(reads))
+            touched.update(dict.fromkeys(lv.reads[node]))
+            touched[node] = None
+            if lv.root[node] is not root or lv.inlined.get(node) != inlined:
+                for user in node.users:
+                    if user not in self.dropped:
+                        heapq.heappush(heap, (self.pos[user], user.name, user))
+        self._undo.append((drop, saved, self._recount(saved, touched)))
+        return self.peak
+
+    def undo(self) -> None:
+        """Take the last ``edit`` back (the caller restores the graph's edges)."""
+        drop, saved, intervals = self._undo.pop()
+        lv = self.liveness
+        for node, (root, nbytes, inlined, reads) in saved.items():
+            self._reindex(node, () if node in drop else lv.reads[node], reads)
+            for table, value in ((lv.root, root), (lv.size, nbytes), (lv.inlined, inlined), (lv.reads, reads)):
+                if value is None:
+                    table.pop(node, None)
+                else:
+                    table[node] = value
+        self.dropped -= drop
+        for r, (before, after) in intervals.items():
+            self._move(r, after, before)
+            self.last[r] = before[1]
+
+    def _recount(self, saved: dict[fx.Node, tuple], touched: dict[fx.Node, None]) -> dict:
+        """Update the readers index of the nodes in ``saved`` and the live intervals of the
+        storages ``touched``; return storage -> (interval before, after) for ``undo``."""
+        lv = self.liveness
+        for node, (root, nbytes, inlined, reads) in saved.items():
+            self._reindex(node, reads, () if node in self.dropped else lv.reads[node])
+        intervals = {}
+        for r in sorted(touched, key=self.pos.__getitem__):
+            before = (saved[r][1] if r in saved else lv.size.get(r)) or 0, self.last.get(r, self.pos[r])
+            alive = r not in self.dropped and lv.size.get(r)
+            after = (lv.size[r] if alive else 0), self._last_of(r)
+            if before != after:
+                self._move(r, before, after)
+                intervals[r] = (before, after)
+                self.last[r] = after[1]
+        return intervals
+
+    def _reindex(self, node: fx.Node, old_reads, new_reads) -> None:
+        """``node`` reads ``new_reads`` now, not ``old_reads`` (the readers index)."""
+        for r in old_reads:
+            self.readers.get(r, {}).pop(node, None)
+        for r in new_reads:
+            self.readers.setdefault(r, {})[node] = None
+
+    def _last_of(self, r: fx.Node) -> int:
+        """The position after which storage ``r`` is freed (``Liveness._last_use``)."""
+        pos, held = self.pos, self.liveness.held_until
+        last = self.end if r in self.unread else pos[r]
+        for node in self.readers.get(r, ()):
+            waits = held.get(node)
+            last = max(last, pos[node] if waits is None else max(pos[w] for w in waits))
+        return last
+
+    def _move(self, r: fx.Node, before: tuple[int, int], after: tuple[int, int]) -> None:
+        """Storage ``r``'s (bytes, last position) from ``before`` to ``after``."""
+        first = self.pos[r]
+        if before[0]:
+            self._live.add(first, before[1], -before[0])
+        if after[0]:
+            self._live.add(first, after[1], after[0])
+
+
+class _MaxAfterAdds:
+    """The largest of a list of numbers under range additions: a segment tree (each
+    node the largest below it plus what was added to all of it), O(log n) an add."""
+
+    def __init__(self, values: list[int]):
+        size = 1
+        while size < len(values):
+            size *= 2
+        self.size, self.empty = size, not values
+        self.top = [0] * size + values + [-math.inf] * (size - len(values))
+        self.added = [0] * size
+        for p in range(size - 1, 0, -1):
+            self.top[p] = max(self.top[2 * p], self.top[2 * p + 1])
+
+    @property
+    def peak(self) -> int:
+        """The largest value (0 for none)."""
+        return 0 if self.empty else self.top[1]
+
+    def add(self, first: int, last: int, delta: int) -> None:
+        """Add ``delta`` to positions first..last (inclusive)."""
+        top, added, size = self.top, self.added, self.size
+        left, right = first + size, last + size + 1
+        while left < right:   # the O(log n) subtrees that cover first..last
+            if left & 1:
+                self._add_below(left, delta)
+                left += 1
+            if right & 1:
+                right -= 1
+                self._add_below(right, delta)
+            left >>= 1
+            right >>= 1
+        for p in (first + size, last + size):   # their ancestors: the largest below plus what was added
+            p >>= 1
+            while p:
+                top[p] = max(top[2 * p], top[2 * p + 1]) + added[p]
+                p >>= 1
+
+    def _add_below(self, p: int, delta: int) -> None:
+        """Add ``delta`` to every position under tree node ``p``."""
+        self.top[p] += delta
+        if p < self.size:
+            self.added[p] += delta
 
 
 class Headroom:

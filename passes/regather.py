@@ -35,8 +35,7 @@ import torch.fx as fx
 from overlapc.passes.collectives import collectives, is_cheap, module_path, role
 from overlapc.passes import meta
 from overlapc.passes.bucket import block_of
-from overlapc.passes.edited_peak import EditedPeak
-from overlapc.passes.memory import Liveness, peak_bytes
+from overlapc.passes.memory import EditedPeak, Liveness, peak_bytes
 
 log = logging.getLogger("overlapc")
 
@@ -82,7 +81,7 @@ def keep_or_regather(gm: fx.GraphModule, budget: int | None = None,
     ``recompile=False``: ``gm.forward`` is not regenerated after re-gathers are
     erased (the pipeline recompiles once, at its end). Returns the choices, last
     block first (also appended to ``gm.meta["overlapc_regather"]``). Each block's
-    trial recounts only what it changes (``edited_peak.EditedPeak``), starting from
+    trial recounts only what it changes (``memory.EditedPeak``), starting from
     ``liveness`` (``memory.Liveness`` of the graph as it stands, left unchanged) when
     the caller has one."""
     nodes = list(gm.graph.nodes)

@@ -1,4 +1,4 @@
-"""edited_peak.EditedPeak (keep-or-regather's per-block trials) and memory.RangeTable against
+"""memory.EditedPeak (keep-or-regather's per-block trials) and memory.RangeTable against
 full recounts: the same peaks as ``peak_bytes`` on the order without the dropped nodes,
 after every edit and every undo, and keep-or-regather builds the graph's liveness a
 fixed number of times, however many blocks it tries."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from overlapc.passes import edited_peak, memory, regather
+from overlapc.passes import memory, regather
 
 F = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -82,7 +82,7 @@ def test_every_edit_and_undo_gives_the_recounted_peak(layers, forked):
     nodes = list(gm.graph.nodes)
     shared = memory.Liveness(nodes) if forked else None
     before = _tables(shared) if forked else None
-    tracker = edited_peak.EditedPeak(nodes, shared)
+    tracker = memory.EditedPeak(nodes, shared)
     if forked:
         assert _tables(tracker.liveness) == before == _tables(memory.Liveness(nodes))
     assert tracker.peak == memory.peak_bytes(nodes)

@@ -36,48 +36,6 @@ def test_live_bytes_by_hand(fake_pg):
     assert peak_bytes(nodes) == live["mm"] > live["relu"]
 
 
-def _pool_graph(early: bool):
-    """mm -> its sum (the mm's buffer pooled) -> an all-gather -> an mm of the same bytes; the
-    graph input y read first (``early``: freed before the pool's hold) or last."""
-    def f(x, w, y):
-        t = y.sum() if early else None
-        a = x @ w                                  # 16 x 16 floats
-        s = a.sum()                                # a's last reader: a's buffer is pooled
-        g = F.all_gather_into_tensor(w, 8, "0")    # a kernel that allocates its output itself
-        b = x @ w                                  # the same bytes: may take a's buffer
-        out = b.sum() + F.wait_tensor(g).sum() + s
-        return out + (t if early else y.sum())
-    return make_fx(f)(torch.randn(16, 8), torch.randn(8, 16), torch.randn(32, 16))
-
-
-@pytest.mark.parametrize("early", [True, False])
-def test_a_freed_buffer_is_held_until_an_allocation_of_its_key_takes_it(fake_pg, early):
-    """Inductor's pool (passes/pool.py): a dead buffer stays allocated until a later kernel
-    output of the same dtype and bytes takes it (``bufY = bufX; del bufX  # reuse``) where
-    that output is the next kernel or the hold fits in what the freed graph inputs left
-    (Inductor's estimate with its peak-memory reordering off); a collective allocates its
-    own output and takes none; a buffer nothing takes is freed after its last reader. (The
-    wrapper Inductor 2.14 generates for these graphs, with overlapc's config patches,
-    does exactly this: ``buf4 = buf1; del buf1  # reuse`` when y went first, a new
-    buffer otherwise; its replayed peaks are the model's, 6152 and 8196 bytes.)"""
-    gm = _pool_graph(early)
-    nodes = list(gm.graph.nodes)
-    liveness = Liveness(nodes)
-    names = [n.name for n in nodes]
-    live = dict(zip(names, liveness.live_bytes(nodes)))
-    x = w = 16 * 8 * 4
-    y, a, s, g = 32 * 16 * 4, 16 * 16 * 4, 4, 64 * 16 * 4
-    takes = [n.name for n in liveness.pool.takes]
-    assert {"mm", "mm_1"} <= set(takes) and "all_gather_into_tensor" not in takes
-    held = [n.name for n, _ in liveness.live_at(nodes, names.index("all_gather_into_tensor"))]
-    if early:   # y (2 KiB) freed before: room for a's 1 KiB over the all-gather
-        assert live["all_gather_into_tensor"] == x + w + s + s + a + g and "mm" in held
-    else:       # y still live: Inductor's estimate has no room, a's buffer is deleted after its sum
-        assert live["all_gather_into_tensor"] == x + w + y + s + g and "mm" not in held
-    assert live["mm_1"] == live["all_gather_into_tensor"] + (0 if early else a)   # b: a's buffer, or a new one
-    assert max(live.values()) == peak_bytes(nodes)
-
-
 def test_outputs_with_none_count_their_tensors():
     """A tuple holding a None (an efficient-attention backward returns grad q, k, v
     and a None) counts the bytes of its tensors, not 0; an unknown size stays unknown."""
