@@ -548,7 +548,7 @@ def run(gm: fx.GraphModule, config=None, *, estimator=None,
     schedules the graph again without rewrites (a WARNING).
     Deterministic: the same graph gives the same order in every process. A
     graph without movable collectives (or ``enabled`` False) comes back
-    untouched. On failure the graph is restored; on_error="raise" raises
+    untouched, but for its parameter reads moved up (``_prepare``). On failure the graph is restored; on_error="raise" raises
     ScheduleError, "fallback" warns (node, op, group, position) and returns
     the result with ``error`` set. ``estimator``: what ``chunks="auto"`` chooses
     piece counts with (``overlapc.costmodel``'s, handed to ``chunk_collectives``;
