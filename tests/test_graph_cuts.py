@@ -156,8 +156,7 @@ def test_whole_model_compile_is_not_a_cut(aot_eager):
 
 def test_every_graph_of_a_per_block_compile_has_an_info_line(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    rank0, _ = (lines["per_block"] for lines in run_ranks(_job, world_size=2, args=(("per_block",), "inductor"),
-                                                                    timeout=TIMEOUT))
+    rank0 = run_ranks(_job, world_size=2, args=(("per_block",), "inductor"), timeout=TIMEOUT)[0]["per_block"]
     compiled = [m for _, m in rank0 if "compiling graph" in m]
     assert len(compiled) == 2, compiled   # one Dynamo graph per block
     for index in range(len(compiled)):
