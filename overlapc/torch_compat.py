@@ -10,9 +10,10 @@ Every workaround of a torch behaviour lives here, each with the check that
 decides whether the installed torch needs it and the behaviour it works around:
 
 - ``inductor_patches``: Inductor passes that move collectives, waits or the
-  compute between them, off
-  (keyed on the config keys the installed Inductor has; per compile, through
-  ``config_patches``, never process-wide).
+  compute between them, off, and its wrapper's buffer reuse, which holds dead
+  buffers that overlapc's memory model frees (keyed on the config keys the
+  installed Inductor has; per compile, through ``config_patches``, never
+  process-wide).
 - ``inductor_keeps_order``: the same, for a caller that turns Inductor's
   peak-memory reordering back on inside (torchtitan graph_trainer's full
   Inductor pass; for the duration of a with block).
@@ -82,18 +83,33 @@ _ORDER_MOVING_PASSES = {
     "bucket_all_reduces_fx": "none",
 }
 
+# Inductor's wrapper keeps a buffer whose last reader ran allocated until a later
+# kernel output of the same device, dtype and bytes takes it (``bufY = bufX; del
+# bufX  # reuse``; ``allow_buffer_reuse``). overlapc's memory model
+# (``overlapc.passes.memory``) frees a buffer after its last reader, which is what
+# the wrapper does with reuse off; with it on, the held buffers raised the
+# device peak of the Llama in benchmarks/gpu_check.py to 1.18-1.20x plain
+# Inductor's (H200, torch 2.11, 2026-11-29: 26 MiB held at an 8 MiB bucket's
+# unpack). Off, every buffer is freed where the model frees it, so no buffer is
+# live longer than under plain Inductor (reuse only delays frees); the caching
+# allocator hands a freed block to the next allocation of its size anyway.
+_MEMORY_MODEL_PATCHES = {
+    "allow_buffer_reuse": False,
+}
+
 _warned = {"version": False}
 
 
 def inductor_patches() -> dict[str, object]:
     """Inductor config patches (``torch._inductor.config.patch`` keys, dotted
     for nested sections) that turn off every pass of the installed Inductor
-    that would move collectives, waits or the compute between them. Keys the
-    installed torch does not have are left out, so the dict is valid for
-    ``config.patch`` as it is."""
+    that would move collectives, waits or the compute between them, and the
+    wrapper's buffer reuse (``_MEMORY_MODEL_PATCHES``). Keys the installed torch
+    does not have are left out, so the dict is valid for ``config.patch`` as it is."""
     from torch._inductor import config
     known = config.get_config_copy()
-    return {key: value for key, value in _ORDER_MOVING_PASSES.items() if key in known}
+    wanted = {**_ORDER_MOVING_PASSES, **_MEMORY_MODEL_PATCHES}
+    return {key: value for key, value in wanted.items() if key in known}
 
 
 @contextlib.contextmanager

@@ -22,7 +22,10 @@ replays that code and ``tests/test_wrapper_replay.py`` holds the two within 3%):
 - A storage is freed after the last node that reads it or any alias of it; graph
   outputs live to the end; a collective's inputs are held until its last wait (the
   c10d work keeps them). Graph inputs are live from the top until their last use
-  (the wrapper deletes them there), an input nothing reads until the end.
+  (the wrapper deletes them there), an input nothing reads until the end. (overlapc
+  compiles with Inductor's buffer pool off, ``torch_compat.inductor_patches``: with
+  it on, the wrapper keeps a dead buffer allocated until a later output of its
+  dtype and bytes takes it, which this model does not count.)
 
 Every decision above reads the graph, never the order: one ``Liveness`` serves any
 order. Deterministic, O(nodes + edges). ``EditedPeak`` keeps the peak of one order

@@ -32,6 +32,7 @@ def test_inductor_patches_turn_off_what_the_installed_inductor_has():
     known = config.get_config_copy()
     assert patches and all(key in known for key in patches)
     assert patches["reorder_for_peak_memory"] is False
+    assert patches["allow_buffer_reuse"] is False   # the wrapper frees where overlapc's memory model does
     # 2.14 added a pass, on by default, that moves starts earlier and waits later.
     if "aten_distributed_optimizations.enable_simple_overlap" in known:
         assert patches["aten_distributed_optimizations.enable_simple_overlap"] is False

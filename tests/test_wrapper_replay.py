@@ -154,3 +154,47 @@ def test_replay_counts_a_small_inductor_graph():
     mm_nodes = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     assert found.peak_nodes and set(found.peak_nodes) & {mm_nodes[-1]}
     assert found.end_bytes == 64 * 64 * 4   # the result
+
+
+def _held_buffer_graph():
+    """A graph where Inductor's buffer pool, left on, holds a dead buffer over a collective:
+    y is read first (Inductor's own estimate then has room for a hold), a's buffer dies
+    at its sum, the all-gather allocates its own output, and b (the bytes of a, after
+    the wait) may take a's buffer (``buf4 = buf1; del buf1  # reuse``)."""
+    from graphs import F
+
+    def f(x, w, y):
+        t = y.sum()
+        a = x @ w
+        s = a.sum()
+        g = F.wait_tensor(F.all_gather_into_tensor(w, 8, "0"))
+        b = x @ (w + g[:8])
+        return (b.sum() + s + t,)
+    inputs = [torch.randn(16, 8), torch.randn(8, 16), torch.randn(32, 16)]
+    return torch.fx.experimental.proxy_tensor.make_fx(f)(*inputs), inputs
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_overlapc_compiles_free_each_buffer_where_the_model_does(fake_pg, monkeypatch, patched):
+    """Compiled as overlapc compiles (its schedule as the post-grad pass, its Inductor
+    patches: ``allow_buffer_reuse`` off), the wrapper frees a's buffer after its last
+    reader, as ``passes/memory.py`` counts it: the replayed peak is the model's. With
+    the buffer pool left on, the wrapper holds it over the all-gather for b, and the
+    replay peaks above the model by a's bytes (what the patch is for). Compiled as
+    traced (not re-traced: Inductor's estimate frees inputs named as y is, not arg*)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    from overlapc import torch_compat
+    from overlapc.backend import SchedulePass
+    from overlapc.config import OverlapConfig
+    if not patched:
+        monkeypatch.setattr(torch_compat, "_MEMORY_MODEL_PATCHES", {})
+    gm, inputs = _held_buffer_graph()
+    models, groups = [], wrapper_replay.BufferGroups()
+    patches = {**torch_compat.inductor_patches(), "fx_graph_cache": False, "post_grad_custom_post_pass":
+               SchedulePass(OverlapConfig.from_options({}), lambda r: models.append(wrapper_replay.model_peak(r.gm)))}
+    with wrapper_replay.keep_cpu_wrappers() as codes, groups.recording(), torch._inductor.config.patch(patches):
+        compile_fx_inner(gm, inputs, cudagraphs=BoxedBool(False))
+    found = wrapper_replay.replay(codes[0], inputs, groups.graphs[0])
+    a_bytes = 16 * 16 * 4
+    assert found.peak_bytes == models[0]["peak"] + (0 if patched else a_bytes), (found, models[0]["peak"])
