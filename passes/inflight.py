@@ -103,6 +103,7 @@ class InFlight:
         self.peak_total = 0
         self.peak_bytes: dict[str, int] = {}
         self.peak_counts: dict[tuple[str, str], int] = {}
+        self.pinned_counts: dict[tuple[str, str], int] = {}   # (group, kind) -> open pinned ones
         self._whole: dict[fx.Node, tuple[str, str]] = {}   # start -> (group, piece_of): read once
 
     def _whole_of(self, c: Collective) -> tuple[str, str]:
@@ -155,7 +156,25 @@ class InFlight:
             self.queue[group] = deque(x for x in queue if x.start in self.is_open)
             self.closed_queued[group] = 0
 
+    def open_pinned(self, c: Collective) -> None:
+        """``c`` stays where it stands (``Structure.pinned``) and its start ran: it counts
+        against its group's and kind's ``count`` until ``close_pinned``, holds no bytes
+        here (its buffers are in the serial order's live bytes already) and is never a
+        collective to wait early (``oldest``, ``open_in``)."""
+        key = (c.group, c.kind)
+        count = self.counts[key] = self.counts.get(key, 0) + 1
+        self.pinned_counts[key] = self.pinned_counts.get(key, 0) + 1
+        if count > self.peak_counts.get(key, 0):
+            self.peak_counts[key] = count
+
+    def close_pinned(self, c: Collective) -> None:
+        """The last wait of pinned ``c`` ran."""
+        key = (c.group, c.kind)
+        self.counts[key] -= 1
+        self.pinned_counts[key] -= 1
+
     def count(self, group: str, kind: str) -> int:
+        """Open collectives of ``group`` and ``kind``, pinned ones included."""
         return self.counts.get((group, kind), 0)
 
     def adds_one(self, c: Collective) -> bool:

@@ -15,7 +15,11 @@
    collective larger than the budget goes alone) or, with a headroom (the
    "auto" budget, ``Budget.headroom``), everything in flight fits the headroom
    from the issuing point to the collective's wait target. Chained collectives
-   (a start that reads another collective's result) are no exception;
+   (a start that reads another collective's result) are no exception.
+   Collectives that stay where they stand (``Structure.pinned``: start and
+   wait on two sides of a barrier) count while open: across a spine node,
+   the collectives of a group and kind open there are within ``max_count``,
+   or are the pinned ones alone (``_check_pinned``);
 4. memory: peak live bytes <= a reference order's peak + the most bytes held
    in flight at once. ``schedule`` compares with the order it started from
    (a graph with chained collectives with its serial order too: what
@@ -49,7 +53,7 @@ import heapq
 import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import barrier_reason_when_compute_moves, is_cheap, role
+from overlapc.passes.collectives import Collective, barrier_reason_when_compute_moves, is_cheap, role
 from overlapc.passes.inflight import Budget, InFlight
 from overlapc.passes.meta import in_input_chain
 from overlapc.passes.memory import Liveness
@@ -375,6 +379,30 @@ def _check_consumer_order(o: _Order) -> None:
                              f"{o.nodes[key_after[0]].name} vs {o.nodes[key_before[0]].name}): consumer order broken")
 
 
+def _check_pinned(o: _Order, node: fx.Node, flight: InFlight, limit: int, pinned: dict[fx.Node, Collective]) -> int:
+    """At spine ``node``: count a pinned collective it starts (``Structure.pinned``: it
+    stays where it stands) and let go of one it completes; then, per group and kind with
+    pinned collectives open, the collectives in flight across ``node`` (moved ones and
+    pinned ones) must be within ``limit``, or, where the pinned ones alone reach it, be
+    those alone (a moved one goes right before its wait there, across no spine node).
+    Returns the most open of one group and kind."""
+    c = pinned.get(node)
+    if c is not None:
+        flight.open_pinned(c)
+    c = o.s.pinned_last_wait.get(node)
+    if c is not None:
+        flight.close_pinned(c)
+    most = 0
+    for (group, kind), standing in flight.pinned_counts.items():
+        count = flight.count(group, kind)
+        most = max(most, count)
+        if standing and count > max(limit, standing):
+            raise o.fail(node, f"{count - standing} {kind} collectives of group {group} in flight across it beside "
+                               f"{standing} that stay where they stand (start and wait on two sides of a barrier), "
+                               f"limit {limit}")
+    return most
+
+
 def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     s = o.s
     flight = InFlight(s.held)
@@ -383,16 +411,21 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     here = 0   # s.pos of the last spine node
     bundled, pos, start_of, wait_of = s.bundled, s.pos, s.coll_of_start.get, s.coll_of_wait.get
     bounded = any(limit is not None for limit in budget.max_bytes.values())   # else ``here`` is not read
-    nodes = o.nodes if bounded else filter((s.coll_of_start.keys() | s.coll_of_wait.keys()).__contains__, o.nodes)
+    pinned = {c.start: c for c in s.pinned} if budget.max_count is not None else {}
+    nodes = o.nodes if bounded or pinned else \
+        filter((s.coll_of_start.keys() | s.coll_of_wait.keys()).__contains__, o.nodes)
     for node in nodes:
-        if node not in bundled:
+        spine = node not in bundled
+        if pinned and (spine or node in s.pinned_last_wait):   # (a pinned collective's waits stand still too)
+            peak_count = max(peak_count, _check_pinned(o, node, flight, budget.max_count, pinned))
+        if spine:
             here = pos[node]
             continue   # neither a start nor a wait (both are bundled)
         c = start_of(node)
         if c is not None:
             flight.open(c)
-            count = flight.count(c.group, c.kind)
-            peak_count = max(peak_count, count)
+            count = flight.count(c.group, c.kind) - flight.pinned_counts.get((c.group, c.kind), 0)
+            peak_count = max(peak_count, flight.count(c.group, c.kind))
             if budget.max_count is not None and count > budget.max_count:
                 raise o.fail(node, f"{count} {c.kind} collectives of group {c.group} in flight, "
                                    f"limit {budget.max_count}")

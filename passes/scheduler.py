@@ -38,6 +38,7 @@ Deterministic: ties break on graph positions, never on hashes.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, bisect_right
 
 import torch.fx as fx
 
@@ -107,6 +108,7 @@ class _Core(ChainPoints):
         self.moving = self._moving(managed)   # members of bundles placed by the core, not the spine
         self.spine = [n for n in s.nodes if n not in self.moving]
         self.flight = InFlight(s.held)
+        self.pinned_at = {c.start: c for c in s.pinned}   # they count while open (``_count_full``)
         self.order: list[fx.Node] = []
         self.placed: set[fx.Node] = set()
         self.issued: set[fx.Node] = set()
@@ -401,10 +403,21 @@ class _Core(ChainPoints):
     # -- the budget ----------------------------------------------------------------------
     def _count_full(self, c: Collective) -> bool:
         """Whether issuing ``c`` now would open more than ``max_count`` collectives of its
-        group and kind, not counting those its issue waits first (``_waited_first``)."""
+        group and kind, not counting those its issue waits first (``_waited_first``), and
+        counting the pinned ones open now or starting before ``c`` is due (they stay
+        where they stand: ``c`` may not be in flight across their start)."""
         limit = self.budget.max_count
         return limit is not None and self.flight.adds_one(c) \
-            and self.flight.count(c.group, c.kind) - self._waited_first(c) >= limit
+            and self.flight.count(c.group, c.kind) + self._pinned_ahead(c) - self._waited_first(c) >= limit
+
+    def _pinned_ahead(self, c: Collective) -> int:
+        """Pinned collectives of ``c``'s group and kind whose start lies after the spine
+        node placed last and before the spine node where ``c`` is due."""
+        starts = self.s.pinned_starts.get((c.group, c.kind))
+        if not starts:
+            return 0
+        due = max(self.s.due(c), self.here)
+        return max(0, bisect_left(starts, due) - bisect_right(starts, self.here))
 
     def _waited_first(self, c: Collective) -> int:
         """How many open collectives of ``c``'s group and kind issuing gated ``c`` closes
@@ -474,9 +487,9 @@ class _Core(ChainPoints):
         """Wait the oldest open collectives of ``c``'s group until ``c`` fits or
         nothing more may be waited (all-gathers only when ``gathers``)."""
         while self.flight.any_open(c.group):   # none open: nothing to wait, whether ``c`` fits or not
-            if self._count_full(c):
-                victim = self.flight.oldest(c.group, kind=c.kind) \
-                    if gathers or c.kind != "all_gather" else None
+            same = self.flight.oldest(c.group, kind=c.kind) if self._count_full(c) else None
+            if same is not None:   # (None also where pinned ones alone fill the count: bytes next)
+                victim = same if gathers or c.kind != "all_gather" else None
             elif self._bytes_over(c):
                 victim = self.flight.oldest(c.group, gathers=gathers)
             else:
@@ -532,10 +545,13 @@ class _Core(ChainPoints):
         self.trying.pop()
         if c.start in self.issued:   # (a wait for room reached its chain point)
             return True
+        if self._count_full(c):   # pinned collectives, never waited early, fill the count
+            self.held_back[c.start] = "count bound"
+            return False
         over = self._bytes_over(c)
         if over and not self.budget.within_peak and self.flight.open_besides(c):
             return False
-        self._issue(c, "byte budget" if c.start in self.deferred else None)
+        self._issue(c, self.held_back.get(c.start, "byte budget") if c.start in self.deferred else None)
         if over and self.budget.within_peak:   # as in the serial order: in flight, it would raise the peak
             self._wait(c, "no headroom")
         return True
@@ -620,6 +636,7 @@ class _Core(ChainPoints):
             for start in blocked_on.get(node, ()):
                 self._became_ready(start)
             self.here = pos[node]
+            self._pass_pinned(node)
             if not move_starts and node in self.managed:
                 self.flight.open(self.managed[node])
                 self.reasons[node] = "not moved"
@@ -634,6 +651,18 @@ class _Core(ChainPoints):
         if len(self.order) != len(s.nodes):
             raise AssertionError("overlapc internal error: schedule lost nodes")
         return self.order
+
+
+    def _pass_pinned(self, node: fx.Node) -> None:
+        """Spine ``node`` was placed: count a pinned collective it starts, and let go of
+        one it completes (what its count held back may go now)."""
+        c = self.pinned_at.get(node)
+        if c is not None:
+            self.flight.open_pinned(c)
+        c = self.s.pinned_last_wait.get(node)
+        if c is not None:
+            self.flight.close_pinned(c)
+            self.dirty = True
 
 
 def _wait_reason(target: fx.Node, s: Structure) -> str:

@@ -9,15 +9,17 @@ of such writes with local stand-ins for the collectives: the scheduled graph's
 values must be bit-exact, and which writes are barriers is decided here from
 how each graph was built, not from overlapc's code.
 """
+import itertools
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import overlapc
 from overlapc.collectives import role
 from graphs import F, ag, body, trace, wait
-from test_properties import LocalCollectives
+from test_properties import LocalCollectives, check_count_with_pinned
 
 aten = torch.ops.aten
 
@@ -133,17 +135,21 @@ def programs(draw):
     flags = lambda: draw(st.lists(st.booleans(), min_size=n, max_size=n))  # noqa: E731
     return dict(n=n, group=draw(st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n)),
                 norm=flags(), view_write=flags(), out_write=flags(), rs=flags(), ar=flags(),
-                input_write=flags(), output_write=flags())
+                input_write=flags(), output_write=flags(), span=flags())
 
 
 def build(p, groups):
     """Layers of all-gather -> matmul -> in-place writes into temporaries (an RMSNorm's
     add_, a mul_ through a view, an out= op), some reduce-scatters and all-reduces, and
-    writes into a graph input (``scratch``) or an output: the only barriers."""
+    writes into a graph input (``scratch``) or an output: the only barriers. ``span``: an
+    all-gather started at the top of the layer and waited at its end, across the layer's
+    compute and its write into ``scratch`` when there is one (then it stays where it
+    stands, and counts against ``max_in_flight`` while open)."""
     def fn(x, scratch, *ws):
         outs = []
         for i in range(p["n"]):
             group = groups[p["group"][i]]
+            spanning = ag(ws[i] * 1.5, group) if p["span"][i] else None
             x = torch.tanh(x @ wait(ag(ws[i], group)).t())
             if p["norm"][i]:
                 mean = (x * x).mean(-1, keepdim=True)
@@ -166,6 +172,8 @@ def build(p, groups):
                 y = x * 2
                 y.add_(1)
                 outs.append(y)
+            if spanning is not None:
+                outs.append(wait(spanning))
         return (x, scratch.clone(), *outs)
     return fn
 
@@ -219,6 +227,37 @@ def test_random_graphs_full_of_in_place_writes_keep_their_values(fake_pg, two_gr
     overlapc.verify(gm, cfg)
     # compute (in-place writes included) keeps its order
     assert _compute_order(gm) == compute
+    _check_count_across_barriers(gm, limit)
+
+
+def _check_count_across_barriers(gm, limit):
+    """Guarantee 2 with pinned collectives (``check_count_with_pinned``), the regions cut
+    by the writes ``_expected_barriers`` finds from how ``build`` made the graph."""
+    nodes = list(gm.graph.nodes)
+    barriers = _expected_barriers(gm)
+    region = list(itertools.accumulate((n.name in barriers for n in nodes), initial=0))[:-1]
+    check_count_with_pinned(nodes, region, [c for c in overlapc.collectives(gm) if c.waits], limit)
+
+
+def test_a_collective_pinned_across_a_barrier_counts_against_max_in_flight(fake_pg):
+    """An all-gather started before a write into a graph input and waited after it stays
+    where it stands; under ``max_in_flight=1`` another all-gather of its group goes only
+    after its wait, and ``verify`` rejects the order handed in, which had both in flight."""
+    def fn(x, w, scratch):
+        a = ag(w)
+        h = torch.tanh(x @ x)
+        scratch.add_(1)                       # a barrier: ``a`` stays where it stands
+        b = ag(w * 2)
+        h = h @ x                             # as handed in, ``a`` and ``b`` are in flight across it
+        return h @ wait(a).t(), scratch.clone(), wait(b)
+    gm = trace(fn, (16, 16), (2, 16), (4,))
+    cfg = overlapc.OverlapConfig(max_in_flight=1, bucket=None, on_error="raise")
+    with pytest.raises(overlapc.ScheduleError, match="in flight across it beside 1 that stay where they stand"):
+        overlapc.verify(gm, cfg)
+    overlapc.schedule(gm, cfg)
+    names = [n.name for n in gm.graph.nodes]
+    assert names.index("all_gather_into_tensor_1") > names.index("wait_tensor")
+    overlapc.verify(gm, cfg)
 
 
 _MOVABLE = {F.all_gather_into_tensor.default, F.reduce_scatter_tensor.default, F.all_reduce.default,

@@ -379,6 +379,34 @@ def _placeable(gm, nodes, pos):
     return region, found, rows
 
 
+def check_count_with_pinned(nodes, region, found, limit):
+    """Guarantee 2 with collectives that stay where they stand: at every compute node
+    (not a collective, a wait or a view), per group and kind, the collectives open
+    across it (start before, last wait after; a chunked one's pieces as one) number at
+    most ``limit``, or are all pinned (start and last wait in two regions:
+    ``region[i]``, barriers before position ``i``) where those alone reach it."""
+    if limit is None:
+        return
+    pos = {n: i for i, n in enumerate(nodes)}
+    spans = []   # (group, kind, first, last, piece, pinned)
+    for c in found:
+        last = max(pos[w] for w in c.waits)
+        spans.append((c.group, c.kind, pos[c.start], last, piece(c), region[pos[c.start]] != region[last]))
+    collective_nodes = {c.start for c in found} | {w for c in found for w in c.waits}
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or node in collective_nodes or node.target in _ALIASES:
+            continue
+        open_here, pinned_here = {}, {}
+        for group, kind, first, last, whole, pinned in spans:
+            if first < i < last:
+                open_here.setdefault((group, kind), set()).add(whole)
+                if pinned:
+                    pinned_here.setdefault((group, kind), set()).add(whole)
+        for key, wholes in open_here.items():
+            pinned = len(pinned_here.get(key, ()))
+            assert len(wholes) <= max(limit, pinned), (node.name, key, sorted(wholes), pinned, limit)
+
+
 def serial_peak(gm):
     """Peak live bytes (``live_peak``) of ``gm``'s serial order (``serial_order``), built and
     counted here."""
@@ -451,6 +479,7 @@ def independent_checks(gm, cfg, before=None):
             waits_left[c.start] -= 1
             if not waits_left[c.start]:
                 live[c.group].remove(c)
+    check_count_with_pinned(nodes, region, found, cfg.max_in_flight)
     # memory: no more than the original order's peak, nor the serial order's, plus what was in flight
     peak = live_peak(nodes, found)
     references = [live_peak(serial_order(nodes, rows), found)]
