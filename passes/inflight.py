@@ -104,6 +104,7 @@ class InFlight:
         self.peak_bytes: dict[str, int] = {}
         self.peak_counts: dict[tuple[str, str], int] = {}
         self.pinned_counts: dict[tuple[str, str], int] = {}   # (group, kind) -> open pinned ones
+        self.pinned_open = 0                                   # all of them
         self._whole: dict[fx.Node, tuple[str, str]] = {}   # start -> (group, piece_of): read once
 
     def _whole_of(self, c: Collective) -> tuple[str, str]:
@@ -164,6 +165,7 @@ class InFlight:
         key = (c.group, c.kind)
         count = self.counts[key] = self.counts.get(key, 0) + 1
         self.pinned_counts[key] = self.pinned_counts.get(key, 0) + 1
+        self.pinned_open += 1
         if count > self.peak_counts.get(key, 0):
             self.peak_counts[key] = count
 
@@ -172,6 +174,7 @@ class InFlight:
         key = (c.group, c.kind)
         self.counts[key] -= 1
         self.pinned_counts[key] -= 1
+        self.pinned_open -= 1
 
     def count(self, group: str, kind: str) -> int:
         """Open collectives of ``group`` and ``kind``, pinned ones included."""

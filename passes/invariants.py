@@ -416,7 +416,7 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
         filter((s.coll_of_start.keys() | s.coll_of_wait.keys()).__contains__, o.nodes)
     for node in nodes:
         spine = node not in bundled
-        if pinned and (spine or node in s.pinned_last_wait):   # (a pinned collective's waits stand still too)
+        if pinned and (node in pinned or node in s.pinned_last_wait or spine and flight.pinned_open):
             peak_count = max(peak_count, _check_pinned(o, node, flight, budget.max_count, pinned))
         if spine:
             here = pos[node]
