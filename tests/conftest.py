@@ -72,8 +72,6 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False   # keep the collection's order: longest first (below)
-
     root = str(config.rootpath)
 
     class ModuleFixturesOnOneWorker(LoadScopeScheduling):
@@ -82,19 +80,3 @@ def pytest_xdist_make_scheduler(config, log):
             return module if _has_module_fixture(os.path.join(root, module)) else nodeid
 
     return ModuleFixturesOnOneWorker(config, log)
-
-
-# Modules by the time their tests took in a full run (torch 2.14.1, 2 workers,
-# 2026-11-30, --durations), longest first. They are collected first, so that under
-# -n 2 the long ones start early and the short ones fill in at the end, rather than
-# one worker finishing alone with a module of minutes (test_wrapper_replay.py came
-# last by name). A module not listed keeps its place after these.
-_LONGEST_FIRST = ("test_calibrate.py", "test_wrapper_replay.py", "test_dynamic_shapes.py", "test_training.py",
-                  "test_graph_cuts.py", "test_fp8.py", "test_serial_peak.py", "test_cuda_codegen.py",
-                  "test_chunk_training.py", "test_gpu_check.py", "test_chain_properties.py", "test_hsdp.py",
-                  "test_bucket_training.py", "test_chunk_ragged.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: index for index, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: test order kept within each
