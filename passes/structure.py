@@ -332,10 +332,17 @@ def held_bytes(c: Collective, holds: bool | None = None) -> int:
 
 
 def holds_output(c: Collective) -> bool:
-    """Whether ``held_bytes(c)`` counts ``c``'s output (an all-gather's, or a chained
-    start's); for any other kind it counts the input alone, the output being live
-    anyway from the start to its reader, unless that reader moves later with the wait."""
-    return c.kind == "all_gather" or _reads_a_wait(c.start)
+    """Whether ``held_bytes(c)`` counts ``c``'s output (an all-gather's, a chained
+    start's, or one nothing reads: its wait is its last reader, so a wait placed
+    later holds it longer); for any other kind it counts the input alone, the output
+    being live anyway from the start to its reader, unless that reader moves later
+    with the wait."""
+    return c.kind == "all_gather" or _reads_a_wait(c.start) or _unread(c)
+
+
+def _unread(c: Collective) -> bool:
+    """Whether nothing but ``c``'s waits and their views reads its result."""
+    return not any(real_consumers(wait, alias_closure(wait)) for wait in c.waits)
 
 
 def carries_compute(node: fx.Node, is_wait) -> bool:

@@ -241,3 +241,24 @@ def test_serial_peak_gathers_ahead_only_of_a_kernel(fake_pg, window):
     first_compute = next(i for i, n in enumerate(order) if n.target in (torch.ops.aten.mm.default,
                                                                          torch.ops.aten.add.Tensor))
     assert (start < first_compute) == (window == "mm"), [n.name for n in order]
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_to_all_single"])
+@pytest.mark.parametrize("byte_budget", [1, "auto", None])
+def test_a_result_nothing_reads_counts_in_flight_until_its_wait(fake_pg, kind, byte_budget):
+    """A collective whose waited result nothing reads: its wait is its output's last
+    reader, so where a byte budget other than "serial-peak" sinks the wait past compute,
+    the output stays live that long and counts as in flight (``structure.holds_output``):
+    the schedule keeps the memory bound and ``verify`` passes (it did not, before)."""
+    def fn(x, w):
+        t = torch.cat([w] * 8)   # 1 KiB sent, 1 KiB received
+        c = F.all_reduce(t, "sum", "0") if kind == "all_reduce" else F.all_to_all_single(t, [2] * 8, [2] * 8, "0")
+        h = torch.tanh(x @ x)
+        F.wait_tensor(c)         # waited, never read
+        return (torch.tanh(h @ x),)
+    gm = make_fx(fn)(torch.randn(16, 16), torch.randn(2, 16))
+    cfg = overlapc.OverlapConfig(max_in_flight_bytes=byte_budget, on_error="raise")
+    overlapc.schedule(gm, cfg)
+    peaks = overlapc.verify(gm, cfg)
+    assert peaks.peak_in_flight_bytes == 2 * 1024   # its input and its output
+    assert peaks.peak_bytes <= peaks.reference_peak_bytes + peaks.peak_in_flight_bytes
