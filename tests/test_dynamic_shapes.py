@@ -165,8 +165,10 @@ def _job_lengths(rank, world_size, port):
                 our_graphs=our_graphs, guards=spy.found[before:])
 
 
-def test_variable_lengths_compile_no_more_graphs_than_inductor(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def test_variable_lengths_compile_no_more_graphs_than_inductor(monkeypatch):
+    # no FX graph or AOTAutograd cache hit (the pass must run); compiled kernels are shared
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
     for r in run_ranks(_job_lengths, world_size=2, timeout=TIMEOUT):
         assert r["guards"] == [], f"overlapc added guards: {r['guards'][:5]}"
         assert r["our_graphs"] <= r["inductor_graphs"], r
