@@ -652,7 +652,6 @@ class _Core(ChainPoints):
             raise AssertionError("overlapc internal error: schedule lost nodes")
         return self.order
 
-
     def _pass_pinned(self, node: fx.Node) -> None:
         """Spine ``node`` was placed: count a pinned collective it starts, and let go of
         one it completes (what its count held back may go now)."""
