@@ -53,7 +53,7 @@ import heapq
 import torch
 import torch.fx as fx
 
-from overlapc.passes.collectives import Collective, barrier_reason_when_compute_moves, is_cheap, role
+from overlapc.passes.collectives import barrier_reason_when_compute_moves, is_cheap, role
 from overlapc.passes.inflight import Budget, InFlight
 from overlapc.passes.meta import in_input_chain
 from overlapc.passes.memory import Liveness
@@ -379,14 +379,14 @@ def _check_consumer_order(o: _Order) -> None:
                              f"{o.nodes[key_after[0]].name} vs {o.nodes[key_before[0]].name}): consumer order broken")
 
 
-def _check_pinned(o: _Order, node: fx.Node, flight: InFlight, limit: int, pinned: dict[fx.Node, Collective]) -> int:
+def _check_pinned(o: _Order, node: fx.Node, flight: InFlight, limit: int) -> int:
     """At spine ``node``: count a pinned collective it starts (``Structure.pinned``: it
     stays where it stands) and let go of one it completes; then, per group and kind with
     pinned collectives open, the collectives in flight across ``node`` (moved ones and
     pinned ones) must be within ``limit``, or, where the pinned ones alone reach it, be
     those alone (a moved one goes right before its wait there, across no spine node).
     Returns the most open of one group and kind."""
-    c = pinned.get(node)
+    c = o.s.pinned.get(node)
     if c is not None:
         flight.open_pinned(c)
     c = o.s.pinned_last_wait.get(node)
@@ -411,13 +411,13 @@ def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     here = 0   # s.pos of the last spine node
     bundled, pos, start_of, wait_of = s.bundled, s.pos, s.coll_of_start.get, s.coll_of_wait.get
     bounded = any(limit is not None for limit in budget.max_bytes.values())   # else ``here`` is not read
-    pinned = {c.start: c for c in s.pinned} if budget.max_count is not None else {}
+    pinned = s.pinned if budget.max_count is not None else {}
     nodes = o.nodes if bounded or pinned else \
         filter((s.coll_of_start.keys() | s.coll_of_wait.keys()).__contains__, o.nodes)
     for node in nodes:
         spine = node not in bundled
         if pinned and (node in pinned or node in s.pinned_last_wait or spine and flight.pinned_open):
-            peak_count = max(peak_count, _check_pinned(o, node, flight, budget.max_count, pinned))
+            peak_count = max(peak_count, _check_pinned(o, node, flight, budget.max_count))
         if spine:
             here = pos[node]
             continue   # neither a start nor a wait (both are bundled)

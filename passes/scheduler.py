@@ -108,7 +108,6 @@ class _Core(ChainPoints):
         self.moving = self._moving(managed)   # members of bundles placed by the core, not the spine
         self.spine = [n for n in s.nodes if n not in self.moving]
         self.flight = InFlight(s.held)
-        self.pinned_at = {c.start: c for c in s.pinned}   # they count while open (``_count_full``)
         self.order: list[fx.Node] = []
         self.placed: set[fx.Node] = set()
         self.issued: set[fx.Node] = set()
@@ -655,7 +654,7 @@ class _Core(ChainPoints):
     def _pass_pinned(self, node: fx.Node) -> None:
         """Spine ``node`` was placed: count a pinned collective it starts, and let go of
         one it completes (what its count held back may go now)."""
-        c = self.pinned_at.get(node)
+        c = self.s.pinned.get(node)
         if c is not None:
             self.flight.open_pinned(c)
         c = self.s.pinned_last_wait.get(node)

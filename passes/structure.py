@@ -89,12 +89,13 @@ class Structure:
         self.coll_of_wait = {w: c for c in self.movable for w in c.waits}
         # Collectives that stay where they stand (start and wait on two sides of a
         # barrier), with waits: they count against ``max_in_flight`` while open.
-        # (group, kind) -> positions of their starts, rising; wait -> the one it completes last.
-        moved = set(self.coll_of_start)
-        self.pinned: list[Collective] = [c for c in self.all if c.waits and c.start not in moved]
+        # start -> the collective; (group, kind) -> positions of their starts, rising;
+        # wait -> the one it completes last.
+        self.pinned: dict[fx.Node, Collective] = {
+            c.start: c for c in self.all if c.waits and c.start not in self.coll_of_start}
         self.pinned_starts: dict[tuple[str, str], list[int]] = {}
         self.pinned_last_wait: dict[fx.Node, Collective] = {}
-        for c in self.pinned:
+        for c in self.pinned.values():
             self.pinned_starts.setdefault((c.group, c.kind), []).append(self.pos[c.start])
             self.pinned_last_wait[max(c.waits, key=self.pos.__getitem__)] = c
 
