@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch.fx as fx
@@ -45,6 +46,8 @@ class Budget:
         all-gather that does not fit is waited right after its start, an
         all-gather that does not fit is issued right before its wait; the invariant check compares
         the peak with the serial order's peak exactly (``Headroom.peak``).
+    held: start -> bytes held in flight (``held_of``): ``Structure.held_ahead`` for a
+        byte budget other than "serial-peak"; None: ``Structure.held``.
     """
 
     max_count: int | None
@@ -52,6 +55,12 @@ class Budget:
     reserve: dict[str, int]
     headroom: Headroom | None = None
     within_peak: bool = False
+    held: Mapping[fx.Node, int] | None = None
+
+    def held_of(self, s) -> Mapping[fx.Node, int]:
+        """Start -> bytes its collective holds in flight as this budget counts them:
+        ``held`` when set, else ``s.held`` (``s``: the graph's Structure)."""
+        return s.held if self.held is None else self.held
 
     def fits_headroom(self, in_flight: int, first: int, last: int) -> bool:
         """Whether ``in_flight`` bytes (all groups, the new collective included) fit
@@ -214,11 +223,13 @@ class InFlight:
         whole = piece_of(c)
         return [x for x in self.open_in(c.group) if piece_of(x) != whole]
 
-    def oldest(self, group: str, kind: str | None = None, gathers: bool = False) -> Collective | None:
+    def oldest(self, group: str, kind: str | None = None, gathers: bool = False,
+               skip: Callable[[Collective], bool] | None = None) -> Collective | None:
         """Oldest open collective of ``group``: of ``kind`` when given, else of any
-        kind but all-gather (or of any kind at all when ``gathers``)."""
+        kind but all-gather (or of any kind at all when ``gathers``); none for which
+        ``skip`` is true."""
         for c in self.open_in(group):
-            if kind is not None and c.kind != kind:
+            if kind is not None and c.kind != kind or skip is not None and skip(c):
                 continue
             if kind is None and not gathers and c.kind == "all_gather":
                 continue

@@ -405,7 +405,7 @@ def _check_pinned(o: _Order, node: fx.Node, flight: InFlight, limit: int) -> int
 
 def _check_bounds(o: _Order, budget: Budget) -> tuple[InFlight, int]:
     s = o.s
-    flight = InFlight(s.held)
+    flight = InFlight(budget.held_of(s))
     waits_left = {c.start: len(c.waits) for c in s.movable}
     peak_count = 0
     here = 0   # s.pos of the last spine node

@@ -117,7 +117,7 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
     under the peak of the graph before the pipeline rewrote it where it did
     (``meta.serial_peak``). ``headroom``: ``serial_headroom(s, config)`` when the caller has it."""
     cfg = as_options(config)
-    collectives, held = s.movable, s.held
+    collectives, held = s.movable, s.held if cfg.max_in_flight_bytes == "serial-peak" else s.held_ahead
     groups = sorted({c.group for c in collectives})
     within_peak = cfg.max_in_flight_bytes == "serial-peak"
     if cfg.max_in_flight_bytes in ("auto", "serial-peak"):
@@ -131,7 +131,7 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
     for c in collectives:
         if c.kind != "all_gather":
             reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
-    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak)
+    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak, None if within_peak else held)
 
 
 def serial_headroom(s: Structure, config) -> Headroom:

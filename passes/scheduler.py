@@ -107,7 +107,8 @@ class _Core(ChainPoints):
         self.move_starts = mode != "sink"
         self.moving = self._moving(managed)   # members of bundles placed by the core, not the spine
         self.spine = [n for n in s.nodes if n not in self.moving]
-        self.flight = InFlight(s.held)
+        self.held = budget.held_of(s)
+        self.flight = InFlight(self.held)
         self.order: list[fx.Node] = []
         self.placed: set[fx.Node] = set()
         self.issued: set[fx.Node] = set()
@@ -122,6 +123,10 @@ class _Core(ChainPoints):
         self._fixed: dict[fx.Node, tuple[int, bool]] = {}   # start -> (s.due, counted whole): ``_in_headroom``
         self.trying: list[int] = []   # s.pos of the starts ``_try_issue`` is making room for
         self.ahead: dict[fx.Node, int] = {}   # open starts issued ahead of where they stood -> uncounted output bytes
+        self.other_starts: dict[str, list[int]] = {}   # group -> s.pos of its other kinds' starts, rising
+        for c in managed:
+            if c.kind != "all_gather":
+                self.other_starts.setdefault(c.group, []).append(s.pos[c.start])
 
         # Chains: a start bundle that reads a moving wait's bundle is *gated*: it
         # is issued at a chain point, a spine node between the earliest point its
@@ -435,7 +440,7 @@ class _Core(ChainPoints):
         if self.budget.within_peak:
             return not self._in_headroom(c)
         limit = self.budget.max_bytes.get(c.group)
-        return limit is not None and self.flight.nbytes(c.group) + self.s.held[c.start] > limit \
+        return limit is not None and self.flight.nbytes(c.group) + self.held[c.start] > limit \
             and not self._in_headroom(c)
 
     def _in_headroom(self, c: Collective) -> bool:
@@ -459,7 +464,7 @@ class _Core(ChainPoints):
             nodes = self.s.nodes
             others = self.flight.total + sum(self.ahead.values())
             return self.budget.headroom.fits_collective(c.start, others, nodes[self.here], nodes[due])
-        return self.budget.fits_headroom(self.flight.total + self.s.held[c.start], self.here, due)
+        return self.budget.fits_headroom(self.flight.total + self.held[c.start], self.here, due)
 
     def _gather_fits(self, c: Collective, past_room: bool = True) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open
@@ -476,26 +481,44 @@ class _Core(ChainPoints):
                 self.held_back[c.start] = "byte budget"
             return fits
         room = self.budget.gather_room(c.group)
-        if room is None or self.flight.gather_bytes(c.group) + self.s.held[c.start] <= room \
-                or past_room and self._in_headroom(c):
+        if room is None or self.flight.gather_bytes(c.group) + self.held[c.start] <= room \
+                or past_room and not self._other_before_due(c) and self._in_headroom(c):
             return True
         self.held_back[c.start] = "byte budget"
         return False
 
-    def _make_room(self, c: Collective, gathers: bool) -> None:
+    def _other_before_due(self, c: Collective) -> bool:
+        """Whether a collective of another kind in all-gather ``c``'s group stood between
+        here and ``c``'s due position in the given order: the group's room is kept for
+        it (``Budget.reserve``), since ``c``, an all-gather, cannot be waited early."""
+        starts = self.other_starts.get(c.group)
+        return bool(starts) and bisect_left(starts, max(self.s.due(c), self.here)) > bisect_right(starts, self.here)
+
+    def _make_room(self, c: Collective, gathers: bool, forced: bool = False) -> None:
         """Wait the oldest open collectives of ``c``'s group until ``c`` fits or
-        nothing more may be waited (all-gathers only when ``gathers``)."""
+        nothing more may be waited (all-gathers only when ``gathers``; one whose
+        wait would not free its bytes yet (``_not_freed``) only when ``forced``:
+        ``c``'s result is due)."""
+        skip = None if forced else self._not_freed
         while self.flight.any_open(c.group):   # none open: nothing to wait, whether ``c`` fits or not
-            same = self.flight.oldest(c.group, kind=c.kind) if self._count_full(c) else None
+            same = self.flight.oldest(c.group, c.kind, skip=skip) if self._count_full(c) else None
             if same is not None:   # (None also where pinned ones alone fill the count: bytes next)
                 victim = same if gathers or c.kind != "all_gather" else None
             elif self._bytes_over(c):
-                victim = self.flight.oldest(c.group, gathers=gathers)
+                victim = self.flight.oldest(c.group, gathers=gathers, skip=skip)
             else:
                 return
             if victim is None:
                 return
             self._wait(victim, "early for room")
+
+    def _not_freed(self, c: Collective) -> bool:
+        """Whether waiting open ``c`` now would not free what its held bytes count: under
+        a byte budget other than "serial-peak", a start that went ahead of compute
+        (``Structure.goes_ahead``) holds its output until its reader whatever its wait,
+        and here is still before where the given order allocated that output."""
+        ahead = self.s.goes_ahead.get(c.start)
+        return ahead is not None and self.here < ahead and not self.budget.within_peak
 
     # -- issuing ---------------------------------------------------------------------------
     def _issue_ready(self) -> None:
@@ -531,8 +554,12 @@ class _Core(ChainPoints):
                 if self.missing[c.start] or not self._gather_fits(c, past_room=c.group not in short):
                     break
                 self._make_room(c, gathers=False)
-                if c.start not in self.issued:
-                    self._issue(c)
+                if c.start in self.issued:
+                    continue
+                if not self.budget.within_peak and self._bytes_over(c) and self.flight.open_besides(c):
+                    self.held_back[c.start] = "byte budget"   # what is open cannot be waited yet
+                    break
+                self._issue(c)
 
     def _try_issue(self, c: Collective) -> bool:
         """Issue ready ``c`` (not an all-gather) now, after waiting open collectives
@@ -585,7 +612,7 @@ class _Core(ChainPoints):
         placed serially is in no lane: it goes when its result is due, alone."""
         if c.kind != "all_gather" or c.start in self.serial:
             if c.kind != "all_gather" or gathers:
-                self._make_room(c, gathers=c.kind == "all_gather")
+                self._make_room(c, gathers=c.kind == "all_gather", forced=gathers)
                 if c.start not in self.issued:
                     self._issue(c, reason)
             return
@@ -594,7 +621,7 @@ class _Core(ChainPoints):
             earlier = self.managed[starts[self.head[lane]]]
             if earlier.start in self.issued:   # being issued: its start bundle reads ``c``'s result
                 raise fail(self.s, c.start, f"all-gather read by {earlier.start.name}, ahead of it in its lane")
-            self._make_room(earlier, gathers=gathers)
+            self._make_room(earlier, gathers=gathers, forced=gathers)
             if not gathers and not self._gather_fits(earlier):
                 return
             if earlier.start not in self.issued:

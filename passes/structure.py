@@ -139,6 +139,11 @@ class Structure:
         # Whether each movable collective's held bytes count its output (``holds_output``)
         self.holds = {c.start: holds_output(c) for c in self.movable}
         self.held = {c.start: held_bytes(c, self.holds[c.start]) for c in self.movable}
+        # Those whose output does not count but whose start may go ahead of compute it
+        # followed (``_may_go_ahead``): start -> the position of its bundle's first member.
+        self.goes_ahead: dict[fx.Node, int] = {
+            c.start: pos[self.start_bundle[c.start][0]] for c in self.movable
+            if not self.holds[c.start] and self._may_go_ahead(c)}
         # First consumer that no start bundle carries (else the region's end): a
         # wait read by another collective's start bundle (a chain) is due by then.
         self.spine_target: dict[fx.Node, fx.Node] = {}
@@ -154,6 +159,16 @@ class Structure:
         self._shared_targets = shared
         self._arg_order: dict[fx.Node, dict[fx.Node, int]] = {}
         self.key = {c.start: self.consumer_key(c) for c in self.movable if c.kind == "all_gather"}
+
+    @functools.cached_property
+    def held_ahead(self) -> dict[fx.Node, int]:
+        """``held`` with the outputs of the collectives that may go ahead
+        (``goes_ahead``) counted too: what a byte budget other than "serial-peak"
+        counts in flight (that one's headroom counts such an output by itself)."""
+        if not self.goes_ahead:
+            return self.held
+        return {start: held_bytes(c, self.holds[start] or start in self.goes_ahead)
+                for start, c in self.coll_of_start.items()}
 
     @functools.cached_property
     def kernels(self) -> Kernels:
@@ -229,6 +244,22 @@ class Structure:
                     inputs = sorted(inputs + [self.nodes[at]], key=self.pos.__getitem__)
                 break
         return inputs
+
+    def _may_go_ahead(self, c: Collective) -> bool:
+        """Whether ``c``'s start bundle may be issued before compute that preceded it
+        in the given order: a node that allocates (neither cheap nor bundled, nor a
+        graph input) stands between the last node the bundle must follow and its
+        first member. Its output is then allocated earlier than the given order
+        allocates it and held across that compute (a dispatch all-to-all reading a
+        graph input, an all-reduce traced after later compute)."""
+        bundle, must = self.start_bundle[c.start], self.bundle_inputs[c.start]
+        ready = self.pos[must[-1]] if must else -1
+        nodes, bundled = self.nodes, self.bundled
+        for at in range(self.pos[bundle[0]] - 1, ready, -1):
+            node = nodes[at]
+            if node.op == "call_function" and node not in bundled and not is_cheap(node):
+                return True
+        return False
 
     def _external_inputs(self, members: list[fx.Node]) -> list[fx.Node]:
         """Nodes the members read that are not members themselves, in graph order."""

@@ -13,6 +13,7 @@ from overlapc.backend import capture
 from overlapc.passes.memory import Headroom, Liveness, peak_bytes
 from overlapc.passes.scheduler import schedule_order
 from overlapc.passes.structure import Structure
+from conftest import degradations
 from graphs import F
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -191,19 +192,23 @@ def _scheduled_as_given_values(fn, layers, byte_limit):
     return gm
 
 
-def test_a_reduction_waits_for_room_the_gathers_ahead_of_it_hold(fake_pg):
+def test_gathers_leave_room_for_a_reduction_before_their_consumers(fake_pg):
     """Under the "auto" byte budget all-gathers run ahead where the memory headroom holds
-    them, past the group's byte limit less its largest reduction; a reduce-scatter ready
-    then, which would take the group past its limit, is issued once their waits free the
-    room ("byte budget") instead of breaking the budget (which had the check place it
-    and the gathers serially, a WARNING: the 405B graph_trainer graph under "auto")."""
+    them; a reduce-scatter of their group that stood before their consumers needs the
+    group's room left for it. Before, the gathers took it, the reduce-scatter then broke
+    the budget and the check placed it and the gathers serially (a WARNING: the 405B
+    graph_trainer graph under "auto"); later it waited for their waits ("byte budget").
+    Now no all-gather goes past the group's room over a reduction standing before its
+    consumer (``_other_before_due``): the reduce-scatter is issued where its input is
+    ready, the gathers after it."""
     from overlapc.passes import meta
     gm = _scheduled_as_given_values(_reduction_among_prefetched_gathers(4, 4, 1), 4, "auto")
     nodes = list(gm.graph.nodes)
     start = next(n for n in nodes if n.target is F.reduce_scatter_tensor.default)
-    assert start.meta[meta.REASON] == "byte budget"
-    gathers_waited = [n for n in nodes[:nodes.index(start)] if n.target is F.wait_tensor.default]
-    assert len(gathers_waited) >= 3   # issued after the all-gathers that held the room were waited
+    assert start.meta[meta.REASON] == "inputs ready"
+    produced = max(nodes.index(i) for i in start.all_input_nodes)
+    assert all(n.op != "call_function" or n.target is not torch.ops.aten.mm.default
+               for n in nodes[produced + 1:nodes.index(start)])   # no matmul between input and start
 
 
 @settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "60")), deadline=None,
@@ -262,3 +267,95 @@ def test_a_result_nothing_reads_counts_in_flight_until_its_wait(fake_pg, kind, b
     peaks = overlapc.verify(gm, cfg)
     assert peaks.peak_in_flight_bytes == 2 * 1024   # its input and its output
     assert peaks.peak_bytes <= peaks.reference_peak_bytes + peaks.peak_in_flight_bytes
+
+
+def _moe_layers(layers: int, ep: str, tp: str | None = None):
+    """MoE-shaped layers: FSDP bf16 all-gathers (group "0", world 8) feeding the attention
+    matmuls, a dispatch all-to-all of the graph input ``tok`` (uneven splits), an expert
+    all-gather and matmul, and the combine all-to-all (group ``ep``, 2 ranks). With ``tp``
+    (4 ranks), the attention's result is all-reduced over it and every other layer
+    all-gathers a weight over it that only the graph's output reads."""
+    splits = [[3, 5], [5, 3], [8, 0], [4, 4]]
+
+    def fn(x, tok, *ws):
+        h, outs = x, []
+        for layer in range(layers):
+            wq, wo, we = ws[3 * layer:3 * layer + 3]
+            q = h @ F.wait_tensor(F.all_gather_into_tensor(wq.to(torch.bfloat16), 8, "0")).float().t()
+            q = torch.nn.functional.gelu(q)
+            if tp is None:
+                h = h + q
+            else:   # the row-parallel half: its all-reduce, then a matmul with a second FSDP gather
+                o = F.wait_tensor(F.all_gather_into_tensor(wo.to(torch.bfloat16), 8, "0")).float()
+                h = h + F.wait_tensor(F.all_reduce(q, "sum", tp)) @ o
+            sp = splits[layer % 4]
+            d = F.wait_tensor(F.all_to_all_single(tok, sp, sp, ep))
+            ee = F.wait_tensor(F.all_gather_into_tensor(we, 2, ep))
+            ex = torch.relu(d @ (ee.t() @ ee))
+            h = h + F.wait_tensor(F.all_to_all_single(ex, sp, sp, ep)).sum(0)
+            if tp is not None and layer % 2:
+                outs.append(F.wait_tensor(F.all_gather_into_tensor(wo, 4, tp)))
+        return (h, *outs)
+    return fn
+
+
+@pytest.fixture(scope="module")
+def ep_tp_groups(fake_pg):
+    """An expert group of 2 ranks and a tensor-parallel group of 4 (their names)."""
+    import torch.distributed as dist
+    return dist.new_group([0, 4]).group_name, dist.new_group([0, 1, 2, 3]).group_name
+
+
+def _moe_inputs(layers: int) -> list[torch.Tensor]:
+    return [torch.randn(16, 16), torch.randn(8, 16)] + [torch.randn(2, 16) for _ in range(3 * layers)]
+
+
+@pytest.mark.parametrize("byte_budget", ["serial-peak", "auto", 4096, 64, 1, None])
+def test_a_start_issued_ahead_of_compute_counts_its_output(ep_tp_groups, caplog, byte_budget):
+    """A dispatch all-to-all reading a graph input may be issued ahead of the compute that
+    preceded it: its output is then allocated early and stays live until its reader,
+    whenever its wait is placed. Byte budgets other than "serial-peak" count that output in
+    flight (``Structure.goes_ahead``) and wait such a start early for room only once the
+    given order would have allocated it. Before, "auto" sent this whole graph to its
+    serial order and a 4096-byte budget placed most of it serially (WARNINGs); now every
+    budget schedules it whole, within the bounds ``verify`` and the independent checks
+    (``test_properties.independent_checks``) recompute."""
+    from test_properties import independent_checks
+
+    gm = make_fx(_moe_layers(4, ep_tp_groups[0]))(*_moe_inputs(4))
+    before = list(gm.graph.nodes)
+    cfg = overlapc.OverlapConfig(max_in_flight_bytes=byte_budget, on_error="raise")
+    with caplog.at_level("WARNING", logger="overlapc"):
+        overlapc.schedule(gm, cfg)
+    assert degradations(caplog.records) == []
+    overlapc.verify(gm, cfg)
+    independent_checks(gm, cfg, before)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    matmuls = [n for n in before if n.target is torch.ops.aten.mm.default]
+    dispatches = [n for n in order if n.target is F.all_to_all_single.default and n.args[0].op == "placeholder"]
+    assert len(dispatches) == 4
+    ahead = [d for d in dispatches if any(before.index(m) < before.index(d) and order[m] > order[d] for m in matmuls)]
+    if byte_budget is None:   # unbounded, they go ahead of matmuls they followed
+        assert ahead
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+@pytest.mark.parametrize("byte_budget", ["auto", 4096, None])
+def test_an_all_gather_goes_past_its_groups_room_only_where_no_other_kind_needs_it(
+        ep_tp_groups, caplog, layers, byte_budget):
+    """A tensor-parallel group carries per-layer all-reduces and all-gathers that only the
+    graph's output reads (due at the end). "auto" let such an all-gather past its group's
+    room where the memory headroom held it; the all-reduce due next then found no room
+    (an all-gather is never waited early) and the check placed them serially, or the whole
+    graph (8 layers). An all-gather now goes past its room only where no collective of
+    another kind of its group stood before its due position (``_other_before_due``)."""
+    from test_properties import independent_checks
+
+    gm = make_fx(_moe_layers(layers, *ep_tp_groups))(*_moe_inputs(layers))
+    before = list(gm.graph.nodes)
+    cfg = overlapc.OverlapConfig(max_in_flight_bytes=byte_budget, on_error="raise")
+    with caplog.at_level("WARNING", logger="overlapc"):
+        overlapc.schedule(gm, cfg)
+    assert degradations(caplog.records) == []
+    overlapc.verify(gm, cfg)
+    independent_checks(gm, cfg, before)

@@ -158,12 +158,27 @@ def _chained(start):
     return False
 
 
-def held(c):
+def held(c, ahead=frozenset()):
     """Bytes a collective holds in flight: an all-gather's output and input; any
     other's input, and its output too when it is chained (reads another
-    collective's result), since its start may go ahead of where it stood."""
+    collective's result), since its start may go ahead of where it stood, or when
+    its start went ahead of compute (``ahead``: such starts, ``went_ahead``)."""
     inputs = sum(i.meta["val"].numel() * i.meta["val"].element_size() for i in c.start.all_input_nodes)
-    return (c.nbytes if c.kind == "all_gather" or _chained(c.start) else 0) + inputs
+    return (c.nbytes if c.kind == "all_gather" or _chained(c.start) or c.start in ahead else 0) + inputs
+
+
+def went_ahead(rows, before, nodes, pos):
+    """Starts of ``rows`` now placed before compute (a call_function that is neither a
+    collective's start or wait, a getitem, a view nor a node feeding starts only) that
+    stood before them in ``before``: their outputs are allocated earlier than the order
+    handed in allocated them."""
+    starts, memo = {c.start for c in rows}, {}
+    edges = starts | {w for c in rows for w in c.waits}
+    compute = [n for n in before if n.op == "call_function" and n not in edges and n.target is not operator.getitem
+               and n.target not in _ALIASES and not _feeds_only(n, starts, memo)]
+    at_before = {n: i for i, n in enumerate(before)}
+    return frozenset(c.start for c in rows if any(
+        at_before[n] < at_before[c.start] and pos[n] > pos[c.start] for n in compute))
 
 
 def piece(c):
@@ -453,10 +468,13 @@ def independent_checks(gm, cfg, before=None):
     # of one collective count once); per group the held bytes within the budget unless the
     # collective issued is the only one open ("auto": checked on the outcome below)
     budget = cfg.max_in_flight_bytes
+    # outputs allocated early count in flight (under "serial-peak" its headroom holds them: the stricter bound)
+    ahead = went_ahead(rows, before, nodes, pos) if before is not None and budget != "serial-peak" else frozenset()
+    held_now = {c.start: held(c, ahead) for c in rows}
     if budget == "auto":   # a chunked collective's pieces together
         whole = {}
         for c in rows:
-            whole[(c.group, piece(c))] = whole.get((c.group, piece(c)), 0) + held(c)
+            whole[(c.group, piece(c))] = whole.get((c.group, piece(c)), 0) + held_now[c.start]
         twice_largest = {g: 2 * max(b for (h, _), b in whole.items() if h == g) for g in {c.group for c in rows}}
     live, peak_total = {}, 0
     waits_left = {c.start: len(c.waits) for c in rows}
@@ -469,11 +487,11 @@ def independent_checks(gm, cfg, before=None):
             same_kind = {piece(o) for o in live[c.group] if o.kind == c.kind}   # pieces count once
             if cfg.max_in_flight is not None:
                 assert len(same_kind) <= cfg.max_in_flight, (node.name, len(same_kind), cfg.max_in_flight)
-            total = sum(held(o) for o in live[c.group])
+            total = sum(held_now[o.start] for o in live[c.group])
             if isinstance(budget, int) and total > budget:
                 others = [o.start.name for o in live[c.group] if piece(o) != piece(c)]
                 assert not others, (node.name, total, budget, others)
-            peak_total = max(peak_total, sum(held(o) for g in live for o in live[g]))
+            peak_total = max(peak_total, sum(held_now[o.start] for g in live for o in live[g]))
         c = of_wait.get(node)
         if c is not None:
             waits_left[c.start] -= 1
