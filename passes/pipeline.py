@@ -117,7 +117,7 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
     under the peak of the graph before the pipeline rewrote it where it did
     (``meta.serial_peak``). ``headroom``: ``serial_headroom(s, config)`` when the caller has it."""
     cfg = as_options(config)
-    collectives, held = s.movable, s.held if cfg.max_in_flight_bytes == "serial-peak" else s.held_ahead
+    collectives, held = s.movable, s.held
     groups = sorted({c.group for c in collectives})
     within_peak = cfg.max_in_flight_bytes == "serial-peak"
     if cfg.max_in_flight_bytes in ("auto", "serial-peak"):
@@ -127,11 +127,14 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
             headroom = serial_headroom(s, cfg)
     else:
         max_bytes, headroom = {group: cfg.max_in_flight_bytes for group in groups}, None
+    # In flight, a start that may go ahead counts its output too under the other budgets;
+    # not in the limits, which verify reads off the scheduled graph, where it stands ahead.
+    in_flight = None if within_peak else s.held_ahead
     reserve: dict[str, int] = {}
     for c in collectives:
         if c.kind != "all_gather":
-            reserve[c.group] = max(reserve.get(c.group, 0), held[c.start])
-    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak, None if within_peak else held)
+            reserve[c.group] = max(reserve.get(c.group, 0), (in_flight or held)[c.start])
+    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak, in_flight)
 
 
 def serial_headroom(s: Structure, config) -> Headroom:
@@ -193,7 +196,9 @@ def verify(gm: fx.GraphModule, config=None) -> Peaks:
     except Exception as error:
         raise ScheduleError(f"graph is not a valid FX graph: {error}") from error
     s = Structure(gm)
-    return invariants.check(s, s.nodes, budget_for(s, cfg))
+    # the order as it stands: no start is ahead of where it stands (``Structure.held_ahead``
+    # counts what a start could go ahead of, for scheduling)
+    return invariants.check(s, s.nodes, dataclasses.replace(budget_for(s, cfg), held=None))
 
 
 def _reorder(gm: fx.GraphModule, budget_of, mode: str = "schedule",

@@ -100,11 +100,12 @@ def compile_on_fake_h100(graphs: list[tuple[str, torch.fx.GraphModule]], options
     post-grad pass (as the backend runs it) under ``config_patches``, applied inside
     ``around()`` (a caller's context, as graph_trainer's pass runs inside overlapc's
     adapter). Returns per graph {"graph": "fw" | "bw", "code": wrapper source,
-    "scheduled": ``scheduled_starts``}."""
+    "scheduled": ``scheduled_starts``, "windows": ``inductor_order.window_summary`` of
+    the code against the graph Inductor lowered}."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
 
-    from overlapc.backend import SchedulePass
+    from overlapc.backend import SchedulePass, inductor_order
     from overlapc.config import OverlapConfig
 
     cfg = OverlapConfig.from_options(options)
@@ -117,13 +118,15 @@ def compile_on_fake_h100(graphs: list[tuple[str, torch.fx.GraphModule]], options
             if cudagraph_partitions:
                 patches.update({"graph_partition": True, "triton.cudagraphs": True})
             before = len(fake.codes)
-            with around(), torch._inductor.config.patch(patches):
+            with around(), torch._inductor.config.patch(patches), inductor_order.capture() as lowered:
                 compile_fx_inner(cuda_gm, inputs, is_backward=kind == "bw", graph_id=number,
                                  cudagraphs=BoxedBool(cudagraph_partitions))
-            if len(fake.codes) != before + 1 or len(records) != 1:
-                raise RuntimeError(f"fake_cuda: graph {kind} gave {len(fake.codes) - before} wrappers and "
-                                   f"{len(records)} schedules, expected one each")
-            results.append({"graph": kind, "code": fake.codes[-1], "scheduled": scheduled_starts(records[0].gm)})
+            if len(fake.codes) != before + 1 or len(records) != 1 or len(lowered) != 1:
+                raise RuntimeError(f"fake_cuda: graph {kind} gave {len(fake.codes) - before} wrappers, "
+                                   f"{len(records)} schedules and {len(lowered)} lowerings, expected one each")
+            code = fake.codes[-1]
+            results.append({"graph": kind, "code": code, "scheduled": scheduled_starts(records[0].gm),
+                            "windows": inductor_order.window_summary(inductor_order.events(code), lowered[0])})
     return results
 
 

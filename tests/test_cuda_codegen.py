@@ -112,6 +112,18 @@ def test_cuda_wrapper_keeps_compute_between_each_hoisted_start_and_its_wait(case
     assert lost == {"fw": [], "bw": []}
 
 
+@pytest.mark.parametrize("variant", ["kept", "partitions"])
+def test_every_window_of_the_llama_keeps_its_compute(cases, variant):
+    """Node by node (``inductor_order.window_summary``: the FX nodes between each start
+    and its wait against the kernels that materialise them in the code), every window
+    of the Llama's forward and backward that holds compute keeps it in the CUDA code,
+    and no kernel of a window runs outside it."""
+    for graph in cases["llama"]["variants"][variant]:
+        windows = graph["windows"]
+        assert windows["breaks"] == [], (graph["graph"], windows["breaks"])
+        assert windows["kept"] == windows["with_compute"] >= 4, (graph["graph"], windows)
+
+
 def test_the_tp_sp_case_is_chunked(cases):
     """chunks=4 splits each of the block's all-gathers and reduce-scatters into 4 pieces,
     which the in-flight check counts as one collective."""
