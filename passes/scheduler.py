@@ -499,7 +499,7 @@ class _Core(ChainPoints):
         nothing more may be waited (all-gathers only when ``gathers``; one whose
         wait would not free its bytes yet (``_not_freed``) only when ``forced``:
         ``c``'s result is due)."""
-        skip = None if forced else self._not_freed
+        skip = None if forced or self.budget.within_peak or not self.s.goes_ahead else self._not_freed
         while self.flight.any_open(c.group):   # none open: nothing to wait, whether ``c`` fits or not
             same = self.flight.oldest(c.group, c.kind, skip=skip) if self._count_full(c) else None
             if same is not None:   # (None also where pinned ones alone fill the count: bytes next)
@@ -513,12 +513,12 @@ class _Core(ChainPoints):
             self._wait(victim, "early for room")
 
     def _not_freed(self, c: Collective) -> bool:
-        """Whether waiting open ``c`` now would not free what its held bytes count: under
-        a byte budget other than "serial-peak", a start that went ahead of compute
+        """Whether waiting open ``c`` now would not free what its held bytes count under a
+        byte budget other than "serial-peak": a start that went ahead of compute
         (``Structure.goes_ahead``) holds its output until its reader whatever its wait,
         and here is still before where the given order allocated that output."""
         ahead = self.s.goes_ahead.get(c.start)
-        return ahead is not None and self.here < ahead and not self.budget.within_peak
+        return ahead is not None and self.here < ahead
 
     # -- issuing ---------------------------------------------------------------------------
     def _issue_ready(self) -> None:
