@@ -310,6 +310,22 @@ def _moe_inputs(layers: int) -> list[torch.Tensor]:
     return [torch.randn(16, 16), torch.randn(8, 16)] + [torch.randn(2, 16) for _ in range(3 * layers)]
 
 
+def _scheduled_whole(gm, byte_budget, caplog) -> list:
+    """Schedule ``gm`` under ``byte_budget``; check that nothing degraded, ``verify`` and the
+    independent checks (``test_properties.independent_checks``). Returns the nodes in
+    their order before scheduling."""
+    from test_properties import independent_checks
+
+    before = list(gm.graph.nodes)
+    cfg = overlapc.OverlapConfig(max_in_flight_bytes=byte_budget, on_error="raise")
+    with caplog.at_level("WARNING", logger="overlapc"):
+        overlapc.schedule(gm, cfg)
+    assert degradations(caplog.records) == []
+    overlapc.verify(gm, cfg)
+    independent_checks(gm, cfg, before)
+    return before
+
+
 @pytest.mark.parametrize("byte_budget", ["serial-peak", "auto", 4096, 64, 1, None])
 def test_a_start_issued_ahead_of_compute_counts_its_output(ep_tp_groups, caplog, byte_budget):
     """A dispatch all-to-all reading a graph input may be issued ahead of the compute that
@@ -320,16 +336,8 @@ def test_a_start_issued_ahead_of_compute_counts_its_output(ep_tp_groups, caplog,
     serial order and a 4096-byte budget placed most of it serially (WARNINGs); now every
     budget schedules it whole, within the bounds ``verify`` and the independent checks
     (``test_properties.independent_checks``) recompute."""
-    from test_properties import independent_checks
-
     gm = make_fx(_moe_layers(4, ep_tp_groups[0]))(*_moe_inputs(4))
-    before = list(gm.graph.nodes)
-    cfg = overlapc.OverlapConfig(max_in_flight_bytes=byte_budget, on_error="raise")
-    with caplog.at_level("WARNING", logger="overlapc"):
-        overlapc.schedule(gm, cfg)
-    assert degradations(caplog.records) == []
-    overlapc.verify(gm, cfg)
-    independent_checks(gm, cfg, before)
+    before = _scheduled_whole(gm, byte_budget, caplog)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     matmuls = [n for n in before if n.target is torch.ops.aten.mm.default]
     dispatches = [n for n in order if n.target is F.all_to_all_single.default and n.args[0].op == "placeholder"]
@@ -349,13 +357,4 @@ def test_an_all_gather_goes_past_its_groups_room_only_where_no_other_kind_needs_
     (an all-gather is never waited early) and the check placed them serially, or the whole
     graph (8 layers). An all-gather now goes past its room only where no collective of
     another kind of its group stood before its due position (``_other_before_due``)."""
-    from test_properties import independent_checks
-
-    gm = make_fx(_moe_layers(layers, *ep_tp_groups))(*_moe_inputs(layers))
-    before = list(gm.graph.nodes)
-    cfg = overlapc.OverlapConfig(max_in_flight_bytes=byte_budget, on_error="raise")
-    with caplog.at_level("WARNING", logger="overlapc"):
-        overlapc.schedule(gm, cfg)
-    assert degradations(caplog.records) == []
-    overlapc.verify(gm, cfg)
-    independent_checks(gm, cfg, before)
+    _scheduled_whole(make_fx(_moe_layers(layers, *ep_tp_groups))(*_moe_inputs(layers)), byte_budget, caplog)
