@@ -471,10 +471,10 @@ def independent_checks(gm, cfg, before=None):
     # outputs allocated early count in flight (under "serial-peak" its headroom holds them: the stricter bound)
     ahead = went_ahead(rows, before, nodes, pos) if before is not None and budget != "serial-peak" else frozenset()
     held_now = {c.start: held(c, ahead) for c in rows}
-    if budget == "auto":   # a chunked collective's pieces together
+    if budget == "auto":   # a chunked collective's pieces together (the limits count no early output)
         whole = {}
         for c in rows:
-            whole[(c.group, piece(c))] = whole.get((c.group, piece(c)), 0) + held_now[c.start]
+            whole[(c.group, piece(c))] = whole.get((c.group, piece(c)), 0) + held(c)
         twice_largest = {g: 2 * max(b for (h, _), b in whole.items() if h == g) for g in {c.group for c in rows}}
     live, peak_total = {}, 0
     waits_left = {c.start: len(c.waits) for c in rows}
