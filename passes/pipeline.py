@@ -129,11 +129,11 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
         max_bytes, headroom = {group: cfg.max_in_flight_bytes for group in groups}, None
     # In flight, a start that may go ahead counts its output too under the other budgets;
     # not in the limits, which verify reads off the scheduled graph, where it stands ahead.
-    in_flight = None if within_peak else s.held_ahead
+    in_flight = held if within_peak else s.held_ahead
     reserve: dict[str, int] = {}
     for c in collectives:
         if c.kind != "all_gather":
-            reserve[c.group] = max(reserve.get(c.group, 0), (in_flight or held)[c.start])
+            reserve[c.group] = max(reserve.get(c.group, 0), in_flight[c.start])
     return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak, in_flight)
 
 
