@@ -10,10 +10,10 @@ Every workaround of a torch behaviour lives here, each with the check that
 decides whether the installed torch needs it and the behaviour it works around:
 
 - ``inductor_patches``: Inductor passes that move collectives, waits or the
-  compute between them, off, and its wrapper's buffer reuse, which holds dead
-  buffers that overlapc's memory model frees (keyed on the config keys the
-  installed Inductor has; per compile, through ``config_patches``, never
-  process-wide).
+  compute between them, off, its wrapper's buffer reuse, which holds dead
+  buffers that overlapc's memory model frees, and its scheduler's fusions
+  across a collective's start or wait (keyed on the config keys the installed
+  Inductor has; per compile, through ``config_patches``, never process-wide).
 - ``inductor_keeps_order``: the same, for a caller that turns Inductor's
   peak-memory reordering back on inside (torchtitan graph_trainer's full
   Inductor pass; for the duration of a with block).
@@ -40,6 +40,7 @@ Importing overlapc installs nothing process-wide (tests/test_torch_compat.py).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import operator
@@ -103,13 +104,86 @@ _warned = {"version": False}
 def inductor_patches() -> dict[str, object]:
     """Inductor config patches (``torch._inductor.config.patch`` keys, dotted
     for nested sections) that turn off every pass of the installed Inductor
-    that would move collectives, waits or the compute between them, and the
-    wrapper's buffer reuse (``_MEMORY_MODEL_PATCHES``). Keys the installed torch
-    does not have are left out, so the dict is valid for ``config.patch`` as it is."""
+    that would move collectives, waits or the compute between them, the
+    wrapper's buffer reuse (``_MEMORY_MODEL_PATCHES``), and fusions across a
+    collective's start or wait (``_fusion_guard_patches``). Keys the installed
+    torch does not have are left out, so the dict is valid for ``config.patch`` as it is."""
     from torch._inductor import config
     known = config.get_config_copy()
     wanted = {**_ORDER_MOVING_PASSES, **_MEMORY_MODEL_PATCHES}
-    return {key: value for key, value in wanted.items() if key in known}
+    return {**{key: value for key, value in wanted.items() if key in known}, **_fusion_guard_patches(known)}
+
+
+# Inductor's scheduler fuses kernels that share inputs (horizontal) or feed one another
+# (vertical) wherever no dependency forbids it, then places each fused kernel at its
+# first member's position, pulling the later member's inputs ahead of it. Two
+# independent kernels on either side of a wait (the norms of two pipelined
+# reduce-scatter pieces, reading the same weights) become one kernel placed where the
+# first stood, so the later piece's wait moves up to it, ahead of the matmuls overlapc
+# put between them: the window is lost (tests/test_cuda_codegen.py's chunked TP+SP block,
+# 5 of 30 windows per graph on 2.13 and 2.14.1). The guard refuses any fusion whose
+# kernels stand on two sides of a collective's start or wait in the order Inductor
+# received; every other fusion is decided as Inductor decides it.
+def _fusion_guard_patches(known: dict) -> dict[str, object]:
+    """The config patches that install ``_FusionGuard`` for one compile: the pre-fusion
+    pass turns it on, the post-fusion pass off (each chained to a pass the caller set).
+    Empty where the installed Inductor lacks the scheduler-pass keys."""
+    from torch._inductor import config
+    keys = ("_pre_fusion_custom_pass", "_post_fusion_custom_pass")
+    if not all(key in known for key in keys) or not hasattr(custom_graph_pass, "CustomSchedulerPass"):
+        return {}
+    callers = [getattr(config, key) for key in keys]   # (``known`` holds copies)
+    if isinstance(callers[0], _GuardFusions):   # patches taken inside patches: the same guard
+        return dict(zip(keys, callers))
+    return {keys[0]: _GuardFusions(True, callers[0]), keys[1]: _GuardFusions(False, callers[1])}
+
+
+class _FusionGuard:
+    """Inductor's fusion choices (``V.choices``) for one graph, less every fusion that
+    would span a collective's start or wait: ``events`` are those nodes' positions in
+    the scheduler's order before fusion (a node's ``min_order`` .. ``max_order``).
+    Other graphs' scheduling, and every other question, go to ``choices``."""
+
+    def __init__(self, choices, events: list[int], graph):
+        self.choices, self.events, self.graph = choices, events, graph
+
+    def __getattr__(self, name):
+        return getattr(self.choices, name)
+
+    def can_fuse(self, scheduler, node1, node2, shared_data_score) -> bool:
+        from torch._inductor.virtualized import V
+        if V.graph is self.graph:
+            low = min(node1.min_order, node2.min_order)
+            high = max(node1.max_order, node2.max_order)
+            if bisect.bisect_left(self.events, high) > bisect.bisect_right(self.events, low):
+                return False
+        return self.choices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+
+class _GuardFusions(custom_graph_pass.CustomSchedulerPass if hasattr(custom_graph_pass, "CustomSchedulerPass")
+                    else object):
+    """Inductor's pre-fusion (``on``) or post-fusion scheduler pass: turns the
+    ``_FusionGuard`` of the graph being scheduled on or off, then runs ``then``, the
+    pass the caller had configured (None: none)."""
+
+    def __init__(self, on: bool, then=None):
+        self.on, self.then = on, then
+
+    def __call__(self, nodes: list) -> list:
+        from torch._inductor import ir
+        from torch._inductor.virtualized import V
+        current = V.choices
+        if isinstance(current, _FusionGuard):   # the last compile's, if its fusion raised
+            V.set_choices_handler(current.choices)
+        if self.on:
+            events = [n.min_order for n in nodes if isinstance(getattr(n, "node", None), ir._CollectiveKernel)]
+            if events:
+                V.set_choices_handler(_FusionGuard(V.choices, sorted(events), V.graph))
+        return nodes if self.then is None else self.then(nodes)
+
+    def uuid(self):
+        then = None if self.then is None else (self.then.uuid() if hasattr(self.then, "uuid") else repr(self.then))
+        return f"overlapc.GuardFusions {self.on} {then}"
 
 
 @contextlib.contextmanager

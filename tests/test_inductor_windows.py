@@ -4,7 +4,8 @@ and CUDA (a fake H100, in a process of its own: ``python tests/test_inductor_win
 SPECS.json OUT.json``).
 
 Graphs: PyTorch's "reorder compute for overlap" graph (test_compute_comm_reordering.py:
-all_reduce(a); a @ a; relu; ...; all_reduce(f); ...), and random DAGs of mm / add / relu
+all_reduce(a); a @ a; relu; ...; all_reduce(f); ...), two pipelined reduce-scatter pieces
+whose norms Inductor would fuse across a wait, and random DAGs of mm / add / relu
 with all-gathers, all-reduces and reduce-scatters on the fake process group. Each is
 scheduled by overlapc as Inductor's post-grad pass under overlapc's Inductor patches; the
 windows Inductor lowered must be the ones overlapc scheduled, and none may break. A control
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:        # run as a script for the CUDA case
@@ -55,6 +56,18 @@ def hoisted_gather(x, w1, w2):
     h = torch.relu(x @ F.wait_tensor(F.all_gather_into_tensor(w1[: N // WORLD], WORLD, "0")))
     h = torch.relu(h @ h + h)
     return (h @ F.wait_tensor(F.all_gather_into_tensor(w2[: N // WORLD], WORLD, "0")),)
+
+
+def pipelined_norms(x, w, v, b):
+    """Two reduce-scatters of matmul outputs (a pipelined block's pieces); each piece's
+    wait feeds a pointwise add of the same row of ``b`` (a norm), and the first norm feeds
+    a matmul, which overlapc puts in the second reduce-scatter's window. The two adds share
+    an input and depend on neither other: Inductor fuses such kernels (horizontally)."""
+    r1 = F.reduce_scatter_tensor(x @ w, "sum", WORLD, "0")
+    r2 = F.reduce_scatter_tensor(v @ w, "sum", WORLD, "0")
+    n1 = F.wait_tensor(r1) + b[0]
+    m = n1 @ v
+    return m, F.wait_tensor(r2) + b[0]
 
 
 @st.composite
@@ -97,14 +110,38 @@ def traced(fn, inputs: int):
     return make_fx(fn)(*[torch.randn(N, N) for _ in range(inputs)])
 
 
-CASES = {"upstream": (upstream, 1), "hoisted_gather": (hoisted_gather, 3)}    # function, inputs
+CASES = {"upstream": (upstream, 1), "hoisted_gather": (hoisted_gather, 3),    # function, inputs
+         "pipelined_norms": (pipelined_norms, 4)}
+
+
+def conformance_graph(name: str):
+    """The conformance case ``name`` (tests/conformance_cases.py) traced with Inductor's
+    decompositions (as AOTAutograd hands graphs to Inductor), its outputs a tuple."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import conformance_cases as cc
+    case = next(c for c in cc.CASES if c.name == name)
+
+    def fn(*args):
+        out = case.fn(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*case.inputs())
 
 
 def graph_of(spec):
-    """A spec ("upstream", "hoisted_gather" or a DAG's steps) as a make_fx graph."""
+    """A spec ("upstream", "hoisted_gather", "pipelined_norms", a DAG's steps, or
+    {"conformance": case name, "options": ...}) as a make_fx graph."""
+    if isinstance(spec, dict):
+        return conformance_graph(spec["conformance"])
     if isinstance(spec, str):
         return traced(*CASES[spec])
     return traced(dag(spec), 2)
+
+
+def options_of(spec) -> dict:
+    """The overlapc options a spec is compiled with: a conformance spec's own, else ``OPTIONS``."""
+    return {**spec["options"], "on_error": "raise"} if isinstance(spec, dict) else OPTIONS
 
 
 # ---------------------------------------------------------------- compiling and reading
@@ -132,7 +169,8 @@ def compile_and_read(gm, options: dict, extra_patches: dict | None = None, fake=
         from overlapc.backend.cuda_capture import on_cuda
         gm, inputs = on_cuda(gm)
     else:
-        inputs = [torch.randn(n.meta["val"].shape) for n in gm.graph.find_nodes(op="placeholder")]
+        inputs = [torch.randn(n.meta["val"].shape).to(n.meta["val"].dtype)
+                  for n in gm.graph.find_nodes(op="placeholder")]
     with inductor_order.capture() as lowered, torch._inductor.config.patch(patches):
         if fake is None:
             _, codes = run_and_get_code(lambda: compile_fx_inner(gm, inputs, is_inference=inference))
@@ -290,11 +328,64 @@ def test_fx_bucketing_after_overlapcs_pass_is_pinned_off_and_would_be_caught(fak
     assert len(bucketed["scheduled"]) == 2 and len(bucketed["lowered"]) == 1
 
 
-# derandomized: the same examples every run. Random search (2026-11-28) found a graph whose
-# all-gather window of four matmuls Inductor's CPU code ran after the wait (README, known issues)
-@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+def test_no_fused_kernel_spans_a_wait_and_the_control_loses_the_window(fake_pg):
+    """Inductor fuses the two norms of ``pipelined_norms`` into one kernel placed where the
+    first stood, pulling the second piece's wait ahead of the matmul overlapc put in its
+    window. overlapc's patches refuse fusions across a collective's start or wait
+    (``torch_compat._FusionGuard``): the window holds, the norms stay two kernels. Without
+    the guard (the control), the window is lost and the check names it."""
+    kept = compile_and_read(graph_of("pipelined_norms"), OPTIONS)
+    assert_windows_hold(kept)
+    assert [len(w.matmuls) for w in windows(kept)] == [1, 1]
+    unguarded = compile_and_read(graph_of("pipelined_norms"), OPTIONS,
+                                 {"_pre_fusion_custom_pass": None, "_post_fusion_custom_pass": None})
+    assert unguarded["lowered"] == unguarded["scheduled"]
+    (lost, *_) = breaks(unguarded)
+    assert f"reduce_scatter {windows(unguarded)[1].start} " in lost and ": lost: " in lost, lost
+
+
+def test_the_fusion_guard_keeps_a_callers_scheduler_passes_and_ends_with_the_compile(fake_pg):
+    """A pre- and post-fusion pass the caller configured still run (after the guard's), and
+    once the compile is done Inductor's fusion choices are its own again."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomSchedulerPass
+    from torch._inductor.virtualized import V
+
+    from overlapc.torch_compat import inductor_patches
+
+    class Count(CustomSchedulerPass):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, nodes):
+            self.calls += 1
+            return nodes
+
+        def uuid(self):
+            return "count"
+
+    before, after = Count(), Count()
+    with config.patch(_pre_fusion_custom_pass=before, _post_fusion_custom_pass=after):
+        patches = inductor_patches()
+    assert patches["_pre_fusion_custom_pass"].then is before and patches["_post_fusion_custom_pass"].then is after
+    choices = V.choices
+    assert_windows_hold(compile_and_read(graph_of("pipelined_norms"), OPTIONS, {
+        key: patches[key] for key in ("_pre_fusion_custom_pass", "_post_fusion_custom_pass")}))
+    assert (before.calls, after.calls) == (1, 1)
+    assert V.choices is choices
+
+
+# derandomized: the same examples every run. Before the fusion guard, random search
+# (2026-11-30, 250 graphs) found 3 whose window Inductor's CPU code lost to a fusion across
+# a wait or a start (README, known issues, until then); two of them are pinned here.
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=dags(), max_in_flight=st.sampled_from([1, 2, 3]), budget=st.sampled_from([None, "serial-peak"]))
+@example(steps=[["all_gather", 0, 1], ["relu", 1, 1], ["add", 0, 3], ["reduce_scatter", 0, 4], ["mm", 4, 5],
+                ["all_reduce", 6, 2], ["all_gather", 1, 4], ["add", 2, 3]], max_in_flight=2, budget=None)
+@example(steps=[["relu", 1, 1], ["mm", 1, 1], ["all_gather", 0, 0], ["relu", 3, 4], ["reduce_scatter", 2, 0],
+                ["add", 1, 5], ["all_gather", 6, 0], ["all_reduce", 1, 1], ["all_gather", 0, 2]],
+         max_in_flight=3, budget="serial-peak")
 def test_random_graphs_keep_their_windows_on_cpu(fake_pg, steps, max_in_flight, budget):
     """on_error="raise": every random graph schedules (a graph that once did not is
     tests/test_chains.py's gated all-gather case)."""
@@ -324,7 +415,7 @@ def test_windows_hold_in_cuda_code(tmp_path, random_specs):
     """The upstream graph, the hoisted gather and random DAGs (drawn here, compiled in one
     process for a fake H100: Triton kernels and cuBLAS matmuls), each also with cudagraph
     partitions (Inductor's triton.reorder_for_reducing_graph_partitions on, as by default)."""
-    specs = ["upstream", "hoisted_gather", *random_specs]
+    specs = ["upstream", "hoisted_gather", "pipelined_norms", *random_specs]
     results = _run_cuda(specs, tmp_path)
     assert len(results) == 2 * len(specs)
     for (spec, variant), result in zip([(s, v) for s in specs for v in CUDA_VARIANTS], results):
@@ -332,6 +423,37 @@ def test_windows_hold_in_cuda_code(tmp_path, random_specs):
         assert breaks(result) == [], (spec, variant, result["code"])
     assert any(w.matmuls for result in results for w in windows(result))
     assert all("def partition_0(" in r["code"] for r in results[1::2])
+
+
+def _conformance_specs(configs) -> list[dict]:
+    import conformance_cases as cc
+    return [{"conformance": case.name, "options": cc.CONFIGS[config]} for case in cc.CASES for config in configs]
+
+
+@pytest.mark.parametrize("config", ["defaults", "no-buckets", "module"])
+def test_conformance_graphs_keep_their_windows_on_cpu(fake_pg, config):
+    """Every conformance case (tests/conformance_cases.py: PyTorch's own reordering tests,
+    re-created) under each of the conformance suite's configurations: Inductor's C++ code
+    keeps every window overlapc scheduled."""
+    specs = _conformance_specs([config])
+    with_compute = 0
+    for spec in specs:
+        result = compile_and_read(graph_of(spec), options_of(spec))
+        assert result["lowered"] == result["scheduled"], spec
+        assert breaks(result) == [], (spec, breaks(result))
+        with_compute += any(w.nodes for w in windows(result))
+    assert len(specs) >= 58 and with_compute >= 20, (len(specs), with_compute)
+
+
+def test_conformance_graphs_keep_their_windows_in_cuda_code(tmp_path):
+    """The same, compiled for a fake H100 (with and without cudagraph partitions) in one process."""
+    specs = _conformance_specs(["defaults", "no-buckets", "module"])
+    results = _run_cuda(specs, tmp_path)
+    assert len(results) == 2 * len(specs)
+    for (spec, variant), result in zip([(s, v) for s in specs for v in CUDA_VARIANTS], results):
+        assert result["lowered"] == result["scheduled"], (spec, variant)
+        assert breaks(result) == [], (spec, variant, breaks(result))
+    assert sum(any(w.matmuls for w in windows(r)) for r in results) >= 20
 
 
 def main(argv: list[str]) -> int:
@@ -347,7 +469,7 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         with fake_h100() as fake:
-            results = [compile_and_read(graph_of(spec), OPTIONS, patches, fake=fake)
+            results = [compile_and_read(graph_of(spec), options_of(spec), patches, fake=fake)
                        for spec in json.loads(Path(specs_file).read_text()) for patches in CUDA_VARIANTS.values()]
     finally:
         dist.destroy_process_group()
