@@ -105,28 +105,37 @@ class ChainPoints:
         halfway = lo + (hi - lo) // 2
         if room is None:
             return halfway
-        gate = self._roomy_gate(room, halfway, hi, start, chained, ahead=stood > hi)
+        gate = self._roomy_gate(room, halfway, hi, start, chained, stood)
         if gate is None:
             return None if stood > hi else hi
         return gate
 
     def _roomy_gate(self, room: SpineRoom, first: int, hi: int, start: fx.Node, chained: list[fx.Node],
-                    ahead: bool = False) -> int | None:
-        """The chain point of gated ``start`` (reading the waits ``chained``) from spine
-        index ``first`` (halfway) on: the first index up to ``hi`` where its chain's own
-        bytes fit the headroom (``_chain_bytes``; with ``ahead``, a chain point ahead of
-        spine nodes ``start`` followed, also all it holds in flight), unless an index
-        before it has less headroom than the upstream results no held bytes count
-        (``_uncounted_results``):
-        the chain point goes there, the latest that does not keep those upstream
-        collectives in flight, their results live, across that node. None when
-        neither comes."""
-        need = self._chain_bytes(start, chained) + (self.s.held[start] if ahead else 0)
-        fits = room.first_fitting(first, hi, need)
-        short = room.first_short(first, hi if fits is None else fits, self._uncounted_results(chained, first))
-        found = [index for index in (fits, short) if index is not None]
-        return min(found, default=None)
-
+                    stood: int) -> int | None:
+        """The chain point of gated ``start`` (reading the waits ``chained``; it stood before
+        spine index ``stood``) from spine index ``first`` (halfway) on: the first index up to
+        ``hi`` where its chain's own bytes fit the headroom (``_chain_bytes``; with a chain
+        point ahead of spine nodes ``start`` followed, also all it holds in flight) and, but
+        for an all-gather, its output, allocated there, fits it at every spine node before
+        ``stood`` (the graph's own order allocates it only there, and a wait placed early
+        for room does not free it),
+        unless an index before it has less headroom than the upstream results no held bytes
+        count (``_uncounted_results``): the chain point goes there, the latest that does not
+        keep those upstream collectives in flight, their results live, across that node.
+        None when neither comes, or when that index would allocate the output too early."""
+        need = self._chain_bytes(start, chained) + (self.s.held[start] if stood > hi else 0)
+        gathers = self.managed[start].kind == "all_gather"   # never waited early: counted until its reader
+        output = 0 if gathers else self.chain_room.liveness.size.get(start, 0)
+        uncounted = self._uncounted_results(chained, first)
+        while first <= hi:
+            fits = room.first_fitting(first, hi, need)
+            short = room.first_short(first, hi if fits is None else fits, uncounted)
+            gate = min([index for index in (fits, short) if index is not None], default=None)
+            early = None if gate is None else room.first_short(gate, stood - 1, output)
+            if early is None or gate == short:
+                return gate if early is None else None
+            first = early + 1
+        return None
     def _uncounted_results(self, chained: list[fx.Node], first: int) -> int:
         """Bytes of the results of the collectives whose waits ``chained`` are, that their
         held bytes do not count (``structure.holds_output``: an all-reduce's, an

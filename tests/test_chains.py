@@ -392,3 +392,29 @@ def test_a_chained_all_gather_issues_at_its_chain_point_when_its_upstream_fills_
         cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, on_error="raise")
         overlapc.schedule(gm, cfg)
         independent_checks(gm, cfg)
+
+
+def test_a_chain_point_leaves_an_early_output_room_until_the_graph_would_allocate_it(fake_pg, caplog):
+    """Found by random search (2026-11-30; 5 of 250 random graphs compiled by Inductor):
+    an all-reduce of an all-reduce's result, itself a graph output, had its chain point
+    where its own buffers fit, then was waited early for room; its output stayed live
+    across a matmul where the serial order has no headroom, so the check placed
+    collectives serially (a WARNING). The chain point now leaves room for that output
+    until where the graph's own order allocates it."""
+    group = fake_pg.group_name
+
+    def fn(x, y):
+        a = wait(F.all_reduce(y, "sum", group))
+        b = wait(F.all_reduce(x, "sum", group))
+        m = a @ y
+        c = wait(F.all_reduce(y, "sum", group))
+        return b, m, c, a @ y, wait(F.all_reduce(a, "sum", group))
+
+    gm = trace(fn, (32, 32), (32, 32))
+    before = list(gm.graph.nodes)
+    cfg = overlapc.OverlapConfig(on_error="raise", max_in_flight=2)
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        overlapc.schedule(gm, cfg)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    independent_checks(gm, cfg, before)
+    overlapc.verify(gm, cfg)
