@@ -115,17 +115,18 @@ class ChainPoints:
         """The chain point of gated ``start`` (reading the waits ``chained``; it stood before
         spine index ``stood``) from spine index ``first`` (halfway) on: the first index up to
         ``hi`` where its chain's own bytes fit the headroom (``_chain_bytes``; with a chain
-        point ahead of spine nodes ``start`` followed, also all it holds in flight) and, but
-        for an all-gather, its output, allocated there, fits it at every spine node before
-        ``stood`` (the graph's own order allocates it only there, and a wait placed early
-        for room does not free it),
+        point ahead of spine nodes ``start`` followed, also all it holds in flight) and, under
+        "serial-peak" and but for an all-gather, its output, allocated there, fits it at every
+        spine node before ``stood`` (the graph's own order allocates it only there, and a wait
+        placed early for room does not free it),
         unless an index before it has less headroom than the upstream results no held bytes
         count (``_uncounted_results``): the chain point goes there, the latest that does not
         keep those upstream collectives in flight, their results live, across that node.
         None when neither comes, or when that index would allocate the output too early."""
         need = self._chain_bytes(start, chained) + (self.s.held[start] if stood > hi else 0)
-        gathers = self.managed[start].kind == "all_gather"   # never waited early: counted until its reader
-        output = 0 if gathers else self.chain_room.liveness.size.get(start, 0)
+        # an all-gather is never waited early: counted in flight until its reader
+        kept = self.budget.within_peak and self.managed[start].kind != "all_gather"
+        output = self.chain_room.liveness.size.get(start, 0) if kept else 0
         uncounted = self._uncounted_results(chained, first)
         while first <= hi:
             fits = room.first_fitting(first, hi, need)
