@@ -116,13 +116,13 @@ class ChainPoints:
         spine index ``stood``) from spine index ``first`` (halfway) on: the first index up to
         ``hi`` where its chain's own bytes fit the headroom (``_chain_bytes``; with a chain
         point ahead of spine nodes ``start`` followed, also all it holds in flight) and, under
-        "serial-peak" and but for an all-gather, its output, allocated there, fits it at every
-        spine node before ``stood`` (the graph's own order allocates it only there, and a wait
-        placed early for room does not free it),
-        unless an index before it has less headroom than the upstream results no held bytes
-        count (``_uncounted_results``): the chain point goes there, the latest that does not
-        keep those upstream collectives in flight, their results live, across that node.
-        None when neither comes, or when that index would allocate the output too early."""
+        "serial-peak" for a collective other than an all-gather, its output, allocated there,
+        fits it at every spine node before ``stood`` (the graph's own order allocates it only
+        there, and a wait placed early for room does not free it), unless an index before
+        it has less headroom than the upstream results no held bytes count
+        (``_uncounted_results``): the chain point goes there, the latest that does not keep
+        those upstream collectives in flight, their results live, across that node. None
+        when neither comes, or when that index would allocate the output too early."""
         need = self._chain_bytes(start, chained) + (self.s.held[start] if stood > hi else 0)
         # an all-gather is never waited early: counted in flight until its reader
         kept = self.budget.within_peak and self.managed[start].kind != "all_gather"
@@ -137,6 +137,7 @@ class ChainPoints:
                 return gate if early is None else None
             first = early + 1
         return None
+
     def _uncounted_results(self, chained: list[fx.Node], first: int) -> int:
         """Bytes of the results of the collectives whose waits ``chained`` are, that their
         held bytes do not count (``structure.holds_output``: an all-reduce's, an
