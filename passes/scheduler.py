@@ -116,6 +116,7 @@ class _Core(ChainPoints):
         self.region = 0
         self.dirty = True
         self.here = 0   # s.pos of the spine node placed last
+        self.room_from = 0   # ... of the last that is no wait (where the check counts a start's headroom from)
         self.step = 0   # index in self.spine of the spine node placed next
         self.ready_step: dict[fx.Node, int] = {}
         self.held_back: dict[fx.Node, str] = {}
@@ -464,7 +465,8 @@ class _Core(ChainPoints):
             nodes = self.s.nodes
             others = self.flight.total + sum(self.ahead.values())
             return self.budget.headroom.fits_collective(c.start, others, nodes[self.here], nodes[due])
-        return self.budget.fits_headroom(self.flight.total + self.held[c.start], self.here, due)
+        since = self.room_from
+        return self.budget.fits_headroom(self.flight.total + self.held[c.start], since, max(fixed[0], since))
 
     def _gather_fits(self, c: Collective, past_room: bool = True) -> bool:
         """May all-gather ``c`` be issued ahead of its consumer now (waiting open
@@ -662,6 +664,7 @@ class _Core(ChainPoints):
             for start in blocked_on.get(node, ()):
                 self._became_ready(start)
             self.here = pos[node]
+            self.room_from = self.here if node not in s.bundled else self.room_from
             self._pass_pinned(node)
             if not move_starts and node in self.managed:
                 self.flight.open(self.managed[node])
