@@ -332,7 +332,7 @@ def test_no_fused_kernel_spans_a_wait_and_the_control_loses_the_window(fake_pg):
     """Inductor fuses the two norms of ``pipelined_norms`` into one kernel placed where the
     first stood, pulling the second piece's wait ahead of the matmul overlapc put in its
     window. overlapc's patches refuse fusions across a collective's start or wait
-    (``torch_compat._FusionGuard``): the window holds, the norms stay two kernels. Without
+    (``torch_compat._FusionGuard``): the window holds. Without
     the guard (the control), the window is lost and the check names it."""
     kept = compile_and_read(graph_of("pipelined_norms"), OPTIONS)
     assert_windows_hold(kept)
