@@ -130,7 +130,7 @@ def _fusion_guard_patches(known: dict) -> dict[str, object]:
     Empty where the installed Inductor lacks the scheduler-pass keys."""
     from torch._inductor import config
     keys = ("_pre_fusion_custom_pass", "_post_fusion_custom_pass")
-    if not all(key in known for key in keys) or not hasattr(custom_graph_pass, "CustomSchedulerPass"):
+    if not all(key in known for key in keys) or _SCHEDULER_PASS is object:
         return {}
     callers = [getattr(config, key) for key in keys]   # (``known`` holds copies)
     if isinstance(callers[0], _GuardFusions):   # patches taken inside patches: the same guard
@@ -160,8 +160,12 @@ class _FusionGuard:
         return self.choices.can_fuse(scheduler, node1, node2, shared_data_score)
 
 
-class _GuardFusions(custom_graph_pass.CustomSchedulerPass if hasattr(custom_graph_pass, "CustomSchedulerPass")
-                    else object):
+# Inductor's base class of scheduler passes (one the FX graph cache can key on); object
+# where the installed Inductor has none, and then no guard is installed.
+_SCHEDULER_PASS = getattr(custom_graph_pass, "CustomSchedulerPass", object)
+
+
+class _GuardFusions(_SCHEDULER_PASS):
     """Inductor's pre-fusion (``on``) or post-fusion scheduler pass: turns the
     ``_FusionGuard`` of the graph being scheduled on or off, then runs ``then``, the
     pass the caller had configured (None: none)."""

@@ -125,8 +125,8 @@ def test_every_window_of_the_llama_keeps_its_compute(cases, variant):
 @pytest.mark.parametrize("variant", ["kept", "partitions"])
 def test_every_window_of_the_chunked_forward_keeps_its_compute(cases, variant):
     """The TP+SP block's forward, node by node, as for the Llama. (Its backward keeps every
-    matmul window, above; the cat that joins a chunked all-gather's pieces is a copy that
-    Inductor computes in its reader, after later waits: ``window_summary`` names it.)"""
+    matmul window, above; there a cat of chunked pieces, a copy, is computed by Inductor in
+    its reader, after later waits: ``window_summary`` names it.)"""
     forward = cases["tp_sp"]["variants"][variant][0]
     assert forward["graph"] == "fw"
     windows = forward["windows"]
