@@ -299,7 +299,7 @@ def _degrade(s: Structure, budget: Budget, kinds, failed: _Failed, room):
                     "scheduled): %s. Scheduled with overlap they broke a guarantee: %s",
                     len(serial), len(s.movable), names, first)
         return result
-    order, reasons = _serial_fallback(s, first)
+    order, reasons = _serial_fallback(s, first, budget)
     _check_kept(s, order)
     return order, reasons, _check(s, order, budget)
 
@@ -342,20 +342,25 @@ def _check(s: Structure, order: list[fx.Node], budget: Budget) -> invariants.Pea
     return invariants.check(s, order, budget, reference=s.nodes, serial=_has_chains(s))
 
 
-def _serial_fallback(s: Structure, error: Exception) -> tuple[list[fx.Node], dict[fx.Node, str]]:
-    """The serial order (``invariants.serial_order``, starts kept in place): every
-    guarantee holds by construction, no overlap. For a graph whose schedule broke
-    a guarantee (``error``) even with the collectives it named placed serially. A
-    WARNING: the graph loses its overlap, and a user must not have to find that out
-    from a profile."""
+def _serial_fallback(s: Structure, error: Exception, budget: Budget) -> tuple[list[fx.Node], dict[fx.Node, str]]:
+    """A serial order: every guarantee holds by construction, no overlap. Under
+    "serial-peak" the order the budget's bound is the peak of (``reference_order``: its
+    other collectives issued where they stand or as soon as their inputs allow, whichever
+    peaks lower), else ``invariants.serial_order`` (starts kept in place). For a graph whose
+    schedule broke a guarantee (``error``) even with the collectives it named placed
+    serially. A WARNING: the graph loses its overlap, and a user must not have to find that
+    out from a profile."""
     log.warning("overlapc: collectives this schedule could not place within the bounds, even with those the "
-                "failures named placed serially; the graph runs in its serial order (starts kept, each waited "
-                "first), without overlap: %s", error)
-    order = invariants.serial_order(s)
+                "failures named placed serially; the graph runs in its serial order (each collective waited "
+                "right after its start, an all-gather issued right before its consumer), without overlap: %s",
+                error)
+    room = budget.headroom
+    order = room.serial if budget.within_peak else invariants.serial_order(s)
+    kept = not budget.within_peak or room.in_place
     reasons: dict[fx.Node, str] = {}
     for c in s.movable:
         gather = c.kind == "all_gather"
-        reasons[c.start] = "forced by consumer" if gather else "not moved"
+        reasons[c.start] = "forced by consumer" if gather else "not moved" if kept else "inputs ready"
         for wait in c.waits:
             reasons[wait] = "before consumer" if gather else "serial"
     return order, reasons

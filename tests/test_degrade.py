@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import overlapc
-from overlapc.passes import pipeline
+from overlapc.passes import invariants, pipeline
 from overlapc.passes.invariants import ScheduleError
+from overlapc.passes.memory import Liveness
+from overlapc.passes.structure import Structure
 from graphs import F, trace
 
 AUTO = overlapc.OverlapConfig(max_in_flight_bytes="auto", on_error="raise")
@@ -160,3 +162,30 @@ def test_a_failing_chain_names_its_upstream_and_degrades_locally(fake_pg, caplog
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "placed serially" in warnings[0], warnings
     assert "runs in its serial order" not in warnings[0], warnings
+
+
+def test_the_whole_graph_fallback_keeps_the_serial_peak_its_budget_is_bound_by(fake_pg, monkeypatch, caplog):
+    """Under "serial-peak" the bound is the lower-peaked of two serial orders (other
+    collectives issued where they stand, or as soon as their inputs allow). In this graph
+    (a random DAG of benchmarks/random_dags.py) the second peaks lower (16,896 B against
+    20,480), so the whole-graph fallback must run that one: with the first it broke the bound
+    it falls back to, and schedule raised a ScheduleError instead of degrading."""
+    from test_inductor_windows import graph_of
+    steps = [["all_gather", 1, 0], ["all_reduce", 0, 2], ["all_reduce", 3, 2], ["all_reduce", 2, 3], ["add", 0, 2],
+             ["mm", 2, 5], ["relu", 5, 7], ["reduce_scatter", 0, 6], ["all_gather", 5, 8]]
+    gm = graph_of(steps)
+    config = overlapc.OverlapConfig(max_in_flight=2, on_error="raise")
+    s = Structure(gm)
+    own, asap = invariants.serial_order(s), invariants.serial_order(s, asap=True)
+    liveness = Liveness(s.nodes)
+    assert liveness.peak_bytes(asap) < liveness.peak_bytes(own)   # what the test is about
+
+    def failing(s, budget, kinds, mode="schedule", **core):
+        raise pipeline._Failed(ScheduleError("injected: every schedule fails"), None)
+    monkeypatch.setattr(pipeline, "_attempt", failing)
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        overlapc.schedule(gm, config)
+    overlapc.verify(gm, config)
+    assert liveness.peak_bytes(list(gm.graph.nodes)) == liveness.peak_bytes(asap)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "runs in its serial order" in warnings[0] and "injected" in warnings[0]

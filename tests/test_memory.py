@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import overlapc
 from overlapc.backend import capture
-from overlapc.passes.memory import Headroom, Liveness, peak_bytes
+from overlapc.passes.memory import Headroom, Liveness, SpineRoom, peak_bytes
 from overlapc.passes.scheduler import schedule_order
 from overlapc.passes.structure import Structure
 from conftest import degradations
@@ -358,3 +358,28 @@ def test_an_all_gather_goes_past_its_groups_room_only_where_no_other_kind_needs_
     graph (8 layers). An all-gather now goes past its room only where no collective of
     another kind of its group stood before its due position (``_other_before_due``)."""
     _scheduled_whole(make_fx(_moe_layers(layers, *ep_tp_groups))(*_moe_inputs(layers)), byte_budget, caplog)
+
+
+class _Levels:
+    """A headroom stand-in: ``least(p, p)`` is the level at position p."""
+
+    def __init__(self, levels):
+        self.levels = levels
+
+    def least(self, first, last):
+        return min(self.levels[first:last + 1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(levels=st.lists(st.integers(-8, 64), min_size=1, max_size=80), data=st.data())
+def test_spine_room_searches_agree_with_a_scan(levels, data):
+    """``SpineRoom``'s binary searches over its range tables, against a plain scan of the levels
+    (sizes past the tables' 16-value blocks included)."""
+    n = len(levels)
+    first, last = sorted(data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2)))
+    nbytes = data.draw(st.integers(-4, 70))
+    room = SpineRoom(_Levels(levels), list(range(n)))
+    span = range(first, last + 1)
+    assert room.first_fitting(first, last, nbytes) == next((i for i in span if levels[i] >= nbytes), None)
+    assert room.first_short(first, last, nbytes) == \
+        (None if nbytes <= 0 else next((i for i in span if levels[i] < nbytes), None))

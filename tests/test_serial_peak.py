@@ -473,11 +473,36 @@ KNOWN_CHAIN_POINT_PAST_THE_BOUNDS = {
 }
 
 
+# Found by an 8,000-example search with a random seed (2026-11-30): an all-gather -> reduce-scatter
+# chain that stood before a matmul, which the serial order runs first (the chain's result is due
+# after it), one collective in flight. The reduce-scatter was issued at its chain point, before the
+# matmul, and stayed in flight across it with the gathered 1 KiB it reads: 12,864 B against the
+# serial order's 12,224, and three collectives were placed serially (a WARNING; the rest keeps its
+# overlap). Open (docs/performance.md, "The searches of 2026-11-30"): each fix tried broke another
+# searched graph or benchmarks/random_dags.py's draws.
+KNOWN_CHAINED_REDUCTION_PAST_THE_PEAK = {
+    "stages": [
+        {"head": "all_gather", "from_weight": False, "links": [], "group": 0, "bf16": False, "out": True,
+         "barrier_after": True},
+        {"head": "all_gather", "from_weight": True, "group": 0, "bf16": False, "out": False, "barrier_after": True,
+         "links": [{"kind": "reduce_scatter", "group": 0, "how": "none", "barrier": None}]},
+        {"head": "all_reduce", "from_weight": False, "links": [], "group": 0, "bf16": True, "out": False,
+         "barrier_after": True},
+        {"head": "all_reduce", "from_weight": True, "group": 0, "bf16": True, "out": False, "barrier_after": True,
+         "links": [{"kind": "reduce_scatter", "group": 0, "how": "none", "barrier": None}]},
+    ],
+    "issue": "inline", "perm": [0, 1, 2, 3], "waits": "top", "wait_stage": [0, 0, 0, 0], "chain_at_top": False,
+}
+
+
 @pytest.mark.degrades
 @pytest.mark.parametrize("p, limit, bucket", [(KNOWN_WAITS_AT_A_BARRIER, None, "auto"),
                                                (KNOWN_WHOLE_GRAPH_FALLBACK_AT_TWO, 2, None),
-                                               (KNOWN_CHAIN_POINT_PAST_THE_BOUNDS, 1, None)],
-                         ids=["barrier", "two-in-flight", "chain-point"])
+                                               (KNOWN_CHAIN_POINT_PAST_THE_BOUNDS, 1, None),
+                                               pytest.param(KNOWN_CHAINED_REDUCTION_PAST_THE_PEAK, 1, None,
+                                                            marks=pytest.mark.xfail(strict=True, reason="open: "
+                                                                                    "degrades locally"))],
+                         ids=["barrier", "two-in-flight", "chain-point", "chained-reduction"])
 def test_searched_chains_schedule_without_degrading(fake_pg, two_groups, caplog, p, limit, bucket):
     groups = (fake_pg.group_name, two_groups[0].group_name, two_groups[1].group_name)
     gm = trace(chain_props.build(p, groups), *chain_props.shapes_for(p))
