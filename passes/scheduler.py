@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, bisect_right
+from itertools import accumulate
 
 import torch.fx as fx
 
@@ -67,6 +68,7 @@ REASONS = {
     "before barrier": "waited before the barrier that closes its region",
     "early for room": "waited early to make room in the in-flight budget",
     "no headroom": "waited right after its start: in flight it would raise the serial order's peak",
+    "pinned ahead": "waited right after its start: one that stays where it is starts before it is due",
     "kept serial": "placed as in the serial order (any kind but all-gather: where it stood): scheduled with "
                    "overlap it broke a guarantee (a WARNING says which)",
 }
@@ -115,8 +117,7 @@ class _Core(ChainPoints):
         self.waits_left = {c.start: len(c.waits) for c in managed}
         self.region = 0
         self.dirty = True
-        self.here = 0   # s.pos of the spine node placed last
-        self.room_from = 0   # ... of the last that is no wait (where the check counts a start's headroom from)
+        self.here = self.room_from = 0   # s.pos of the spine node placed last, of the last that is no wait
         self.step = 0   # index in self.spine of the spine node placed next
         self.ready_step: dict[fx.Node, int] = {}
         self.held_back: dict[fx.Node, str] = {}
@@ -163,9 +164,7 @@ class _Core(ChainPoints):
                 for wait in c.waits:
                     moving.update(s.wait_bundle[wait])
             return moving
-        compute_before = [0]
-        for node in s.nodes:
-            compute_before.append(compute_before[-1] + (node not in s.bundled))
+        compute_before = [0, *accumulate(node not in s.bundled for node in s.nodes)]
         for c in managed:
             for wait in c.waits:
                 if compute_before[s.pos[s.target[wait]]] != compute_before[s.pos[wait] + 1]:
@@ -269,11 +268,9 @@ class _Core(ChainPoints):
         waits for it too when it becomes ready early (its chained wait placed for room);
         its chain point still issues it there."""
         room = self.budget.headroom
-        if not (self.budget.within_peak and room is not None and room.in_place) \
-                or c.kind == "all_gather":
+        if not (self.budget.within_peak and room is not None and room.in_place) or c.kind == "all_gather":
             return None
-        s = self.s
-        at = s.pos[c.start]
+        s, at = self.s, self.s.pos[c.start]
         while at > 0:
             at -= 1
             if s.nodes[at] not in self.moving:
@@ -406,14 +403,14 @@ class _Core(ChainPoints):
                 self._wait_one(wait, reason)
 
     # -- the budget ----------------------------------------------------------------------
-    def _count_full(self, c: Collective) -> bool:
+    def _count_full(self, c: Collective, ahead: bool = True) -> bool:
         """Whether issuing ``c`` now would open more than ``max_count`` collectives of its
         group and kind, not counting those its issue waits first (``_waited_first``), and
-        counting the pinned ones open now or starting before ``c`` is due (they stay
-        where they stand: ``c`` may not be in flight across their start)."""
+        counting the pinned ones open now or (``ahead``) starting before ``c`` is due (they
+        stay where they stand: ``c`` may not be in flight across their start)."""
         limit = self.budget.max_count
-        return limit is not None and self.flight.adds_one(c) \
-            and self.flight.count(c.group, c.kind) + self._pinned_ahead(c) - self._waited_first(c) >= limit
+        return limit is not None and self.flight.adds_one(c) and self.flight.count(c.group, c.kind) \
+            + (self._pinned_ahead(c) if ahead else 0) - self._waited_first(c) >= limit
 
     def _pinned_ahead(self, c: Collective) -> int:
         """Pinned collectives of ``c``'s group and kind whose start lies after the spine
@@ -564,23 +561,27 @@ class _Core(ChainPoints):
                 self._issue(c)
 
     def _try_issue(self, c: Collective) -> bool:
-        """Issue ready ``c`` (not an all-gather) now, after waiting open collectives
-        of other kinds for room; under "serial-peak" waited right after where in flight
-        it would raise the peak. False, issuing nothing, when over a byte limit with
-        others in flight (``_issue_ready`` tries it again when a wait frees room)."""
+        """Issue ready ``c`` (not an all-gather) now, after waiting open collectives of other
+        kinds for room; waited right after where only pinned ones starting before it is due
+        fill the count, or, under "serial-peak", where in flight it would raise the peak. False,
+        issuing nothing, when open ones fill the count, or over a byte limit with others in
+        flight (``_issue_ready`` tries it again when a wait frees room)."""
         self.trying.append(self.s.pos[c.start])
         self._make_room(c, gathers=False)
         self.trying.pop()
         if c.start in self.issued:   # (a wait for room reached its chain point)
             return True
-        if self._count_full(c):   # pinned collectives, never waited early, fill the count
+        full = self._count_full(c)
+        if full and self._count_full(c, ahead=False):   # open pinned ones, never waited early
             self.held_back[c.start] = "count bound"
             return False
         over = self._bytes_over(c)
         if over and not self.budget.within_peak and self.flight.open_besides(c):
             return False
         self._issue(c, self.held_back.get(c.start, "byte budget") if c.start in self.deferred else None)
-        if over and self.budget.within_peak:   # as in the serial order: in flight, it would raise the peak
+        if full:   # as in the serial order, before a pinned one starts (held, its input would stay live)
+            self._wait(c, "pinned ahead")
+        elif over and self.budget.within_peak:   # as in the serial order: in flight, it would raise the peak
             self._wait(c, "no headroom")
         return True
 

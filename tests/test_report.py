@@ -365,6 +365,16 @@ def reduce_under_a_peak(x, w):
     return x + x.repeat(64, 1).sum(0), F.wait_tensor(shard)
 
 
+def pinned_ahead(x, w, scratch):
+    """A reduce-scatter ready at the top and due after another one starts that stays where it
+    is (its start and wait on two sides of an in-place write)."""
+    early = F.reduce_scatter_tensor(x @ w, "sum", 8, "0")
+    pinned = F.reduce_scatter_tensor(torch.tanh(x @ w), "sum", 8, "0")
+    due = F.wait_tensor(early) + 1
+    scratch.add_(1)
+    return due, F.wait_tensor(pinned)
+
+
 def test_each_recorded_reason_arises_and_the_rows_show_it(fake_pg, two_groups):
     from overlapc.passes import sink_waits
     from overlapc.passes.scheduler import REASONS
@@ -384,6 +394,7 @@ def test_each_recorded_reason_arises_and_the_rows_show_it(fake_pg, two_groups):
         (chained(two_groups[0].group_name), [(8, 8)], {}, {"chain point", "before chained start"}),
         (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], "sink", {"not moved"}),
         (reduce_under_a_peak, [(16, 16), (16, 16)], {"max_in_flight_bytes": "serial-peak"}, {"no headroom"}),
+        (pinned_ahead, [(8, 8), (8, 8), (1, 8)], {"max_in_flight": 1}, {"pinned ahead"}),
     ]
     seen = set()
     for fn, shapes, how, expected in cases:
