@@ -164,7 +164,7 @@ class _Core(ChainPoints):
                 for wait in c.waits:
                     moving.update(s.wait_bundle[wait])
             return moving
-        compute_before = [0, *accumulate(node not in s.bundled for node in s.nodes)]
+        compute_before = list(accumulate((int(node not in s.bundled) for node in s.nodes), initial=0))
         for c in managed:
             for wait in c.waits:
                 if compute_before[s.pos[s.target[wait]]] != compute_before[s.pos[wait] + 1]:
