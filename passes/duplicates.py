@@ -1,7 +1,8 @@
-"""Identical collectives made one, in place (``merge_duplicates``): the step the pipeline
-runs before bucketing, so that a bucket never holds the same collective twice and an
-activation gathered for several modules is gathered once. Rules in ``merge_duplicates``.
-``overlapc.passes.bucket`` exports it."""
+"""Identical collectives made one, in place (``merge_duplicates``), and the waits of one
+result made one (``merge_repeated_waits``): the steps the pipeline runs before bucketing,
+so that a bucket never holds the same collective twice, an activation gathered for several
+modules is gathered once, and a collective that CSE left with several waits can join a
+bucket. Rules in each function. ``overlapc.passes.bucket`` exports ``merge_duplicates``."""
 from __future__ import annotations
 
 import logging
@@ -11,13 +12,54 @@ from typing import Callable
 import torch.fx as fx
 
 from overlapc.passes import meta
-from overlapc.passes.collectives import group_of, role, wait_nodes
+from overlapc.passes.collectives import group_of, is_wait, role, wait_nodes
 from overlapc.passes.structure import Structure
 
 log = logging.getLogger("overlapc")
 
 # (node, its waits when it starts a collective else None, is a barrier, its collective's group or None)
 _Mark = tuple[fx.Node, "tuple[fx.Node, ...] | None", bool, "str | None"]
+
+
+def merge_repeated_waits(gm: fx.GraphModule,
+                         before_rewrite: Callable[[], None] | None = None) -> list[tuple[str, ...]]:
+    """Make the waits of one tensor one, in place. AOTAutograd's CSE turns a collective
+    traced twice (a parametrization that gathers its parameter at every read, as
+    SimpleFSDP's does, read twice) into one start with a ``wait_tensor`` per read, and a
+    pass that re-waits a result leaves a wait of a wait. Every ``wait_tensor`` of a tensor
+    that an earlier ``wait_tensor`` in graph order already waits becomes that earlier one,
+    and a ``wait_tensor`` of a wait's result becomes that wait: a wait returns its argument,
+    and the first wait completes the collective before any later one's readers run, so
+    values and memory stay. Bucketing leaves collectives with several waits alone; after
+    this they can join a bucket. Deterministic (graph order). Returns (kept, erased, ...)
+    wait names per kept wait that took others, in the order of their first repeat; logs one INFO line.
+    ``before_rewrite``: as for ``bucket_collectives``."""
+    first_wait: dict[fx.Node, fx.Node] = {}   # waited tensor -> its first wait (lookups only)
+    repeats: list[tuple[fx.Node, fx.Node]] = []
+    for node in gm.graph.nodes:
+        if not is_wait(node) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        waited = node.args[0]
+        kept = waited if is_wait(waited) else first_wait.setdefault(waited, node)
+        if kept is not node:
+            repeats.append((kept, node))
+    if not repeats:
+        return []
+    if before_rewrite is not None:
+        before_rewrite()
+    replaced: dict[fx.Node, fx.Node] = {}   # erased repeat -> the wait that took its readers
+    erased: dict[fx.Node, list[str]] = {}
+    for kept, repeat in repeats:   # graph order: a kept wait that is itself a repeat is replaced already
+        kept = replaced.get(kept, kept)
+        replaced[repeat] = kept
+        repeat.replace_all_uses_with(kept)
+        gm.graph.erase_node(repeat)
+        erased.setdefault(kept, []).append(repeat.name)
+    gm.graph.lint()
+    names = [(kept.name, *repeated) for kept, repeated in erased.items()]
+    log.info("overlapc: made %d repeated waits one with the earlier wait of the same result: %s",
+             len(repeats), "; ".join(f"{', '.join(rest)} -> {kept}" for kept, *rest in names))
+    return names
 
 
 def merge_duplicates(gm: fx.GraphModule, before_rewrite: Callable[[], None] | None = None,

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from overlapc.passes import invariants, meta
 from overlapc.passes.collectives import Collective, role
+from overlapc.passes.duplicates import merge_repeated_waits
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
 from overlapc.passes.memory import Headroom, Liveness
@@ -425,6 +426,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     ``estimator``: what ``chunks="auto"`` estimates with; ``bucketing=False``: no buckets
     although ``cfg.bucket`` asks for them (its duplicate merging stays)."""
     duplicates, buckets, chunks, regather = [], [], [], ()
+    waits_merged = bool(merge_repeated_waits(gm, before_rewrite=snapshot))   # first: one wait per collective
     narrowed = _narrow(gm, cfg, snapshot)   # first: bucketing and the budget see the gathers as they will run
     within_peak = cfg.max_in_flight_bytes == "serial-peak"
     s = Structure(gm) if within_peak or cfg.bucket is not None else None
@@ -458,7 +460,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         elif buckets:
             s = Structure(gm)
             room = _rewritten_room(gm, s, cfg, room)
-    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or buckets or rewritten \
+    before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or buckets or rewritten or waits_merged \
         or narrowed is not None and narrowed.modified else None
     retry_unbucketed = bool(buckets) and within_peak and cfg.bucket != "module"
     try:
@@ -635,13 +637,20 @@ def schedule(gm: fx.GraphModule, config=None, *, estimator=None,
 
 # -- presets of the core, one job each -----------------------------------------------------
 
+def _preset(gm: fx.GraphModule, budget_of, **reorder) -> fx.GraphModule:
+    """A preset's run: repeated waits made one (``merge_repeated_waits``), then ``_reorder``
+    with ``budget_of`` and ``reorder``'s arguments; ``gm`` recompiled when either changed it."""
+    merged = merge_repeated_waits(gm)
+    if _reorder(gm, budget_of, **reorder).modified or merged:
+        gm.recompile()
+    return gm
+
+
 def reorder_all_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Issue every collective as early as its inputs allow (all-gathers in consumer
     order per group and region) and wait each just before its first real consumer,
     with no in-flight bound. In place; returns ``gm`` recompiled."""
-    if _reorder(gm, lambda s: UNBOUNDED).modified:
-        gm.recompile()
-    return gm
+    return _preset(gm, lambda s: UNBOUNDED)
 
 
 def limit_in_flight(gm: fx.GraphModule, max_in_flight=2,
@@ -653,9 +662,7 @@ def limit_in_flight(gm: fx.GraphModule, max_in_flight=2,
     limits = max_in_flight is None or isinstance(max_in_flight, int)
     cfg = ScheduleOptions(max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes) if limits \
         else as_options(max_in_flight)
-    if _reorder(gm, lambda s: budget_for(s, cfg)).modified:
-        gm.recompile()
-    return gm
+    return _preset(gm, lambda s: budget_for(s, cfg))
 
 
 def sink_waits(gm: fx.GraphModule, kinds=None) -> fx.GraphModule:
@@ -664,6 +671,4 @@ def sink_waits(gm: fx.GraphModule, kinds=None) -> fx.GraphModule:
     stay where they are. ``kinds`` restricts the pass to those collective kinds
     (e.g. ``("all_gather",)``). In place; returns ``gm`` recompiled."""
     kinds = None if kinds is None else tuple(kinds)
-    if _reorder(gm, lambda s: UNBOUNDED, mode="sink", kinds=kinds).modified:
-        gm.recompile()
-    return gm
+    return _preset(gm, lambda s: UNBOUNDED, mode="sink", kinds=kinds)

@@ -536,6 +536,7 @@ def programs(draw):
         group=each(st.integers(0, 1)),
         scatter=each(st.booleans()),
         out=each(st.booleans()),
+        rewait=each(st.sampled_from([None, "again", "chained"])),
         upfront=draw(st.booleans()),
         use=draw(st.permutations(list(range(n)))),
         barrier=draw(st.one_of(st.none(), st.integers(0, n - 1))),
@@ -552,7 +553,9 @@ def shard_shape(p, i):
 
 def build(p, groups):
     """Gather n shards (casts, transposes, two groups) and read every element of each at
-    its own place; reduce-scatter some products; a barrier after one use when asked."""
+    its own place; reduce-scatter some products; a barrier after one use when asked. A
+    shard's later readers may wait it again (as AOTAutograd's CSE leaves a collective traced
+    twice) or wait its wait."""
     def fn(x, scratch, *tensors):
         shards, weights = tensors[:p["n"]], tensors[p["n"]:]
         started, outs = {}, []
@@ -569,6 +572,8 @@ def build(p, groups):
                 start(i)
             full = wait(started[i])
             x = x * 0.5 + (full.float().reshape(-1) * weights[i]).sum()
+            if p["rewait"][i] is not None:
+                full = wait(started[i] if p["rewait"][i] == "again" else full)
             if p["scatter"][i]:
                 outs.append(wait(F.reduce_scatter_tensor(full.float() * x, "sum", WORLD, groups[p["group"][i]])))
             if p["out"][i]:
@@ -598,6 +603,8 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
 
     notes = gm.meta["overlapc_buckets"]
     assert len(overlapc.collectives(gm)) == collectives - sum(len(n.members) - 1 for n in notes)
+    waits = [n for n in gm.graph.nodes if n.target == F.wait_tensor.default]
+    assert len(waits) == len(overlapc.collectives(gm)), "a repeated wait was left"
     assert all(len(n.members) > 1 for n in notes)
     if isinstance(p["bucket"], int):
         assert all(n.nbytes <= p["bucket"] for n in notes)
@@ -709,6 +716,48 @@ def test_identical_gathers_of_one_activation_become_one(fake_pg):
     overlapc.schedule(scheduled, overlapc.OverlapConfig(on_error="raise"))
     assert count(scheduled, AG) == 1
     overlapc.verify(scheduled)
+    assert_same_values(original, scheduled)
+
+
+def test_waits_that_cse_repeats_become_one_and_the_gather_joins_a_bucket(fake_pg, caplog):
+    """A parametrization that gathers its parameter at every read (SimpleFSDP's), read
+    twice: AOTAutograd's CSE (``fx_graph_cse``, run here as it runs there) leaves one
+    all-gather with a wait per read; a pass waits one of them again. The waits become the
+    first one, values stay, and the gather buckets with the other parameter's."""
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    from overlapc.passes.duplicates import merge_repeated_waits
+
+    def parametrized(bias, weight, x):
+        wait(ag(bias))                          # the `self.bias is not None` read
+        b = wait(ag(bias))
+        return x @ x + b.reshape(4, 4) + wait(ag(weight)).reshape(4, 4)
+    traced = trace(parametrized, (2,), (2,), (4, 4))
+    gm = fx.GraphModule(traced, fx_graph_cse(traced.graph))
+    assert count(gm, AG) == 2 and count(gm, F.wait_tensor.default) == 3
+    second = [n for n in gm.graph.nodes if n.target == F.wait_tensor.default][1]
+    with gm.graph.inserting_after(second):
+        again = gm.graph.call_function(F.wait_tensor.default, (second,))
+    second.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
+    gm.recompile()
+    original = copy.deepcopy(gm)
+
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        merged = merge_repeated_waits(gm)
+    assert merged == [("wait_tensor", "wait_tensor_1", again.name)], merged
+    assert "made 2 repeated waits one" in caplog.text
+    assert count(gm, F.wait_tensor.default) == 2
+    gm.recompile()
+    assert_same_values(original, gm)
+
+    scheduled = copy.deepcopy(original)
+    # no byte budget: under "serial-peak" this tiny graph's peak has no room for a bucket
+    cfg = overlapc.OverlapConfig(bucket=DEFAULT_BUCKET_BYTES, max_in_flight=None, max_in_flight_bytes=None,
+                                 on_error="raise")
+    overlapc.schedule(scheduled, cfg)
+    assert [len(note.members) for note in scheduled.meta["overlapc_buckets"]] == [2]
+    assert count(scheduled, F.wait_tensor.default) == 1
+    overlapc.verify(scheduled, cfg)
     assert_same_values(original, scheduled)
 
 

@@ -225,6 +225,42 @@ def test_an_all_gather_read_through_two_waits_is_scheduled(fake_pg, caplog):
     overlapc.verify(gm, config)
 
 
+def chained_waits(bias, weight, x):
+    """A wait of a wait (a pass that re-waits a result) and a second wait of one gather
+    (AOTAutograd's CSE of a parameter gathered at each of two reads), around a matmul."""
+    gathered = ag(bias)
+    b = wait(gathered)
+    y = x @ x
+    again = wait(gathered).view(4, 4)
+    return y + wait(b).view(4, 4) + again + wait(ag(weight)).view(4, 4), b.sum()
+
+
+@pytest.mark.parametrize("run", ["schedule", "no buckets", "no limits", "one in flight",
+                                 "reorder_all_gathers", "limit_in_flight", "sink_waits"])
+def test_waits_of_waits_and_repeated_waits_are_made_one_and_schedule_without_degrading(fake_pg, caplog, run):
+    """Before, a wait of a wait counted as the gather's first consumer in the check but not in
+    the core, and both gathers were placed serially ("consumer order broken")."""
+    gm = trace(chained_waits, (2,), (2,), (4, 4))
+    assert sum(n.target == F.wait_tensor.default for n in gm.graph.nodes) == 4
+    options = {"schedule": {}, "no buckets": {"bucket": None},
+               "no limits": {"bucket": None, "max_in_flight": None, "max_in_flight_bytes": None},
+               "one in flight": {"bucket": None, "max_in_flight": 1}}
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        if run in options:
+            config = overlapc.OverlapConfig(**options[run], on_error="raise")
+            overlapc.schedule(gm, config)
+            overlapc.verify(gm, config)
+        else:
+            {"reorder_all_gathers": reorder_all_gathers, "limit_in_flight": limit_in_flight,
+             "sink_waits": sink_waits}[run](gm)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "made 2 repeated waits one" in caplog.text
+    waits = [n for n in gm.graph.nodes if n.target == F.wait_tensor.default]
+    assert len(waits) == 2 and all(w.args[0].target == F.all_gather_into_tensor.default for w in waits)
+    assert run == "sink_waits" or any(n.target == torch.ops.aten.mm.default
+                                      for n in gm.graph.nodes if waits[0].args[0] < n < waits[0])
+
+
 @pytest.mark.parametrize("level", [logging.WARNING, logging.INFO])
 def test_a_profile_that_does_not_resolve_fails_before_the_graph_changes(fake_pg, caplog, level):
     """At any log level (before, only the INFO line's report read the profile: it raised
