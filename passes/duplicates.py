@@ -1,8 +1,9 @@
-"""Identical collectives made one, in place (``merge_duplicates``), and the waits of one
-result made one (``merge_repeated_waits``): the steps the pipeline runs before bucketing,
-so that a bucket never holds the same collective twice, an activation gathered for several
-modules is gathered once, and a collective that CSE left with several waits can join a
-bucket. Rules in each function. ``overlapc.passes.bucket`` exports ``merge_duplicates``."""
+"""Identical collectives made one, in place (``merge_duplicates``: the step the pipeline runs
+before bucketing, so that a bucket never holds the same collective twice and an activation
+gathered for several modules is gathered once), and the waits of one result made one
+(``merge_repeated_waits``: the first step of every schedule, so that every later step sees
+one wait per collective). Rules in each function. ``overlapc.passes.bucket`` exports
+``merge_duplicates``."""
 from __future__ import annotations
 
 import logging

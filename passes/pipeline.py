@@ -426,7 +426,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     ``estimator``: what ``chunks="auto"`` estimates with; ``bucketing=False``: no buckets
     although ``cfg.bucket`` asks for them (its duplicate merging stays)."""
     duplicates, buckets, chunks, regather = [], [], [], ()
-    waits_merged = bool(merge_repeated_waits(gm, before_rewrite=snapshot))   # first: one wait per collective
+    waits_merged = bool(merge_repeated_waits(gm, before_rewrite=snapshot))   # before all: one wait per collective
     narrowed = _narrow(gm, cfg, snapshot)   # first: bucketing and the budget see the gathers as they will run
     within_peak = cfg.max_in_flight_bytes == "serial-peak"
     s = Structure(gm) if within_peak or cfg.bucket is not None else None

@@ -29,7 +29,8 @@ COLLECTIVES = "test_inductor_collectives.py"
 SIMPLE = "test_simple_overlap.py"
 UNIT = "test_overlap_bucketing_unit.py"
 
-STARTS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce")
+STARTS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce",
+          "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
 WAIT = "wait_tensor"
 # Nodes that may move with a collective's start under overlapc's rules (DESIGN, guarantee 4):
 # views and casts on its input chain.
@@ -88,11 +89,12 @@ class Schedule:
     after: tuple[tuple[str, str], ...]
     sources: tuple[tuple[str, tuple[str, ...]], ...]   # per start, after: (label, placeholders it reads)
     placeholders: tuple[str, ...]
+    provenance: tuple[tuple, ...] = ()   # per start and wait, after: (label, nn_module_stack, custom meta)
 
     @classmethod
     def of(cls, before: fx.GraphModule, after: fx.GraphModule) -> "Schedule":
         names = tuple(n.name for n in after.graph.find_nodes(op="placeholder"))
-        return cls(_ops(before), _ops(after), _start_sources(after), names)
+        return cls(_ops(before), _ops(after), _start_sources(after), names, _provenance(after))
 
     def unchanged(self) -> bool:
         return self.before == self.after
@@ -141,6 +143,12 @@ class Schedule:
         return None
 
 
+def _provenance(gm: fx.GraphModule) -> tuple[tuple, ...]:
+    """(label, its ``nn_module_stack`` meta, its ``custom`` meta) of each start and wait."""
+    return tuple((label(n), n.meta.get("nn_module_stack"), n.meta.get("custom"))
+                 for n in gm.graph.nodes if n.op == "call_function" and (label(n) in STARTS or label(n) == WAIT))
+
+
 def _ops(gm: fx.GraphModule) -> tuple[tuple[str, str], ...]:
     return tuple((n.name, label(n)) for n in gm.graph.nodes if n.op == "call_function")
 
@@ -182,6 +190,7 @@ class Case:
     expect: Callable[[Schedule], bool]
     dtypes: tuple = ()
     setup: str | None = None   # key of UPSTREAM_SETUPS mirroring upstream's test; None: no equivalent
+    annotate: Callable[[fx.GraphModule], None] | None = None   # tags nodes after tracing, as upstream's harness
 
     def inputs(self, seed: int = 0) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -526,6 +535,125 @@ def early_user_of_chained_all_reduce(a, b, c, d):
     return early.sum() + second0.sum() + second1.sum()
 
 
+def relu_mm_and_independent_all_reduce(a, b):
+    c = torch.relu(a)
+    d = c @ c
+    return d * wait(ar(b))
+
+
+def two_gathers_three_transposed_mms(a, b):
+    h1, h2 = ag(a), ag(b)
+    mm1, mm2, mm3 = a @ a.T, b @ b.T, (a + b) @ (a + b).T
+    return wait(h1).sum() + wait(h2).sum() + mm1.sum() + mm2.sum() + mm3.sum()
+
+
+def gathers_of_converted_and_wide(a, b, c, d):
+    return wait(ag(a.to(torch.float16))), wait(ag(b.to(torch.float16))), wait(ag(c)), wait(ag(d))
+
+
+def four_reduce_scatters(a, b, c, d):
+    return wait(rs(a)), wait(rs(b)), wait(rs(c)), wait(rs(d))
+
+
+def lone_gather_into_mm(x, w):
+    return wait(ag(x)) @ w
+
+
+def parametrized_bias_and_weight(bias, weight, x):
+    """After AOTAutograd's CSE: the bias parametrization gathered at two reads (the
+    `self.bias is not None` test and the add) is one all-gather with two waits; a pass
+    waits the second again."""
+    h = ag(bias)
+    wait(h)
+    b = wait(wait(h))
+    return x * b.sum() + wait(ag(weight)).sum()
+
+
+def fsdp_and_tp_gathers(p1, p2, t1, t2):
+    g1, g2 = wait(ag(p1)), wait(ag(p2))
+    return g1, g2, wait(ag(t1 + t2, second_group()))
+
+
+def converted_parameter_gathers(p1, p2):
+    return wait(ag(p1.to(torch.bfloat16))), wait(ag(p2.to(torch.bfloat16)))
+
+
+def gather_mm_gather(a, b):
+    h1 = ag(a)
+    mm1 = a @ b
+    h2 = ag(b)
+    return wait(h1).sum() + wait(h2).sum() + mm1.sum()
+
+
+def coalesced_reduce_scatter_between_mms(a, b, c, d):
+    mm1 = a @ a
+    outs = F.reduce_scatter_tensor_coalesced([x.view(-1) for x in (a, b, c, d)], "sum", world(), group())
+    mm2 = a @ a
+    return mm1.sum() + mm2.sum() + sum(wait(o).sum() for o in outs)
+
+
+def coalesced_reduce_scatter_between_adds(inp):
+    x = inp + 1
+    pieces = F.reduce_scatter_tensor_coalesced([x, inp], "sum", world(), group())
+    y = x + 2
+    r0, r1 = wait(pieces[0]), wait(pieces[1])
+    other = torch.ones_like(inp) + 22
+    return r0, y, other, r1
+
+
+def gathers_with_a_chain(x, w, a0, a1, a2, a3):
+    y = x @ w
+    c1 = a1.to(torch.bfloat16)
+    g2 = wait(ag(a2))
+    c0 = (g2[:a0.shape[0]] + a0).to(torch.bfloat16)
+    g0 = wait(ag(c0)) * 2
+    return y, g0, wait(ag(c1)), g2, wait(ag(a3))
+
+
+def gather_feeding_gather(x, w, a0, a1):
+    y = x @ w
+    g0 = wait(ag(a0.to(torch.bfloat16))) * 2
+    return y, g0, wait(ag(a1.to(torch.bfloat16) + g0[:a1.shape[0]]))
+
+
+def two_converted_reduce_scatters(x, w, r0, r1):
+    y = x @ w
+    h0, h1 = rs(r0.to(torch.bfloat16)), rs(r1.to(torch.bfloat16))
+    return y, wait(h0), wait(h1)
+
+
+def two_all_reduces_after_mm(x, w, r0, r1):
+    y = x @ w
+    h0, h1 = ar(r0), ar(r1)
+    return y, wait(h0), wait(h1)
+
+
+def in_two_modules(custom: bool = False):
+    """Upstream's manual-bucketing harness: the first two collectives and their waits
+    (``..._tensor``, ``..._tensor_1``, ``wait_tensor``, ``wait_tensor_1``) belong to module_1,
+    the next two to module_2 (``nn_module_stack``); ``custom``: also annotated as
+    ``fx.traceback.annotate`` would (``meta["custom"]``, overlapc reads ``module_fqn``)."""
+    def annotate(gm: fx.GraphModule) -> None:
+        for kind in ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and label(n) == kind]
+            for index, node in enumerate(nodes[:4]):
+                module = "module_1" if index < 2 else "module_2"
+                node.meta["nn_module_stack"] = {"test": (module, "")}
+                if custom:
+                    node.meta["custom"] = {"module_fqn": "my_" + module}
+    return annotate
+
+
+def _annotated_like_first_member(s) -> bool:
+    """The one bucket's start and wait carry its first member's module annotations."""
+    first = ({"test": ("module_1", "")}, {"module_fqn": "my_module_1"})
+    return [tuple(p) for _, *p in s.provenance] == [first, first]
+
+
+def _all_started_before_any_wait(s) -> bool:
+    return not s.in_order(WAIT, "start")
+
+
 # ---------------------------------------------------------------- upstream's setups
 
 # The overlapc options that mirror what an upstream test configures (issue 41 counts
@@ -547,6 +675,10 @@ PEAK_MEMORY = "peak-memory"
 # reverts a swap that raises it; test_inductor_collectives' reorder_communication_preserving_
 # peak_memory): the "serial-peak" byte budget, no buckets, no count limit. (Upstream
 # measures against the graph as handed in, overlapc against its serial order.)
+MODULE_PLAN = "module-plan"
+# ManualOverlapScheduler with a bucket per module (module_bucket_plans=["module_1", "module_2"]):
+# bucket="module", no count or memory limit. Its plan of one bucket over both modules is
+# SCHEDULER_BUCKETS (by size, over modules); its empty plan is SCHEDULER.
 ONE_IN_FLIGHT = "one-in-flight"
 # test_prefetch_prioritizes_larger_hidden_time: max_in_flight_gb=2e-7 (200 B) over all-gathers
 # of 128 B each, "to limit in-flight collectives to one": a count of one here (the case's
@@ -558,6 +690,7 @@ NO_EQUIVALENT = None
 UPSTREAM_SETUPS = {
     SCHEDULER: {"bucket": None, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
     SCHEDULER_BUCKETS: {"bucket": 64 * 1024 * 1024, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
+    MODULE_PLAN: {"bucket": "module", "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
     PEAK_MEMORY: {"bucket": None, "chunks": 1, "max_in_flight": None},
     ONE_IN_FLIGHT: {"bucket": None, "chunks": 1, "max_in_flight": 1, "max_in_flight_bytes": None},
 }
@@ -566,7 +699,7 @@ UPSTREAM_SETUPS = {
 # ---------------------------------------------------------------- the cases
 
 SQ = ((8, 8),)
-BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
 
 def _issued_in_input_order(prefix):
@@ -654,6 +787,57 @@ CASES = [
     Case("aten_basic_all_reduce_bucketing", f"{ATEN}::test_basic_all_reduce_bucketing",
          "one wait: the three all-reduces bucketed",
          three_all_reduces, ((4, 4),) * 3, lambda s: s.count(WAIT) == 1, setup=SCHEDULER_BUCKETS),
+    Case("aten_custom_estimator_for_non_compute_nodes", f"{ATEN}::test_custom_estimator_for_non_compute_nodes",
+         "the all-reduce of b issued above the relu (a node the estimator times), waited after it",
+         relu_mm_and_independent_all_reduce, SQ * 2, lambda s: s.in_order("all_reduce", "relu", WAIT),
+         setup=SCHEDULER),
+    Case("aten_multiple_hiding_nodes_bucketing", f"{ATEN}::test_multiple_hiding_nodes_bucketing",
+         "one bucket (one wait) issued before all three mms, waited after them",
+         two_gathers_three_transposed_mms, SQ * 2,
+         lambda s: s.count(WAIT) == 1 and s.in_order("start", "mm", "mm", "mm", WAIT), setup=SCHEDULER_BUCKETS),
+    Case("aten_bucketing_with_convert_dtype", f"{ATEN}::test_bucketing_with_convert_dtype",
+         "one wait: fp32->fp16, fp64->fp16, fp16 and fp64 all-gathers in one bucket (upstream also checks "
+         "that Inductor's code keeps no separate cast kernel: not re-created)",
+         gathers_of_converted_and_wide, ((4, 4),) * 4, lambda s: s.count(WAIT) == 1, dtypes=(F32, F64, F16, F64),
+         setup=SCHEDULER_BUCKETS),
+    # TestManualOverlapBucketing: ManualOverlapScheduler with a bucket plan over the modules its
+    # harness tags by node name (``in_two_modules``).
+    Case("aten_manual_all_gather_separate_buckets",
+         f"{ATEN}::test_manual_reordering_bucketing_pass_all_gather_separate_buckets",
+         "plan [module_1, module_2]: two buckets, both issued before either wait",
+         four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 2 and _all_started_before_any_wait(s),
+         setup=MODULE_PLAN, annotate=in_two_modules()),
+    Case("aten_manual_all_gather_no_bucket", f"{ATEN}::test_manual_bucketing_reordering_pass_all_gather_no_bucket",
+         "plan []: the four all-gathers, all issued before any wait",
+         four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 4 and _all_started_before_any_wait(s),
+         setup=SCHEDULER, annotate=in_two_modules()),
+    Case("aten_manual_all_gather_single_bucket",
+         f"{ATEN}::test_manual_bucketing_reordering_pass_all_gather_single_bucket",
+         "plan [[module_1, module_2]]: one bucket of the four",
+         four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 1 and s.count(WAIT) == 1,
+         setup=SCHEDULER_BUCKETS, annotate=in_two_modules()),
+    Case("aten_manual_all_gather_single_bucket_annotated",
+         f"{ATEN}::test_bucketing_reordering_pass_all_gather_single_bucket_custom_module_stack_fn",
+         "modules from annotations: one bucket of the four; its start and wait carry the first member's "
+         "module stack and annotation",
+         four_gathers_blocking, ((8, 8),) * 4,
+         lambda s: s.starts() == 1 and s.count(WAIT) == 1 and _annotated_like_first_member(s),
+         setup=SCHEDULER_BUCKETS, annotate=in_two_modules(custom=True)),
+    Case("aten_manual_reduce_scatter_separate_buckets",
+         f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_separate_buckets",
+         "plan [module_1, module_2]: two reduce-scatter buckets, both issued before either wait",
+         four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 2 and _all_started_before_any_wait(s),
+         setup=MODULE_PLAN, annotate=in_two_modules()),
+    Case("aten_manual_reduce_scatter_single_bucket",
+         f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_single_bucket",
+         "plan [[module_1, module_2]]: one reduce-scatter bucket",
+         four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 1 and s.count(WAIT) == 1,
+         setup=SCHEDULER_BUCKETS, annotate=in_two_modules()),
+    Case("aten_manual_reduce_scatter_no_bucket",
+         f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_no_bucket",
+         "plan []: the four reduce-scatters, all issued before any wait",
+         four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 4 and _all_started_before_any_wait(s),
+         setup=SCHEDULER, annotate=in_two_modules()),
 
     # test/distributed/test_compute_comm_reordering.py: reorder_for_compute_comm_overlap with the
     # sink_waits / raise_comms / reorder_compute_for_overlap passes: no buckets, no memory bound.
@@ -812,6 +996,33 @@ CASES = [
          "two all-reduce buckets (first0+first1, second0+second1); the early user of first0 after its wait",
          early_user_of_chained_all_reduce, ((4, 4),) * 4,
          lambda s: s.count("all_reduce") == 2 and s.in_order(WAIT, "neg"), setup=SCHEDULER_BUCKETS),
+    Case("unit_no_memory_limit", f"{UNIT}::test_no_memory_limit",
+         "with no memory cap the lone all-gather stays exposed (nothing can hide it): waited right after its start",
+         lone_gather_into_mm, ((8, 16), (16, 16)), lambda s: s.index(WAIT) == s.index("start") + 1,
+         setup=SCHEDULER),
+    Case("unit_assume_bucketed_latency_exceeds_exposed_time",
+         f"{UNIT}::test_assume_bucketed_latency_exceeds_exposed_time",
+         "schedules without error (upstream asserts no order): both inputs gathered",
+         gather_mm_gather, ((4, 4),) * 2, lambda s: sorted(s.issue_order("all_gather")) == sorted(s.placeholders),
+         setup=SCHEDULER),
+    Case("unit_overlap_scheduler_coalesced_runs", f"{UNIT}::test_overlap_scheduler_coalesced_runs",
+         "schedules a coalesced reduce-scatter without error: it and its four waits stay",
+         coalesced_reduce_scatter_between_mms, ((8, 8),) * 4,
+         lambda s: s.count("reduce_scatter_tensor_coalesced") == 1 and s.count(WAIT) == 4, setup=SCHEDULER),
+    Case("unit_deduplicates_parametrization_waits", f"{UNIT}::test_deduplicates_parametrization_waits",
+         "a gather CSE left with two waits (one waited again) and another: one all-gather, one wait",
+         parametrized_bias_and_weight, ((4,), (4,), (4,)), lambda s: s.starts() == 1 and s.count(WAIT) == 1,
+         setup=SCHEDULER_BUCKETS),
+    Case("unit_pre_bucketing_only_merges_fsdp_collectives",
+         f"{UNIT}::test_pre_bucketing_only_merges_fsdp_collectives",
+         "the two parameter all-gathers bucketed; the TP all-gather (another group) stays alone",
+         fsdp_and_tp_gathers, ((4, 4),) * 4,
+         lambda s: sorted(sorted(p) for _, p in s.sources) == sorted([sorted(s.placeholders[:2]),
+                                                                      sorted(s.placeholders[2:])]),
+         setup=SCHEDULER_BUCKETS),
+    Case("unit_pre_bucketing_handles_dtype_cast", f"{UNIT}::test_pre_bucketing_handles_dtype_cast",
+         "the two bf16-cast parameter all-gathers bucketed",
+         converted_parameter_gathers, ((4, 4),) * 2, lambda s: s.starts() == 1, setup=SCHEDULER_BUCKETS),
 
     # test/distributed/test_inductor_collectives.py: reorder_respects_wait_dep runs sink_waits and
     # reorder_communication_preserving_peak_memory; all_gather_bucket_multidtype buckets every
@@ -832,6 +1043,29 @@ CASES = [
          "one all-gather bucket of a bf16 and an fp32 tensor",
          two_dtype_gathers_after_mm, ((4, 48), (48, 64), (48, 64), (48, 64)),
          lambda s: s.count("all_gather_into_tensor") == 1, dtypes=(F32, F32, BF16, F32), setup=SCHEDULER_BUCKETS),
+    # Single-process tests (world 1) that read Inductor's code; here their FX schedules.
+    Case("collectives_reorder_peak_memory", f"{COLLECTIVES}::test_reorder_peak_memory",
+         "nothing moves: x, the coalesced reduce-scatter of x and inp, then its two waits in order",
+         coalesced_reduce_scatter_between_adds, ((8, 4),),
+         lambda s: s.in_order("%add", "reduce_scatter_tensor_coalesced", "%wait_tensor", "%wait_tensor_1"),
+         setup=PEAK_MEMORY),
+    Case("collectives_all_gather_bucket", f"{COLLECTIVES}::test_all_gather_bucket",
+         "an all-gather (ag_2, which ag_0 reads), then a bucket, then another all-gather: buckets by dtype "
+         "(bucket_all_gathers_fx=\"all\" and \"all_custom_ops\", one case)",
+         gathers_with_a_chain, ((4, 48), (48, 64), (48, 64), (48, 64), (48, 64), (48, 64)),
+         lambda s: s.starts() >= 3 and any(len(p) >= 2 for _, p in s.sources[1:-1]), setup=SCHEDULER_BUCKETS),
+    Case("collectives_all_gather_bucket_path", f"{COLLECTIVES}::test_all_gather_bucket_path",
+         "two waits: the second all-gather reads the first, no bucket",
+         gather_feeding_gather, ((4, 48), (48, 64), (48, 64), (48, 64)), lambda s: s.count(WAIT) == 2,
+         setup=SCHEDULER_BUCKETS),
+    Case("collectives_reduce_scatter_bucket", f"{COLLECTIVES}::test_reduce_scatter_bucket",
+         "one reduce-scatter: the two bf16 ones bucketed",
+         two_converted_reduce_scatters, ((4, 48), (48, 64), (48, 64), (48, 32)),
+         lambda s: s.count("reduce_scatter_tensor") == 1, setup=SCHEDULER_BUCKETS),
+    Case("collectives_all_reduce_bucket", f"{COLLECTIVES}::test_all_reduce_bucket",
+         "one all-reduce: the two bucketed",
+         two_all_reduces_after_mm, ((4, 48), (48, 64), (48, 64), (48, 32)),
+         lambda s: s.count("all_reduce") == 1, setup=SCHEDULER_BUCKETS),
 ]
 
 CONFIGS = {"defaults": {}, "no-buckets": {"bucket": None, "chunks": 1}, "module": {"bucket": "module"}}
@@ -841,7 +1075,10 @@ def trace(case: Case) -> fx.GraphModule:
     """make_fx of the case on fake tensors, in the current process group."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return make_fx(case.fn, tracing_mode="fake")(*case.inputs())
+    gm = make_fx(case.fn, tracing_mode="fake")(*case.inputs())
+    if case.annotate is not None:
+        case.annotate(gm)
+    return gm
 
 
 def schedule(case: Case, options: dict) -> tuple[fx.GraphModule, fx.GraphModule, Schedule]:

@@ -721,25 +721,20 @@ def test_identical_gathers_of_one_activation_become_one(fake_pg):
 
 def test_waits_that_cse_repeats_become_one_and_the_gather_joins_a_bucket(fake_pg, caplog):
     """A parametrization that gathers its parameter at every read (SimpleFSDP's), read
-    twice: AOTAutograd's CSE (``fx_graph_cse``, run here as it runs there) leaves one
-    all-gather with a wait per read; a pass waits one of them again. The waits become the
-    first one, values stay, and the gather buckets with the other parameter's."""
-    from torch._functorch.compile_utils import fx_graph_cse
-
+    twice: AOTAutograd's CSE (torch 2.14's ``fx_graph_cse``; 2.13's merges the waits too)
+    leaves one all-gather with a wait per read; a pass waits one of them again. Built here
+    as CSE leaves it. The waits become the first one, values stay, and the gather buckets
+    with the other parameter's."""
     from overlapc.passes.duplicates import merge_repeated_waits
 
     def parametrized(bias, weight, x):
-        wait(ag(bias))                          # the `self.bias is not None` read
-        b = wait(ag(bias))
+        gathered = ag(bias)
+        wait(gathered)                          # the `self.bias is not None` read
+        b = wait(wait(gathered))                # the add's read, waited again
         return x @ x + b.reshape(4, 4) + wait(ag(weight)).reshape(4, 4)
-    traced = trace(parametrized, (2,), (2,), (4, 4))
-    gm = fx.GraphModule(traced, fx_graph_cse(traced.graph))
-    assert count(gm, AG) == 2 and count(gm, F.wait_tensor.default) == 3
-    second = [n for n in gm.graph.nodes if n.target == F.wait_tensor.default][1]
-    with gm.graph.inserting_after(second):
-        again = gm.graph.call_function(F.wait_tensor.default, (second,))
-    second.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
-    gm.recompile()
+    gm = trace(parametrized, (2,), (2,), (4, 4))
+    assert count(gm, AG) == 2 and count(gm, F.wait_tensor.default) == 4
+    again = [n for n in gm.graph.nodes if n.target == F.wait_tensor.default][2]
     original = copy.deepcopy(gm)
 
     with caplog.at_level(logging.INFO, logger="overlapc"):

@@ -35,9 +35,12 @@ COMPUTE_REORDER = "compute-reorder"           # deliberate: compute is not reord
 PREFETCH_PRIORITY = "prefetch-priority"       # gap: prefetch order by consumer, not by estimated gain
 COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + one collective, never *_coalesced
 COMPUTE_ORDER = "compute-order"               # never expected: a compute node moved (README guarantee 0)
+BUCKETS_ON = "buckets-on"                     # deliberate: the configuration buckets what upstream's plan leaves apart
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
 EARLY_ISSUE = "early-issue"                   # deliberate: a start goes as early as inputs and bounds allow
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
+MANUAL_PLAN = "manual-plan"                   # deliberate: a plan merges where a member loses its hiding interval
+DTYPE_MODE = "dtype-mode"                     # deliberate: upstream's mode keeps dtypes in apart buckets here
 
 
 def _all(category):
@@ -85,6 +88,22 @@ EXPECTED = {
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": _unbucketed(CHAINED_BUCKETS),
     "collectives_reorder_peak_memory_bucketed": _unbucketed(BUCKET_GRANULARITY),
     "collectives_all_gather_bucket_multidtype": _unbucketed(),
+    "aten_custom_estimator_for_non_compute_nodes": _all(MEMORY_FIRST),
+    "aten_multiple_hiding_nodes_bucketing": _unbucketed(),
+    "aten_bucketing_with_convert_dtype": _unbucketed(),
+    "aten_manual_all_gather_separate_buckets": _unbucketed(MEMORY_FIRST),
+    "aten_manual_all_gather_no_bucket": {"defaults": BUCKETS_ON, "no-buckets": MEMORY_FIRST, "module": BUCKETS_ON},
+    "aten_manual_all_gather_single_bucket": _unbucketed(BUCKET_GRANULARITY),
+    "aten_manual_all_gather_single_bucket_annotated": _unbucketed(BUCKET_GRANULARITY),
+    "aten_manual_reduce_scatter_separate_buckets": _unbucketed(MEMORY_FIRST),
+    "aten_manual_reduce_scatter_single_bucket": _unbucketed(BUCKET_GRANULARITY),
+    "aten_manual_reduce_scatter_no_bucket": {"defaults": MEMORY_FIRST, "no-buckets": MEMORY_FIRST, "module": BUCKETS_ON},
+    "unit_deduplicates_parametrization_waits": _unbucketed(),
+    "unit_pre_bucketing_only_merges_fsdp_collectives": _unbucketed(),
+    "unit_pre_bucketing_handles_dtype_cast": _unbucketed(),
+    "collectives_all_gather_bucket": {"defaults": AUTO_CAP, "no-buckets": BUCKETS_OFF, "module": DTYPE_MODE},
+    "collectives_reduce_scatter_bucket": _unbucketed(),
+    "collectives_all_reduce_bucket": _unbucketed(),
 }
 
 
@@ -110,6 +129,9 @@ UPSTREAM_EXPECTED: dict[str, str] = {
     "unit_prefetch_prioritizes_larger_hidden_time": PREFETCH_PRIORITY,
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": COMPUTE_ORDER,
     "collectives_reorder_peak_memory_bucketed": NO_EQUIVALENT,
+    "aten_manual_all_gather_single_bucket": MANUAL_PLAN,
+    "aten_manual_all_gather_single_bucket_annotated": MANUAL_PLAN,
+    "collectives_all_gather_bucket": DTYPE_MODE,
 }
 
 
@@ -170,6 +192,18 @@ def test_schedule_agrees_with_upstream_as_listed(fake_pg, case):
     assert got == want, (f"{case.name} [upstream setup {case.setup}]: {got}, listed as "
                          f"{UPSTREAM_EXPECTED.get(case.name, 'agree')}: "
                          "update UPSTREAM_EXPECTED and docs/conformance.md")
+
+
+def test_each_bucket_carries_its_first_members_module_stack_and_annotation(fake_pg):
+    """What upstream's custom_module_stack_fn test asserts of its bucket beyond the count (its
+    single bucket is a listed disagreement): a bucket's start and wait carry the module stack
+    and ``custom`` annotation of its first member, here one bucket per module."""
+    case = next(case for case in cc.CASES if case.name == "aten_manual_all_gather_single_bucket_annotated")
+    schedule = cc.schedule(case, cc.UPSTREAM_SETUPS[cc.MODULE_PLAN])[2]
+    carried = sorted(schedule.provenance, key=repr)
+    expected = [(kind, {"test": (m, "")}, {"module_fqn": "my_" + m})
+                for m in ("module_1", "module_2") for kind in ("all_gather_into_tensor", cc.WAIT)]
+    assert carried == sorted(expected, key=repr), carried
 
 
 # ---------------------------------------------------------------- values on 2 gloo ranks
