@@ -11,7 +11,7 @@ import difflib
 import os
 from typing import Any, Mapping
 
-from overlapc.passes.options import ScheduleOptions, check_scheduling
+from overlapc.passes.options import ScheduleOptions, bucket_plan, check_scheduling
 
 _INNER = ("inductor", "aot_eager")
 _SCHEDULING = ScheduleOptions()   # the defaults of the fields the passes read
@@ -41,7 +41,10 @@ class OverlapConfig:
         of the model, up to the size of the group's largest collective, so the
         byte budget and memory stay as without buckets), "module" (one bucket
         per block where the graph records modules, 64 MiB otherwise), an int
-        byte target, or None (off). See ``overlapc.passes.bucket``.
+        byte target, a plan (a list whose entries are module paths or lists of
+        them, one bucket per entry: ``["tok_embeddings", "layers.0", ...,
+        ["norm", "output"]]``, as graph_trainer's ``module_bucket_plans``; kept
+        as a tuple of tuples), or None (off). See ``overlapc.passes.bucket``.
     regather: where a joint forward + backward graph gathers a parameter in the
         forward and again in the backward (FSDP's reshard-after-forward):
         "always" keeps every re-gather as traced; "auto" decides per block
@@ -80,7 +83,7 @@ class OverlapConfig:
 
     max_in_flight: int | None = _SCHEDULING.max_in_flight   # the scheduling fields' defaults are the passes'
     max_in_flight_bytes: int | str | None = _SCHEDULING.max_in_flight_bytes
-    bucket: str | int | None = _SCHEDULING.bucket
+    bucket: str | int | tuple[tuple[str, ...], ...] | None = _SCHEDULING.bucket
     regather: str = _SCHEDULING.regather
     chunks: int | str = _SCHEDULING.chunks
     narrow_gathers: bool = _SCHEDULING.narrow_gathers
@@ -95,6 +98,7 @@ class OverlapConfig:
 
     def __post_init__(self) -> None:
         check_scheduling(self, "OverlapConfig")
+        object.__setattr__(self, "bucket", bucket_plan(self.bucket, "OverlapConfig"))
         for name in ("profile", "inductor_mode"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):

@@ -1,6 +1,6 @@
 """Merge small all-gathers (reduce-scatters, all-reduces) into one collective per bucket.
 
-    notes = bucket_collectives(gm, bucket="auto" | "module" | byte_target)   # in place; the caller recompiles
+    notes = bucket_collectives(gm, bucket="auto" | "module" | byte_target | plan)   # in place; the caller recompiles
 
 This module plans which collectives merge; ``bucket_rewrite.py`` rewrites the graph
 (``BucketNote``, the copies); ``duplicates.py`` holds ``merge_duplicates``, which the
@@ -25,6 +25,13 @@ consecutive members. A bucket closes before a member when
   ``DEFAULT_BUCKET_BYTES``;
 * ``bucket=<int>``: adding it would take the bucket past that many bytes (a
   member larger than the target is a bucket alone);
+* ``bucket=<plan>`` (a tuple of entries, each a tuple of module paths, as
+  ``options.bucket_plan`` makes it): the member belongs to another entry. A
+  member's entry is the one naming its module path or the longest prefix of it
+  ("layers.3" holds "layers.3.attention.wq"); a member of no entry stays alone.
+  No byte limit, and none of the rules below but the first: the plan is the
+  user's, so a bucket forms even where it loses a member's hiding interval, and
+  costs what it holds (as under "module");
 * ``bucket="auto"`` (the default): both of the above, with the byte target the
   largest member of the same group and kind in the graph. A bucket then holds
   no more than the largest single collective, so the "auto" in-flight byte
@@ -41,7 +48,7 @@ consecutive members. A bucket closes before a member when
 * either way: the bucket could not be issued before its first result is
   needed (a member's input is ready only after another member's first real
   consumer), or the member's result or input is tied to another collective;
-* in every mode: the bucket would lose a member's hiding interval
+* in every mode but a plan: the bucket would lose a member's hiding interval
   (``_keeps_hiding``): a bucket is issued when its last input is ready and waited
   before its first result is needed, so the kernels a member could hide under
   outside that common window (one that reads another member's result, one that
@@ -120,6 +127,7 @@ from overlapc.passes.bucket_rewrite import BucketNote, Member, Rewrite, call_arg
 from overlapc.passes.collectives import Collective, node_value
 from overlapc.passes.duplicates import merge_duplicates
 from overlapc.passes.memory import Headroom
+from overlapc.passes.options import bucket_plan, is_plan
 from overlapc.passes.structure import Kernels, Structure
 
 __all__ = ["BUCKET_MODES", "BucketNote", "DEFAULT_BUCKET_BYTES", "block_of", "bucket_collectives", "merge_duplicates"]
@@ -136,20 +144,24 @@ BUCKET_MODES = ("auto", "module")
 _OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor", "all_reduce": "all_reduce"}
 
 
-def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
+def bucket_collectives(gm: fx.GraphModule, bucket: str | int | tuple = "auto",
                        before_rewrite: Callable[[], None] | None = None,
                        structure: Structure | None = None, headroom: Headroom | None = None) -> list[BucketNote]:
     """Merge ``gm``'s all-gathers and reduce-scatters into buckets (rules in the
-    module docstring), in place. ``bucket``: "auto", "module" or an int byte target >= 1.
+    module docstring), in place. ``bucket``: "auto", "module", an int byte target >= 1 or a
+    plan (``options.bucket_plan``'s tuple of tuples of module paths).
     ``before_rewrite`` is called once just before the graph is first changed (not when
     nothing merges): the pipeline saves a copy there to roll back to. ``structure``:
     ``Structure(gm)`` when the caller has built it (the pipeline reuses it when
     nothing merged). ``headroom``: the ``memory.Headroom`` of ``gm`` as it stands (its
     serial order), when a bucket must not raise that order's peak (the "serial-peak"
     budget): a bucket then forms only where its copies fit it (``_fits_headroom``)."""
-    if bucket not in BUCKET_MODES and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
-        raise ValueError(f'bucket_collectives: bucket must be "auto", "module" or an int byte target >= 1, '
-                         f"got {bucket!r}")
+    if not is_plan(bucket) and bucket not in BUCKET_MODES and (
+            isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+        raise ValueError(f'bucket_collectives: bucket must be "auto", "module", an int byte target >= 1 or a '
+                         f"plan, got {bucket!r}")
+    if is_plan(bucket):
+        bucket = _Plan(bucket_plan(bucket, "bucket_collectives"))
     s = structure if structure is not None else Structure(gm)
     plans = []
     for kind in _OPS:
@@ -158,6 +170,10 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int = "auto",
         mergeable = [lane for lane in lanes.values() if _may_merge(lane, bucket, largest[lane[0].c.group])]
         plans += [(kind, members) for lane in mergeable
                   for members in _split(lane, bucket, largest[lane[0].c.group], s.kernels, headroom)]
+        if isinstance(bucket, _Plan):
+            bucket.matched.update(bucket.entry_of(m.module) for lane in lanes.values() for m in lane)
+    if isinstance(bucket, _Plan):
+        bucket.log_unmatched()
     notes: list[BucketNote] = []
     if plans:
         if before_rewrite is not None:
@@ -204,14 +220,14 @@ def _candidates(s: Structure, kind: str) -> list[Collective]:
     return [c for c in s.movable if c.op == _OPS[kind] and c.start.name not in pieces]
 
 
-def _two_may_fit(s: Structure, kind: str, bucket: str | int) -> bool:
+def _two_may_fit(s: Structure, kind: str, bucket: "str | int | _Plan") -> bool:
     """Whether two members of ``kind`` may share a bucket by their bytes (False: no lane of
     ``_lanes`` holds two neighbours that fit, nothing needs planning). Under "module" they
     may; under "auto" or a byte target, when in some group the two smallest collectives
     that pass ``_own_shapes`` fit the target together (under "auto", the group's largest of
     them): members are some of those, of the same bytes, so their two smallest are no
     smaller and their largest no larger. Raises ``_member``'s ValueError, in ``_lanes``' order."""
-    if bucket == "module":
+    if bucket == "module" or isinstance(bucket, _Plan):
         return True
     sizes: dict[str, list[int]] = {}
     for c in _candidates(s, kind):
@@ -294,25 +310,27 @@ def _largest(lanes: dict[tuple, list[Member]]) -> dict[str, int]:
     return largest
 
 
-def _may_merge(lane: list[Member], bucket: str | int, largest: int) -> bool:
+def _may_merge(lane: list[Member], bucket: "str | int | _Plan", largest: int) -> bool:
     """Whether ``_split`` may merge any two members of ``lane`` (False: it keeps none, and
     nothing of the lane needs planning). Under "module" any two may; under "auto" (byte
     target ``largest``) or a byte target, two neighbours within the target: a bucket grows by
     the next member in lane order, and a bucket holds at least the member before it."""
-    if bucket == "module":
+    if bucket == "module" or isinstance(bucket, _Plan):
         return len(lane) > 1
     limit = largest if bucket == "auto" else bucket
     return any(a.nbytes + b.nbytes <= limit for a, b in zip(lane, lane[1:]))
 
 
-def _split(lane: list[Member], bucket: str | int, largest: int, kernels: Kernels,
+def _split(lane: list[Member], bucket: "str | int | _Plan", largest: int, kernels: Kernels,
            headroom: Headroom | None = None) -> list[list[Member]]:
     """Consecutive members of ``lane`` cut into buckets; buckets of one dropped.
     ``largest``: the byte target of ``bucket="auto"``; ``kernels``: ``Kernels`` of the graph;
     ``headroom``: see ``bucket_collectives``. O(1) a member (``_Bucket`` keeps what the rules read)."""
     buckets: list[_Bucket] = []
+    planned = isinstance(bucket, _Plan)
     for m in lane:
-        if buckets and _joins(buckets[-1], m, bucket, largest) and _keeps_hiding(buckets[-1], m, kernels, largest) and (
+        if buckets and _joins(buckets[-1], m, bucket, largest) and (
+                planned or _keeps_hiding(buckets[-1], m, kernels, largest)) and (
                 headroom is None or _fits_headroom(buckets[-1], m, headroom)):
             buckets[-1].add(m)
         else:
@@ -341,10 +359,13 @@ class _Bucket:
         self.last_target, self.first_ready = max(self.last_target, m.target), min(self.first_ready, m.ready)
 
 
-def _joins(open_bucket: _Bucket, m: Member, bucket: str | int, largest: int) -> bool:
+def _joins(open_bucket: _Bucket, m: Member, bucket: "str | int | _Plan", largest: int) -> bool:
     """Whether ``m`` may join ``open_bucket``."""
     if max(m.ready, open_bucket.ready) >= min(m.target, open_bucket.target):
         return False   # one member's input is ready only after another's result is needed
+    if isinstance(bucket, _Plan):
+        entry = bucket.entry_of(m.module)
+        return entry is not None and entry == bucket.entry_of(open_bucket.members[0].module)
     limit = {"auto": largest, "module": DEFAULT_BUCKET_BYTES}.get(bucket, bucket)
     fits = open_bucket.nbytes + m.nbytes <= limit
     if bucket != "module" and not fits:
@@ -356,6 +377,34 @@ def _joins(open_bucket: _Bucket, m: Member, bucket: str | int, largest: int) -> 
         if block and bucket == "module":
             return True
     return fits
+
+
+class _Plan:
+    """A bucket plan (``options.bucket_plan``'s tuple of entries) and its lookup: the entry a
+    module path belongs to, by the longest prefix of it that an entry names (cached per path)."""
+
+    def __init__(self, entries: tuple[tuple[str, ...], ...]):
+        self.entries = entries
+        self.index = {path: i for i, paths in enumerate(entries) for path in paths}
+        self._found: dict[str, int | None] = {}
+        self.matched: set[int | None] = set()   # entries some member belongs to (membership only)
+
+    def log_unmatched(self) -> None:
+        """One INFO line naming the entries no collective of the graph belongs to (a misspelt
+        module, or modules this graph does not hold: a forward graph's plan entry for the loss)."""
+        unmatched = [paths for i, paths in enumerate(self.entries) if i not in self.matched]
+        if unmatched:
+            log.info("overlapc: bucket plan entries no collective of this graph belongs to: %s",
+                     "; ".join(", ".join(paths) for paths in unmatched))
+
+    def entry_of(self, module: str) -> int | None:
+        """The index of the entry naming ``module`` or its longest prefix ("layers.3" for
+        "layers.3.attention.wq"), or None."""
+        if module not in self._found:
+            parts = module.split(".") if module else []
+            self._found[module] = next((self.index[p] for p in (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+                                        if p in self.index), None)
+        return self._found[module]
 
 
 def _keeps_hiding(open_bucket: _Bucket, m: Member, kernels: Kernels, largest: int) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-__all__ = ["ScheduleOptions", "as_options", "check_scheduling"]
+__all__ = ["ScheduleOptions", "as_options", "check_scheduling", "bucket_plan", "is_plan"]
 
 BYTE_MODES = ("auto", "serial-peak")   # the named values of max_in_flight_bytes
 REGATHER = ("always", "auto")
@@ -26,7 +26,7 @@ class ScheduleOptions:
 
     max_in_flight: int | None = 3
     max_in_flight_bytes: int | str | None = "serial-peak"
-    bucket: str | int | None = "auto"
+    bucket: str | int | tuple[tuple[str, ...], ...] | None = "auto"
     regather: str = "always"
     chunks: int | str = 1
     narrow_gathers: bool = True
@@ -35,6 +35,34 @@ class ScheduleOptions:
 
     def __post_init__(self) -> None:
         check_scheduling(self, "ScheduleOptions")
+        object.__setattr__(self, "bucket", bucket_plan(self.bucket, "ScheduleOptions"))
+
+
+def is_plan(bucket) -> bool:
+    """Whether ``bucket`` is a bucket plan (a list or tuple of module paths or lists of them)."""
+    return isinstance(bucket, (list, tuple))
+
+
+def bucket_plan(bucket, owner: str):
+    """``bucket`` with a plan made a tuple of tuples of module paths (one tuple an entry, one
+    bucket per entry); any other value as it is. ValueError naming ``owner.bucket``, the entry
+    and what a plan holds for an entry that is not a non-empty path or list of them, and for a
+    path in two entries."""
+    if not is_plan(bucket):
+        return bucket
+    entries, seen = [], {}
+    for index, entry in enumerate(bucket):
+        paths = (entry,) if isinstance(entry, str) else tuple(entry) if isinstance(entry, (list, tuple)) else None
+        if not paths or not all(isinstance(p, str) and p and p == p.strip(".") for p in paths):
+            raise ValueError(f"{owner}.bucket: plan entry {index} is {entry!r}; an entry is a module path "
+                             '("layers.0") or a non-empty list of them, one bucket per entry')
+        for path in paths:
+            if path in seen:
+                raise ValueError(f"{owner}.bucket: module {path!r} is in plan entries {seen[path]} and {index}; "
+                                 "a module's collectives go to one bucket: name it once")
+            seen[path] = index
+        entries.append(paths)
+    return tuple(entries)
 
 
 def _positive_or_none(owner: str, name: str, value, extra: str = "") -> None:
@@ -60,10 +88,12 @@ def check_scheduling(config, owner: str) -> None:
     else:
         _positive_or_none(owner, "max_in_flight_bytes", config.max_in_flight_bytes, ' (bytes), "auto", "serial-peak"')
     if isinstance(config.bucket, str):
-        _one_of(owner, "bucket", config.bucket, ("auto", "module"), '"auto", "module", an int >= 1 (bytes) or None',
-                0.5)
+        _one_of(owner, "bucket", config.bucket, ("auto", "module"),
+                '"auto", "module", an int >= 1 (bytes), a plan (a list of module paths) or None', 0.5)
+    elif is_plan(config.bucket):
+        bucket_plan(config.bucket, owner)
     else:
-        _positive_or_none(owner, "bucket", config.bucket, ' (bytes), "auto", "module"')
+        _positive_or_none(owner, "bucket", config.bucket, ' (bytes), "auto", "module", a plan (a list of module paths)')
     if config.regather not in REGATHER:
         raise ValueError(f"{owner}.regather must be one of {REGATHER} (\"always\": every backward re-gather "
                          f"stays; \"auto\": keep a block's forward gathers where the peak allows), "

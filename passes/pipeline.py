@@ -25,7 +25,7 @@ from overlapc.passes.duplicates import merge_repeated_waits
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
 from overlapc.passes.memory import Headroom, Liveness
-from overlapc.passes.options import ScheduleOptions, as_options
+from overlapc.passes.options import ScheduleOptions, as_options, is_plan
 from overlapc.passes.rewrite import hoist_attributes
 from overlapc.passes.scheduler import UNBOUNDED, schedule_order
 from overlapc.passes.structure import Structure, apply_order
@@ -451,7 +451,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         meta.add_notes(gm, meta.BUCKETS, [])   # bucketing ran and kept none
     elif cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives
-        held_to_peak = cfg.bucket != "module"   # a bucket per block costs what it holds (the option says so)
+        held_to_peak = cfg.bucket != "module" and not is_plan(cfg.bucket)   # those cost what they hold (as said)
         buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s,
                                      headroom=room if held_to_peak else None)
         if buckets and held_to_peak and room is not None:
@@ -462,7 +462,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
             room = _rewritten_room(gm, s, cfg, room)
     before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or buckets or rewritten or waits_merged \
         or narrowed is not None and narrowed.modified else None
-    retry_unbucketed = bool(buckets) and within_peak and cfg.bucket != "module"
+    retry_unbucketed = bool(buckets) and within_peak and cfg.bucket != "module" and not is_plan(cfg.bucket)
     try:
         placed = _reorder(gm, lambda built: budget_for(built, cfg, room if built is s else None), s=s,
                           degrade=not retry_unbucketed)

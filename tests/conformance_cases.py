@@ -675,10 +675,9 @@ PEAK_MEMORY = "peak-memory"
 # reverts a swap that raises it; test_inductor_collectives' reorder_communication_preserving_
 # peak_memory): the "serial-peak" byte budget, no buckets, no count limit. (Upstream
 # measures against the graph as handed in, overlapc against its serial order.)
-MODULE_PLAN = "module-plan"
-# ManualOverlapScheduler with a bucket per module (module_bucket_plans=["module_1", "module_2"]):
-# bucket="module", no count or memory limit. Its plan of one bucket over both modules is
-# SCHEDULER_BUCKETS (by size, over modules); its empty plan is SCHEDULER.
+PLAN_PER_MODULE, PLAN_ONE_BUCKET, PLAN_EMPTY = "plan-per-module", "plan-one-bucket", "plan-empty"
+# ManualOverlapScheduler with module_bucket_plans ["module_1", "module_2"], [["module_1",
+# "module_2"]] and []: overlapc's bucket plans, the same lists; no count or memory limit.
 ONE_IN_FLIGHT = "one-in-flight"
 # test_prefetch_prioritizes_larger_hidden_time: max_in_flight_gb=2e-7 (200 B) over all-gathers
 # of 128 B each, "to limit in-flight collectives to one": a count of one here (the case's
@@ -690,7 +689,11 @@ NO_EQUIVALENT = None
 UPSTREAM_SETUPS = {
     SCHEDULER: {"bucket": None, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
     SCHEDULER_BUCKETS: {"bucket": 64 * 1024 * 1024, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
-    MODULE_PLAN: {"bucket": "module", "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
+    PLAN_PER_MODULE: {"bucket": ["module_1", "module_2"], "chunks": 1, "max_in_flight": None,
+                      "max_in_flight_bytes": None},
+    PLAN_ONE_BUCKET: {"bucket": [["module_1", "module_2"]], "chunks": 1, "max_in_flight": None,
+                      "max_in_flight_bytes": None},
+    PLAN_EMPTY: {"bucket": [], "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
     PEAK_MEMORY: {"bucket": None, "chunks": 1, "max_in_flight": None},
     ONE_IN_FLIGHT: {"bucket": None, "chunks": 1, "max_in_flight": 1, "max_in_flight_bytes": None},
 }
@@ -806,38 +809,38 @@ CASES = [
          f"{ATEN}::test_manual_reordering_bucketing_pass_all_gather_separate_buckets",
          "plan [module_1, module_2]: two buckets, both issued before either wait",
          four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 2 and _all_started_before_any_wait(s),
-         setup=MODULE_PLAN, annotate=in_two_modules()),
+         setup=PLAN_PER_MODULE, annotate=in_two_modules()),
     Case("aten_manual_all_gather_no_bucket", f"{ATEN}::test_manual_bucketing_reordering_pass_all_gather_no_bucket",
          "plan []: the four all-gathers, all issued before any wait",
          four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 4 and _all_started_before_any_wait(s),
-         setup=SCHEDULER, annotate=in_two_modules()),
+         setup=PLAN_EMPTY, annotate=in_two_modules()),
     Case("aten_manual_all_gather_single_bucket",
          f"{ATEN}::test_manual_bucketing_reordering_pass_all_gather_single_bucket",
          "plan [[module_1, module_2]]: one bucket of the four",
          four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 1 and s.count(WAIT) == 1,
-         setup=SCHEDULER_BUCKETS, annotate=in_two_modules()),
+         setup=PLAN_ONE_BUCKET, annotate=in_two_modules()),
     Case("aten_manual_all_gather_single_bucket_annotated",
          f"{ATEN}::test_bucketing_reordering_pass_all_gather_single_bucket_custom_module_stack_fn",
          "modules from annotations: one bucket of the four; its start and wait carry the first member's "
          "module stack and annotation",
          four_gathers_blocking, ((8, 8),) * 4,
          lambda s: s.starts() == 1 and s.count(WAIT) == 1 and _annotated_like_first_member(s),
-         setup=SCHEDULER_BUCKETS, annotate=in_two_modules(custom=True)),
+         setup=PLAN_ONE_BUCKET, annotate=in_two_modules(custom=True)),
     Case("aten_manual_reduce_scatter_separate_buckets",
          f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_separate_buckets",
          "plan [module_1, module_2]: two reduce-scatter buckets, both issued before either wait",
          four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 2 and _all_started_before_any_wait(s),
-         setup=MODULE_PLAN, annotate=in_two_modules()),
+         setup=PLAN_PER_MODULE, annotate=in_two_modules()),
     Case("aten_manual_reduce_scatter_single_bucket",
          f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_single_bucket",
          "plan [[module_1, module_2]]: one reduce-scatter bucket",
          four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 1 and s.count(WAIT) == 1,
-         setup=SCHEDULER_BUCKETS, annotate=in_two_modules()),
+         setup=PLAN_ONE_BUCKET, annotate=in_two_modules()),
     Case("aten_manual_reduce_scatter_no_bucket",
          f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_no_bucket",
          "plan []: the four reduce-scatters, all issued before any wait",
          four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 4 and _all_started_before_any_wait(s),
-         setup=SCHEDULER, annotate=in_two_modules()),
+         setup=PLAN_EMPTY, annotate=in_two_modules()),
 
     # test/distributed/test_compute_comm_reordering.py: reorder_for_compute_comm_overlap with the
     # sink_waits / raise_comms / reorder_compute_for_overlap passes: no buckets, no memory bound.

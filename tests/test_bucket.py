@@ -468,6 +468,90 @@ def test_bad_bucket_argument(fake_pg, bucket):
         bucket_collectives(gm, bucket)
 
 
+# ------------------------------------------------------------------ bucket plans
+
+
+def in_modules(gm, paths):
+    """Tag the graph's all-gather starts, in graph order, with ``paths`` (``nn_module_stack``, as
+    make_fx of a module records it)."""
+    starts = [n for n in gm.graph.nodes if n.target == AG]
+    for start, path in zip(starts, paths, strict=True):
+        start.meta["nn_module_stack"] = {"m": (path, "torch.nn.Module")}
+
+
+def eight_projections(x, *weights):
+    for w in weights:
+        x = x @ wait(ag(w)).t()
+    return x
+
+
+PLANNED = ["tok_embeddings", "layers.0.attention.wq", "layers.0.attention.wk", "layers.0.moe.router",
+           "layers.0.moe.experts.w1", "layers.0.moe.experts.w2", "norm", "output"]
+
+
+def test_a_bucket_plan_buckets_each_entry_by_the_longest_prefix_and_leaves_the_rest(fake_pg):
+    """graph_trainer's plans name blocks, lists of them, and for MoE a block's experts apart
+    from the rest of it: a collective goes to the entry naming the longest prefix of its
+    module, and one that no entry names stays alone."""
+    gm = trace(eight_projections, (4, 16), *[(2, 16)] * 8)
+    in_modules(gm, PLANNED)
+    original = copy.deepcopy(gm)
+    plan = overlapc.OverlapConfig(bucket=["layers.0", "layers.0.moe.experts", ["norm", "output"]]).bucket
+    assert plan == (("layers.0",), ("layers.0.moe.experts",), ("norm", "output"))
+
+    notes = bucket_collectives(gm, ["layers.0", "layers.0.moe.experts", ["norm", "output"]])
+
+    names = [n.name for n in original.graph.nodes if n.target == AG]
+    assert [list(note.members) for note in notes] == [names[1:4], names[4:6], names[6:8]]
+    gm.recompile()
+    assert_same_values(original, gm)
+
+
+def test_a_plan_bucket_forms_where_the_hiding_rule_would_split_it(fake_pg):
+    """The plan is the user's: one entry over two gathers whose merge loses the second one's
+    hiding matmul is one bucket (``"module"``, by the hiding rule, keeps them apart)."""
+    def blocking(x, a, b):
+        h = x @ wait(ag(a)).t()            # the second gather hides under this matmul alone
+        return h @ wait(ag(b)).t()
+    gm = trace(blocking, (4, 16), (2, 16), (2, 16))
+    in_modules(gm, ["block.q", "block.k"])
+    by_module = bucket_collectives(copy.deepcopy(gm), "module")
+    assert by_module == []
+    scheduled = copy.deepcopy(gm)
+    cfg = overlapc.OverlapConfig(bucket=["block"], on_error="raise")
+    overlapc.schedule(scheduled, cfg)
+    assert [len(note.members) for note in scheduled.meta["overlapc_buckets"]] == [2]
+    overlapc.verify(scheduled, cfg)
+    assert_same_values(gm, scheduled)
+
+
+def test_plan_entries_no_collective_belongs_to_are_named(fake_pg, caplog):
+    gm = trace(eight_projections, (4, 16), *[(2, 16)] * 8)
+    in_modules(gm, PLANNED)
+    with caplog.at_level(logging.INFO, logger="overlapc"):
+        bucket_collectives(gm, ["layers.0", ["lm_head", "norm"], "layers.7"])
+    assert "bucket plan entries no collective of this graph belongs to: layers.7" in caplog.text
+    assert "lm_head" not in caplog.text   # its entry holds norm's
+
+
+def test_an_empty_plan_buckets_nothing(fake_pg):
+    gm = trace(eight_projections, (4, 16), *[(2, 16)] * 8)
+    in_modules(gm, PLANNED)
+    overlapc.schedule(gm, overlapc.OverlapConfig(bucket=[], on_error="raise"))
+    assert gm.meta["overlapc_buckets"] == [] and count(gm, AG) == 8
+
+
+@pytest.mark.parametrize("plan, message", [
+    (["layers.0", ["layers.0"]], "module 'layers.0' is in plan entries 0 and 1"),
+    (["layers.0", []], "plan entry 1 is \\[\\]"),
+    ([3], "plan entry 0 is 3"),
+    ([".layers"], "plan entry 0 is '.layers'"),
+])
+def test_a_bad_plan_names_its_entry(plan, message):
+    with pytest.raises(ValueError, match=f"OverlapConfig.bucket: {message}"):
+        overlapc.OverlapConfig(bucket=plan)
+
+
 def test_shapes_that_contradict_the_group_size_name_the_node(fake_pg):
     gm = trace(lambda x, a, b: x @ wait(ag(a)).t() @ wait(ag(b)).t(), (4, 16), (2, 16), (2, 16))
     start = next(n for n in gm.graph.nodes if n.name == "all_gather_into_tensor_1")
@@ -540,7 +624,11 @@ def programs(draw):
         upfront=draw(st.booleans()),
         use=draw(st.permutations(list(range(n)))),
         barrier=draw(st.one_of(st.none(), st.integers(0, n - 1))),
-        bucket=draw(st.sampled_from(["auto", "module", 1, 100, 400, 1 << 20])),
+        bucket=draw(st.sampled_from(["auto", "module", 1, 100, 400, 1 << 20, "plan"])),
+        plan=draw(st.sampled_from([["blocks.0", "blocks.1"], [["blocks.0", "blocks.2"]], ["blocks"],
+                                   ["blocks.1", "blocks.1.inner"], []])),
+        modules=draw(st.lists(st.sampled_from(["blocks.0", "blocks.1", "blocks.1.inner", "blocks.2", "head"]),
+                              min_size=2 * n, max_size=2 * n)),
         max_in_flight=draw(st.sampled_from([1, 2, None])),
     )
 
@@ -591,13 +679,17 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
     groups = (fake_pg.group_name, two_groups[0].group_name)
     weights = [(WORLD * p["rows"][i] * math.prod(p["rest"][i]),) for i in range(p["n"])]
     gm = trace(build(p, groups), (1,), (1,), *[shard_shape(p, i) for i in range(p["n"])], *weights)
+    starts = [n for n in gm.graph.nodes if n.target in (AG, RS)]
+    for start, path in zip(starts, p["modules"]):   # modules for the plans
+        start.meta["nn_module_stack"] = {"m": (path, "torch.nn.Module")}
     original = copy.deepcopy(gm)
     collectives = len(overlapc.collectives(gm))
     largest = {}   # (group, kind) -> bytes of the largest all-gather output / reduce-scatter input
     for c in overlapc.collectives(gm):
         size = c.nbytes * (c.group_size if c.kind == "reduce_scatter" else 1)
         largest[(c.group, c.kind)] = max(largest.get((c.group, c.kind), 0), size)
-    cfg = overlapc.OverlapConfig(bucket=p["bucket"], max_in_flight=p["max_in_flight"], on_error="raise")
+    bucket = p["plan"] if p["bucket"] == "plan" else p["bucket"]
+    cfg = overlapc.OverlapConfig(bucket=bucket, max_in_flight=p["max_in_flight"], on_error="raise")
 
     overlapc.schedule(gm, cfg)
 
@@ -614,7 +706,14 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
     assert_same_values(original, gm, exact=False)
     # the default budget ("serial-peak"): the schedule's peak, counted independently, at most
     # the unbucketed graph's serial order's ("module" buckets cost what a block holds)
-    if p["bucket"] != "module":
+    if p["bucket"] == "plan":   # a bucket holds collectives of one plan entry (its longest prefix) only
+        module = {n.name: n.meta["nn_module_stack"]["m"][0] for n in starts}
+        entries = {path: i for i, paths in enumerate(cfg.bucket) for path in paths}
+        prefixes = lambda path: [".".join(path.split(".")[:k]) for k in range(path.count(".") + 1, 0, -1)]  # noqa: E731
+        for note in notes:
+            found = {next((entries[q] for q in prefixes(module[m]) if q in entries), None) for m in note.members}
+            assert len(found) == 1 and None not in found, (note, cfg.bucket)
+    if p["bucket"] not in ("module", "plan"):
         assert live_peak(list(gm.graph.nodes), overlapc.collectives(gm)) <= serial_peak(original), notes
     inputs = random_inputs(original)
     expected, got = RankCollectives(original).run(*inputs), RankCollectives(gm).run(*inputs)

@@ -39,7 +39,6 @@ BUCKETS_ON = "buckets-on"                     # deliberate: the configuration bu
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
 EARLY_ISSUE = "early-issue"                   # deliberate: a start goes as early as inputs and bounds allow
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
-MANUAL_PLAN = "manual-plan"                   # deliberate: a plan merges where a member loses its hiding interval
 DTYPE_MODE = "dtype-mode"                     # deliberate: upstream's mode keeps dtypes in apart buckets here
 
 
@@ -129,8 +128,6 @@ UPSTREAM_EXPECTED: dict[str, str] = {
     "unit_prefetch_prioritizes_larger_hidden_time": PREFETCH_PRIORITY,
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": COMPUTE_ORDER,
     "collectives_reorder_peak_memory_bucketed": NO_EQUIVALENT,
-    "aten_manual_all_gather_single_bucket": MANUAL_PLAN,
-    "aten_manual_all_gather_single_bucket_annotated": MANUAL_PLAN,
     "collectives_all_gather_bucket": DTYPE_MODE,
 }
 
@@ -199,7 +196,7 @@ def test_each_bucket_carries_its_first_members_module_stack_and_annotation(fake_
     single bucket is a listed disagreement): a bucket's start and wait carry the module stack
     and ``custom`` annotation of its first member, here one bucket per module."""
     case = next(case for case in cc.CASES if case.name == "aten_manual_all_gather_single_bucket_annotated")
-    schedule = cc.schedule(case, cc.UPSTREAM_SETUPS[cc.MODULE_PLAN])[2]
+    schedule = cc.schedule(case, cc.UPSTREAM_SETUPS[cc.PLAN_PER_MODULE])[2]
     carried = sorted(schedule.provenance, key=repr)
     expected = [(kind, {"test": (m, "")}, {"module_fqn": "my_" + m})
                 for m in ("module_1", "module_2") for kind in ("all_gather_into_tensor", cc.WAIT)]

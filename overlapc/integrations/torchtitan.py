@@ -23,7 +23,8 @@ What changes in graph_trainer's list, and what to leave off:
 * ``joint_transformer_block_bucketing_reordering_pass``: replaced by
   ``overlapc_pass`` (overlapc buckets with ``bucket="auto"`` by default; the
   module of each node comes from ``meta["custom"]["module_fqn"]``, which
-  graph_trainer records). Its defaults differ from overlapc's in two options
+  graph_trainer records; ``options={"bucket": plan}`` buckets by graph_trainer's
+  own ``module_bucket_plans``, e.g. ``common_utils.get_default_transformer_block_buckets``'s). Its defaults differ from overlapc's in two options
   (``DEFAULTS``): ``max_in_flight_bytes="serial-peak"`` (the step's peak
   memory stays within its serial order's) and ``regather="auto"`` (the
   backward re-gather of a block whose gathered weights fit under the peak
