@@ -650,8 +650,13 @@ def _annotated_like_first_member(s) -> bool:
     return [tuple(p) for _, *p in s.provenance] == [first, first]
 
 
-def _all_started_before_any_wait(s) -> bool:
-    return not s.in_order(WAIT, "start")
+def _all_issued_first(starts: int):
+    """``starts`` starts, every one before the first wait."""
+    return lambda s: s.starts() == starts and not s.in_order(WAIT, "start")
+
+
+def _one_bucket(s) -> bool:
+    return s.starts() == 1 and s.count(WAIT) == 1
 
 
 # ---------------------------------------------------------------- upstream's setups
@@ -721,6 +726,12 @@ def _one_start_before_mm_one_wait_after_mm(s):
     mms = [i for i, lab in enumerate(labels) if lab == "mm"]
     starts = sum(1 for lab in labels[:mms[0]] if lab in STARTS)
     return len(mms) == 2 and starts == 1 and labels[mms[1]:].count(WAIT) == 1
+
+
+def _manual(name: str, test: str, says: str, fn, expect, setup: str, custom: bool = False) -> "Case":
+    """A TestManualOverlapBucketing case: four (8, 8) inputs, tagged with two modules."""
+    return Case(name, f"{ATEN}::{test}", says, fn, ((8, 8),) * 4, expect, setup=setup,
+                annotate=in_two_modules(custom=custom))
 
 
 CASES = [
@@ -805,42 +816,31 @@ CASES = [
          setup=SCHEDULER_BUCKETS),
     # TestManualOverlapBucketing: ManualOverlapScheduler with a bucket plan over the modules its
     # harness tags by node name (``in_two_modules``).
-    Case("aten_manual_all_gather_separate_buckets",
-         f"{ATEN}::test_manual_reordering_bucketing_pass_all_gather_separate_buckets",
-         "plan [module_1, module_2]: two buckets, both issued before either wait",
-         four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 2 and _all_started_before_any_wait(s),
-         setup=PLAN_PER_MODULE, annotate=in_two_modules()),
-    Case("aten_manual_all_gather_no_bucket", f"{ATEN}::test_manual_bucketing_reordering_pass_all_gather_no_bucket",
-         "plan []: the four all-gathers, all issued before any wait",
-         four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 4 and _all_started_before_any_wait(s),
-         setup=PLAN_EMPTY, annotate=in_two_modules()),
-    Case("aten_manual_all_gather_single_bucket",
-         f"{ATEN}::test_manual_bucketing_reordering_pass_all_gather_single_bucket",
-         "plan [[module_1, module_2]]: one bucket of the four",
-         four_gathers_blocking, ((8, 8),) * 4, lambda s: s.starts() == 1 and s.count(WAIT) == 1,
-         setup=PLAN_ONE_BUCKET, annotate=in_two_modules()),
-    Case("aten_manual_all_gather_single_bucket_annotated",
-         f"{ATEN}::test_bucketing_reordering_pass_all_gather_single_bucket_custom_module_stack_fn",
-         "modules from annotations: one bucket of the four; its start and wait carry the first member's "
-         "module stack and annotation",
-         four_gathers_blocking, ((8, 8),) * 4,
-         lambda s: s.starts() == 1 and s.count(WAIT) == 1 and _annotated_like_first_member(s),
-         setup=PLAN_ONE_BUCKET, annotate=in_two_modules(custom=True)),
-    Case("aten_manual_reduce_scatter_separate_buckets",
-         f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_separate_buckets",
-         "plan [module_1, module_2]: two reduce-scatter buckets, both issued before either wait",
-         four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 2 and _all_started_before_any_wait(s),
-         setup=PLAN_PER_MODULE, annotate=in_two_modules()),
-    Case("aten_manual_reduce_scatter_single_bucket",
-         f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_single_bucket",
-         "plan [[module_1, module_2]]: one reduce-scatter bucket",
-         four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 1 and s.count(WAIT) == 1,
-         setup=PLAN_ONE_BUCKET, annotate=in_two_modules()),
-    Case("aten_manual_reduce_scatter_no_bucket",
-         f"{ATEN}::test_manual_bucketing_reordering_pass_reduce_scatter_no_bucket",
-         "plan []: the four reduce-scatters, all issued before any wait",
-         four_reduce_scatters, ((8, 8),) * 4, lambda s: s.starts() == 4 and _all_started_before_any_wait(s),
-         setup=PLAN_EMPTY, annotate=in_two_modules()),
+    _manual("aten_manual_all_gather_separate_buckets",
+            "test_manual_reordering_bucketing_pass_all_gather_separate_buckets",
+            "plan [module_1, module_2]: two buckets, both issued before either wait",
+            four_gathers_blocking, _all_issued_first(2), PLAN_PER_MODULE),
+    _manual("aten_manual_all_gather_no_bucket", "test_manual_bucketing_reordering_pass_all_gather_no_bucket",
+            "plan []: the four all-gathers, all issued before any wait",
+            four_gathers_blocking, _all_issued_first(4), PLAN_EMPTY),
+    _manual("aten_manual_all_gather_single_bucket", "test_manual_bucketing_reordering_pass_all_gather_single_bucket",
+            "plan [[module_1, module_2]]: one bucket of the four", four_gathers_blocking, _one_bucket, PLAN_ONE_BUCKET),
+    _manual("aten_manual_all_gather_single_bucket_annotated",
+            "test_bucketing_reordering_pass_all_gather_single_bucket_custom_module_stack_fn",
+            "modules from annotations: one bucket of the four; its start and wait carry the first member's "
+            "module stack and annotation", four_gathers_blocking,
+            lambda s: _one_bucket(s) and _annotated_like_first_member(s), PLAN_ONE_BUCKET, custom=True),
+    _manual("aten_manual_reduce_scatter_separate_buckets",
+            "test_manual_bucketing_reordering_pass_reduce_scatter_separate_buckets",
+            "plan [module_1, module_2]: two reduce-scatter buckets, both issued before either wait",
+            four_reduce_scatters, _all_issued_first(2), PLAN_PER_MODULE),
+    _manual("aten_manual_reduce_scatter_single_bucket",
+            "test_manual_bucketing_reordering_pass_reduce_scatter_single_bucket",
+            "plan [[module_1, module_2]]: one reduce-scatter bucket", four_reduce_scatters, _one_bucket,
+            PLAN_ONE_BUCKET),
+    _manual("aten_manual_reduce_scatter_no_bucket", "test_manual_bucketing_reordering_pass_reduce_scatter_no_bucket",
+            "plan []: the four reduce-scatters, all issued before any wait",
+            four_reduce_scatters, _all_issued_first(4), PLAN_EMPTY),
 
     # test/distributed/test_compute_comm_reordering.py: reorder_for_compute_comm_overlap with the
     # sink_waits / raise_comms / reorder_compute_for_overlap passes: no buckets, no memory bound.
