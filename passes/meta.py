@@ -89,6 +89,13 @@ def set_serial_peak(gm: fx.GraphModule, peak: int) -> None:
     gm.meta.setdefault(SERIAL_PEAK, [peak])
 
 
+def raise_serial_peak(gm: fx.GraphModule, peak: int) -> None:
+    """Record ``peak`` as ``serial_peak(gm)`` where it is higher than the one recorded (a
+    rewrite whose copies cost what they hold: ``bucket="module"``, a plan, pipelined pieces)."""
+    found = serial_peak(gm)
+    gm.meta[SERIAL_PEAK] = [peak if found is None else max(found, peak)]
+
+
 def save_notes(gm: fx.GraphModule) -> dict[str, list]:
     """A copy of every rewrite note ``gm`` holds, for ``restore_notes``."""
     return {key: list(gm.meta[key]) for key in REWRITE_NOTES if key in gm.meta}

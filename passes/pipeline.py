@@ -138,19 +138,19 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
     return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak, in_flight)
 
 
-def serial_headroom(s: Structure, config) -> Headroom:
+def serial_headroom(s: Structure, config, recorded: bool = True) -> Headroom:
     """The ``Headroom`` that the byte budget of ``config`` reads for the graph of ``s``:
     under its serial order's peak; under "serial-peak", bundle nodes bound it too, the
     order is the lower-peaked of two serial orders (``reference_order``), and the bound
     is the serial peak of the graph before the pipeline's rewrites where it recorded one
-    (``meta.serial_peak``: buckets may not raise it, pipelined pieces may use what the
-    unsplit collective held), else that order's."""
+    and ``recorded`` (``meta.serial_peak``: "auto" buckets may not raise it, pipelined pieces
+    may use what the unsplit collective held), else that order's."""
     if as_options(config).max_in_flight_bytes != "serial-peak":
         return Headroom(s, invariants.serial_order(s, asap=True))
     liveness = Liveness(s.nodes)
     serial, along, in_place = reference_order(s, liveness)
-    return Headroom(s, serial, segments=True, peak=meta.serial_peak(s.gm), liveness=liveness, along=along,
-                    in_place=in_place)
+    return Headroom(s, serial, segments=True, peak=meta.serial_peak(s.gm) if recorded else None,
+                    liveness=liveness, along=along, in_place=in_place)
 
 
 def reference_order(s: Structure, liveness: Liveness) -> tuple[list[fx.Node], tuple, bool]:
@@ -477,18 +477,18 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
 
 def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, before: Headroom | None):
     """The headroom of the graph of ``s`` (rewritten: pipelined pieces, merged duplicates,
-    kept gathers, a bucket per block) under the larger of its own serial peak and
-    ``before``'s, the graph's as handed in (recorded as ``meta.serial_peak``): pieces may
-    hold what the unsplit collective held, and the copies of pieces and of
-    ``bucket="module"`` are what those options cost; the schedule adds nothing above.
-    None when ``before`` is (another budget) or nothing is movable."""
+    kept gathers, a bucket per block or plan entry) under the larger of its own serial
+    order's peak and ``before``'s (the graph's before this rewrite), which is recorded as
+    ``meta.serial_peak`` (raised where an earlier rewrite recorded less): pieces may hold
+    what the unsplit collective held, and the copies of pieces and of ``bucket="module"``
+    or a plan are what those options cost; the schedule adds nothing above. None when
+    ``before`` is (another budget) or nothing is movable."""
     if before is None or not s.movable:
         return None
-    own = serial_headroom(s, cfg)
+    own = serial_headroom(s, cfg, recorded=False)   # its own order's: an earlier rewrite recorded the one before
+    meta.raise_serial_peak(gm, max(own.peak, before.peak))
     if own.peak >= before.peak:
-        meta.set_serial_peak(gm, own.peak)
         return own
-    meta.set_serial_peak(gm, before.peak)
     # serial_headroom(s, cfg) now (a "before" exists only under "serial-peak"), its serial order and liveness shared
     return Headroom(s, own.serial, segments=True, peak=before.peak, liveness=own.liveness, in_place=own.in_place)
 

@@ -525,6 +525,31 @@ def test_a_plan_bucket_forms_where_the_hiding_rule_would_split_it(fake_pg):
     assert_same_values(gm, scheduled)
 
 
+def test_module_buckets_after_another_rewrite_are_bounded_by_their_own_serial_peak(fake_pg, caplog):
+    """A rewrite before bucketing (here an unread gather erased, as torch 2.14's partitioner
+    leaves MHA's in_proj gathers) recorded the graph's serial peak; "module" buckets, which
+    cost what they hold, were then bounded by that stale peak: the check failed, the serial
+    fallback too, and the graph was scheduled without buckets, with a WARNING (the demo
+    transformer's forward under bucket="module")."""
+    def block(x, w0, w1, w2, w3):
+        wait(ag(w0))                               # unread, repeated below: erased
+        for w in (w0, w1, w2, w3):
+            x = torch.relu(x @ wait(ag(w)).t())
+        return x
+    gm = trace(block, (4, 16), *[(2, 16)] * 4)
+    in_modules(gm, ["layers.0.attn.wq", "layers.0.attn.wq", "layers.0.attn.wk", "layers.0.mlp.w1", "layers.0.mlp.w2"])
+    original = copy.deepcopy(gm)
+    for bucket, sizes in (("module", [2]), (["layers.0"], [4])):   # "module" keeps the hiding rule
+        scheduled = copy.deepcopy(original)
+        cfg = overlapc.OverlapConfig(bucket=bucket, on_error="raise")
+        with caplog.at_level(logging.WARNING, logger="overlapc"):
+            overlapc.schedule(scheduled, cfg)
+        assert not caplog.records, caplog.text
+        assert [len(note.members) for note in scheduled.meta["overlapc_buckets"]] == sizes, bucket
+        overlapc.verify(scheduled, cfg)
+        assert_same_values(original, scheduled)
+
+
 def test_plan_entries_no_collective_belongs_to_are_named(fake_pg, caplog):
     gm = trace(eight_projections, (4, 16), *[(2, 16)] * 8)
     in_modules(gm, PLANNED)
