@@ -372,6 +372,11 @@ def _target_file(tmp_path, text):
     ("misspelt bucket", lambda t: ["report", ALLGATHER, *WORLD, "--bucket", "modul"],
      "--bucket: expected 'auto', 'module', 'none' or a byte size >= 1 (e.g. 65536, 64KiB, 16MiB, 1GiB), "
      "got 'modul'; did you mean 'module'?"),
+    ("bucket plan not JSON", lambda t: ["report", ALLGATHER, *WORLD, "--bucket", "[layers.0]"],
+     "--bucket: a plan is a JSON list of module paths or lists of them, e.g. '[\"layers.0\", [\"norm\", "
+     "\"output\"]]'; '[layers.0]' is not JSON"),
+    ("bucket plan with a module twice", lambda t: ["report", ALLGATHER, *WORLD, "--bucket", '["a", ["a"]]'],
+     "--bucket: module 'a' is in plan entries 0 and 1"),
     ("bad byte budget", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "12 MB"],
      "--max-in-flight-bytes: expected 'auto', 'serial-peak', 'none' or a byte size >= 1"),
     ("misspelt byte mode", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "serial_peek"],
@@ -387,6 +392,13 @@ def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, make_argv
     code, out, err = run(capsys, *make_argv(tmp_path))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("overlapc report: error: ") and expected in err, err
+
+
+def test_a_bucket_plan_given_as_json_buckets_one_entry_per_bucket(capsys):
+    code, out, err = run(capsys, "report", LLAMA, "--world-size", "8", "--bucket", '["layers.0", ["layers.1"]]')
+    assert code == 0, err
+    assert "bucket=(('layers.0',), ('layers.1',))" in out
+    assert "18 merged into 2 buckets" in out and "layers.0.{attention_norm.weight" in out, out
 
 
 def test_bucket_option_typo_gets_did_you_mean():

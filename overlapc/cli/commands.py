@@ -70,7 +70,7 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
     {"schema": "overlapc.cli.report/1",
      "target": "examples/mlp.py:build", "world_size": 8, "rank": 0,
      "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | "serial-peak" | null,
-                "bucket": "auto" | "module" | int | null, "chunks": int | "auto",
+                "bucket": "auto" | "module" | int | [[module path, ...], ...] | null, "chunks": int | "auto",
                 "regather": "always" | "auto", "narrow_gathers": bool, "enabled": bool},
      "profile": {"device": {"name", "tflops", "mem_gbps"},
                  "link": {"name", "gbps", "latency_us", "per_kind": [[kind, gbps, latency_us], ...]},

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import re
 import textwrap
+
+from overlapc.passes.options import bucket_plan
 
 REPORT_SCHEMA = "overlapc.cli.report/1"
 
@@ -91,6 +94,23 @@ def _byte_limit(words: tuple[str, ...]):
     return parse
 
 
+def _bucket(text: str):
+    """--bucket: 'auto', 'module', 'none', a byte size, or a plan as a JSON list of module paths
+    or lists of them ('["layers.0", ["norm", "output"]]', OverlapConfig.bucket's plan)."""
+    if not text.lstrip().startswith("["):
+        return _byte_limit(("auto", "module", "none"))(text)
+    example = """'["layers.0", ["norm", "output"]]'"""
+    try:
+        plan = json.loads(text)
+        bucket_plan(plan, "OverlapConfig")
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"a plan is a JSON list of module paths or lists of them, e.g. {example}; "
+                                         f"{text!r} is not JSON: {error.msg}") from None
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("OverlapConfig.bucket: ")) from None
+    return plan
+
+
 def _regather(text: str) -> str:
     """--regather: 'always' or 'auto' (OverlapConfig.regather)."""
     forms = "'always' or 'auto'"
@@ -144,10 +164,11 @@ def _common_options() -> argparse.ArgumentParser:
                         default=argparse.SUPPRESS,
                         help="gather as traced: no cast of the shard before an all-gather whose result is only "
                         "cast narrower (float8 weights; the default casts first and gathers the narrow bytes)")
-    common.add_argument("--bucket", type=_byte_limit(("auto", "module", "none")), default=argparse.SUPPRESS,
-                        metavar="auto|module|B|none",
+    common.add_argument("--bucket", type=_bucket, default=argparse.SUPPRESS,
+                        metavar="auto|module|B|PLAN|none",
                         help="merge collectives: up to the largest one (auto, the default), "
-                        "one bucket per block, a byte target, or none")
+                        "one bucket per block, a byte target, a plan (a JSON list of module paths or lists "
+                        """of them, one bucket per entry: '["layers.0", ["norm", "output"]]'), or none""")
     common.add_argument("--chunks", type=_chunks, default=argparse.SUPPRESS, metavar="N|auto",
                         help="split critical-path collectives into N pipelined pieces, or auto: per "
                         "pattern, the count the estimates put fastest (default 1: off)")
