@@ -451,7 +451,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         meta.add_notes(gm, meta.BUCKETS, [])   # bucketing ran and kept none
     elif cfg.bucket is not None:
         from overlapc.passes.bucket import bucket_collectives
-        held_to_peak = cfg.bucket != "module" and not is_plan(cfg.bucket)   # those cost what they hold (as said)
+        held_to_peak = not _costs_what_it_holds(cfg)
         buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s,
                                      headroom=room if held_to_peak else None)
         if buckets and held_to_peak and room is not None:
@@ -462,7 +462,7 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
             room = _rewritten_room(gm, s, cfg, room)
     before = tuple(n.name for n in gm.graph.nodes) if cfg.chunks != 1 or buckets or rewritten or waits_merged \
         or narrowed is not None and narrowed.modified else None
-    retry_unbucketed = bool(buckets) and within_peak and cfg.bucket != "module" and not is_plan(cfg.bucket)
+    retry_unbucketed = bool(buckets) and within_peak and not _costs_what_it_holds(cfg)
     try:
         placed = _reorder(gm, lambda built: budget_for(built, cfg, room if built is s else None), s=s,
                           degrade=not retry_unbucketed)
@@ -473,6 +473,12 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     if within_peak and placed.peaks is not None:   # what ``verify`` of this graph compares with
         meta.set_serial_peak(gm, placed.peaks.reference_peak_bytes)
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather, narrowed)
+
+
+def _costs_what_it_holds(cfg: ScheduleOptions) -> bool:
+    """Whether ``cfg.bucket`` forms buckets that may raise the peak by what they hold (the
+    options say so: "module", a plan), rather than only where the serial peak keeps."""
+    return cfg.bucket == "module" or is_plan(cfg.bucket)
 
 
 def _rewritten_room(gm: fx.GraphModule, s: Structure, cfg: ScheduleOptions, before: Headroom | None):

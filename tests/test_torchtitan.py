@@ -107,3 +107,34 @@ def test_registered_pipeline_is_graph_trainers_default_with_overlapc(traced):
     assert names == ["overlapc_pass" if n == overlapc_torchtitan.REPLACED else n for n in default
                      if n not in overlapc_torchtitan.REMOVED]
     assert "regional_inductor_pass" in names   # kept, under overlapc's Inductor patches
+
+
+def test_graph_trainers_own_bucket_plan_buckets_its_joint_graph_by_entry(traced):
+    """``options={"bucket": plan}`` with the plan graph_trainer builds for its own bucketing
+    pass (``get_default_transformer_block_buckets``): one bucket of each kind per entry (a
+    block; norm with lm_head), modules read from ``meta["custom"]``, values bit for bit."""
+    from torchtitan.experiments.graph_trainer.common_utils import get_default_transformer_block_buckets
+    bench, result, passes, profile = traced[:4]
+    before_overlapc = [p for p in overlapc_torchtitan.replace_bucketing(passes)
+                       if overlapc_torchtitan.pass_name(p) != "overlapc_pass"]
+    with bench.cpu_stand_ins(profile):
+        gm = bench.run_passes(before_overlapc, result)
+    inputs = random_inputs(gm)
+    expected = LocalCollectives(gm).run(*inputs)
+    plan = get_default_transformer_block_buckets(6)
+    options = {"bucket": plan}
+    gm = overlapc_torchtitan.overlapc_pass(gm, result.example_inputs, options=options)
+
+    overlapc.verify(gm, overlapc.OverlapConfig(**{**overlapc_torchtitan.DEFAULTS, **options}))
+    got = LocalCollectives(gm).run(*inputs)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(expected, got))
+    entries = {path: i for i, paths in enumerate(plan) for path in ([paths] if isinstance(paths, str) else paths)}
+    notes = gm.meta["overlapc_buckets"]
+    for note in notes:   # each bucket within one entry, by the longest prefix of its members' modules
+        found = {next((entries[p] for p in (".".join(m.split(".")[:k]) for k in range(m.count(".") + 1, 0, -1))
+                       if p in entries), None) for m in note.modules}
+        assert len(found) == 1 and None not in found, note
+    blocks = {f"layers.{i}" for i in range(6)}   # a bucket per block: its forward gathers, backward re-gathers, grads
+    for kind, per_block in (("all_gather", 2), ("reduce_scatter", 1)):
+        found = [".".join(n.modules[0].split(".")[:2]) for n in notes if n.kind == kind]
+        assert all(found.count(b) == per_block for b in blocks), (kind, found)
