@@ -222,12 +222,12 @@ def _candidates(s: Structure, kind: str) -> list[Collective]:
 
 def _two_may_fit(s: Structure, kind: str, bucket: "str | int | _Plan") -> bool:
     """Whether two members of ``kind`` may share a bucket by their bytes (False: no lane of
-    ``_lanes`` holds two neighbours that fit, nothing needs planning). Under "module" they
-    may; under "auto" or a byte target, when in some group the two smallest collectives
+    ``_lanes`` holds two neighbours that fit, nothing needs planning). Under "module" or a
+    plan they may; under "auto" or a byte target, when in some group the two smallest collectives
     that pass ``_own_shapes`` fit the target together (under "auto", the group's largest of
     them): members are some of those, of the same bytes, so their two smallest are no
     smaller and their largest no larger. Raises ``_member``'s ValueError, in ``_lanes``' order."""
-    if bucket == "module" or isinstance(bucket, _Plan):
+    if _by_modules(bucket):
         return True
     sizes: dict[str, list[int]] = {}
     for c in _candidates(s, kind):
@@ -238,6 +238,11 @@ def _two_may_fit(s: Structure, kind: str, bucket: "str | int | _Plan") -> bool:
         if len(found) > 1 and sum(heapq.nsmallest(2, found)) <= (max(found) if bucket == "auto" else bucket):
             return True
     return False
+
+
+def _by_modules(bucket: "str | int | _Plan") -> bool:
+    """Whether ``bucket`` cuts by modules with no byte target ("module", a plan)."""
+    return bucket == "module" or isinstance(bucket, _Plan)
 
 
 def _own_shapes(c: Collective) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -312,10 +317,10 @@ def _largest(lanes: dict[tuple, list[Member]]) -> dict[str, int]:
 
 def _may_merge(lane: list[Member], bucket: "str | int | _Plan", largest: int) -> bool:
     """Whether ``_split`` may merge any two members of ``lane`` (False: it keeps none, and
-    nothing of the lane needs planning). Under "module" any two may; under "auto" (byte
+    nothing of the lane needs planning). Under "module" or a plan any two may; under "auto" (byte
     target ``largest``) or a byte target, two neighbours within the target: a bucket grows by
     the next member in lane order, and a bucket holds at least the member before it."""
-    if bucket == "module" or isinstance(bucket, _Plan):
+    if _by_modules(bucket):
         return len(lane) > 1
     limit = largest if bucket == "auto" else bucket
     return any(a.nbytes + b.nbytes <= limit for a, b in zip(lane, lane[1:]))

@@ -69,3 +69,12 @@ class Encoder(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.block(x))
+
+
+def plan_entry(plan, module: str):
+    """The index of the entry of bucket plan ``plan`` (entries: a module path or paths) that
+    names ``module`` or its longest prefix, or None: README "Buckets"' rule, written here
+    apart from overlapc's own lookup."""
+    entries = {path: i for i, paths in enumerate(plan) for path in ([paths] if isinstance(paths, str) else paths)}
+    parts = module.split(".")
+    return next((entries[p] for p in (".".join(parts[:k]) for k in range(len(parts), 0, -1)) if p in entries), None)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import overlapc
 from overlapc.passes.bucket import DEFAULT_BUCKET_BYTES, BucketNote, block_of, bucket_collectives
 from overlapc.passes.structure import Structure
-from graphs import F, WORLD, Block, ag, trace, wait, random_inputs
+from graphs import F, WORLD, Block, ag, plan_entry, trace, wait, random_inputs
 from test_properties import live_peak, serial_peak
 
 RANK = 3   # the rank the stand-ins pretend to be (not 0: a wrong block order shows)
@@ -729,15 +729,13 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
         assert all(n.nbytes <= largest[(n.group, n.kind)] for n in notes), (notes, largest)
     overlapc.verify(gm, cfg)
     assert_same_values(original, gm, exact=False)
-    # the default budget ("serial-peak"): the schedule's peak, counted independently, at most
-    # the unbucketed graph's serial order's ("module" buckets cost what a block holds)
     if p["bucket"] == "plan":   # a bucket holds collectives of one plan entry (its longest prefix) only
         module = {n.name: n.meta["nn_module_stack"]["m"][0] for n in starts}
-        entries = {path: i for i, paths in enumerate(cfg.bucket) for path in paths}
-        prefixes = lambda path: [".".join(path.split(".")[:k]) for k in range(path.count(".") + 1, 0, -1)]  # noqa: E731
         for note in notes:
-            found = {next((entries[q] for q in prefixes(module[m]) if q in entries), None) for m in note.members}
+            found = {plan_entry(cfg.bucket, module[m]) for m in note.members}
             assert len(found) == 1 and None not in found, (note, cfg.bucket)
+    # the default budget ("serial-peak"): the schedule's peak, counted independently, at most
+    # the unbucketed graph's serial order's ("module" and plan buckets cost what they hold)
     if p["bucket"] not in ("module", "plan"):
         assert live_peak(list(gm.graph.nodes), overlapc.collectives(gm)) <= serial_peak(original), notes
     inputs = random_inputs(original)

@@ -17,7 +17,7 @@ import overlapc
 from overlapc.estimate import costmodel
 from overlapc.collectives import collectives, module_path, role
 from overlapc.integrations import torchtitan as overlapc_torchtitan
-from graphs import random_inputs
+from graphs import plan_entry, random_inputs
 from test_properties import LocalCollectives
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.passes",
@@ -128,11 +128,9 @@ def test_graph_trainers_own_bucket_plan_buckets_its_joint_graph_by_entry(traced)
     overlapc.verify(gm, overlapc.OverlapConfig(**{**overlapc_torchtitan.DEFAULTS, **options}))
     got = LocalCollectives(gm).run(*inputs)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(expected, got))
-    entries = {path: i for i, paths in enumerate(plan) for path in ([paths] if isinstance(paths, str) else paths)}
     notes = gm.meta["overlapc_buckets"]
     for note in notes:   # each bucket within one entry, by the longest prefix of its members' modules
-        found = {next((entries[p] for p in (".".join(m.split(".")[:k]) for k in range(m.count(".") + 1, 0, -1))
-                       if p in entries), None) for m in note.modules}
+        found = {plan_entry(plan, m) for m in note.modules}
         assert len(found) == 1 and None not in found, note
     blocks = {f"layers.{i}" for i in range(6)}   # a bucket per block: its forward gathers, backward re-gathers, grads
     for kind, per_block in (("all_gather", 2), ("reduce_scatter", 1)):
