@@ -53,6 +53,13 @@ class OverlapConfig:
         not rise (``overlapc.passes.regather``; the choice is logged at INFO and
         noted in ``gm.meta["overlapc_regather"]``). Graphs without re-gathers
         are unaffected.
+    issue: where a start goes: "early" (the default: as soon as its inputs are placed
+        and the in-flight bounds let it) or "per-kernel" (right before the hiding kernel,
+        a matmul, convolution or attention, it is to run under, one start per kernel, in
+        consumer order; one with no kernel left before its first consumer goes as under
+        "early"). "per-kernel" hides under the same kernels and allocates later: less
+        memory in flight across the pointwise ops between. See
+        ``overlapc.passes.kernel_points``.
     chunks: split collectives on the critical path into this many pipelined
         pieces (int >= 1; 1 = off), or "auto": per pattern, the count that the
         estimator (``profile``) puts fastest. See ``overlapc.passes.chunk``.
@@ -85,6 +92,7 @@ class OverlapConfig:
     max_in_flight_bytes: int | str | None = _SCHEDULING.max_in_flight_bytes
     bucket: str | int | tuple[tuple[str, ...], ...] | None = _SCHEDULING.bucket
     regather: str = _SCHEDULING.regather
+    issue: str = _SCHEDULING.issue
     chunks: int | str = _SCHEDULING.chunks
     narrow_gathers: bool = _SCHEDULING.narrow_gathers
     profile: str | None = None

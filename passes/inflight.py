@@ -48,6 +48,9 @@ class Budget:
         the peak with the serial order's peak exactly (``Headroom.peak``).
     held: start -> bytes held in flight (``held_of``): ``Structure.held_ahead`` for a
         byte budget other than "serial-peak"; None: ``Structure.held``.
+    issue: "early" (a start goes as soon as its inputs are placed and the bounds let it)
+        or "per-kernel" (no earlier than the hiding kernel it is to run under, one start
+        per kernel: ``kernel_points``); ``ScheduleOptions.issue``.
     """
 
     max_count: int | None
@@ -56,6 +59,7 @@ class Budget:
     headroom: Headroom | None = None
     within_peak: bool = False
     held: Mapping[fx.Node, int] | None = None
+    issue: str = "early"
 
     def held_of(self, s) -> Mapping[fx.Node, int]:
         """Start -> bytes its collective holds in flight as this budget counts them:

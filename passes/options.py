@@ -16,6 +16,7 @@ __all__ = ["ScheduleOptions", "as_options", "check_scheduling", "bucket_plan", "
 
 BYTE_MODES = ("auto", "serial-peak")   # the named values of max_in_flight_bytes
 REGATHER = ("always", "auto")
+ISSUE = ("early", "per-kernel")
 ON_ERROR = ("fallback", "raise")
 
 
@@ -28,6 +29,7 @@ class ScheduleOptions:
     max_in_flight_bytes: int | str | None = "serial-peak"
     bucket: str | int | tuple[tuple[str, ...], ...] | None = "auto"
     regather: str = "always"
+    issue: str = "early"
     chunks: int | str = 1
     narrow_gathers: bool = True
     on_error: str = "fallback"
@@ -98,6 +100,8 @@ def check_scheduling(config, owner: str) -> None:
         raise ValueError(f"{owner}.regather must be one of {REGATHER} (\"always\": every backward re-gather "
                          f"stays; \"auto\": keep a block's forward gathers where the peak allows), "
                          f"got {config.regather!r}")
+    _one_of(owner, "issue", config.issue, ISSUE,
+            '"early" (as soon as its inputs are placed) or "per-kernel" (right before the kernel it runs under)', 0.4)
     if config.chunks != "auto" and (isinstance(config.chunks, bool) or not isinstance(config.chunks, int)
                                     or config.chunks < 1):
         raise ValueError(f'{owner}.chunks must be an int >= 1 (1 = off) or "auto", got {config.chunks!r}')

@@ -135,7 +135,7 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
     for c in collectives:
         if c.kind != "all_gather":
             reserve[c.group] = max(reserve.get(c.group, 0), in_flight[c.start])
-    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak, in_flight)
+    return Budget(cfg.max_in_flight, max_bytes, reserve, headroom, within_peak, in_flight, cfg.issue)
 
 
 def serial_headroom(s: Structure, config, recorded: bool = True) -> Headroom:

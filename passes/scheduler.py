@@ -13,6 +13,8 @@ collectives' bundles, see ``structure.py``) in its order and places around it:
   soon as its inputs are placed and it fits the room the budget leaves to
   all-gathers (``Budget.gather_room``); one that never fits is issued right
   before its wait, after waiting what else of its group is open;
+* under ``issue="per-kernel"`` a start is ready no earlier than its kernel point
+  (``kernel_points``), right before that kernel, after the waits due there;
 * every wait is placed just before its target (first real consumer, or the
   barrier closing its region, or the output) unless the budget waited it
   earlier; all-gathers are never waited early for room. Waits due at one
@@ -28,11 +30,10 @@ headroom alone: a collective other than an all-gather that does not fit it is
 waited right after its start (as in the serial order), an all-gather that does
 not fit is issued when its result is due.
 
-Modes: "schedule" (the above), "sink" (starts stay where they are; only waits
-move, no budget), "serial" (all-gathers issued right before their wait, every
-other collective waited right after its start, at the schedule's chain points;
-``verify``'s memory reference is ``invariants.serial_order``, built without
-this core).
+Modes: "schedule" (the above), "sink" (starts stay, waits move, no budget), "serial"
+(all-gathers issued right before their wait, every other collective waited right after
+its start, at the schedule's chain points; ``verify``'s memory reference is
+``invariants.serial_order``, built without this core).
 Deterministic: ties break on graph positions, never on hashes.
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ from overlapc.passes.chain_points import ChainPoints
 from overlapc.passes.collectives import Collective
 from overlapc.passes.inflight import Budget, InFlight, piece_of
 from overlapc.passes.invariants import fail
+from overlapc.passes.kernel_points import KernelPoints
 from overlapc.passes.memory import Headroom
 from overlapc.passes.structure import Structure
 
@@ -55,6 +57,7 @@ MODES = ("schedule", "sink", "serial")
 # Why a start or wait stands where it is (recorded per node; the report prints them).
 REASONS = {
     "inputs ready": "issued as soon as its inputs were placed",
+    "kernel point": "issued right before the kernel it runs under (issue=\"per-kernel\")",
     "count bound": "held back by max_in_flight until an earlier one was waited",
     "byte budget": "held back by the byte budget (or the memory headroom)",
     "consumer order": "held behind an all-gather of its group whose consumer comes first",
@@ -78,26 +81,23 @@ def schedule_order(s: Structure, budget: Budget = UNBOUNDED, mode: str = "schedu
                    kinds: tuple[str, ...] | None = None,
                    reasons: dict[fx.Node, str] | None = None, late_chains: bool = False,
                    chain_room: Headroom | None = None, serial: frozenset[fx.Node] = frozenset()) -> list[fx.Node]:
-    """A new order of ``s.nodes``: the spine in its order, collectives placed by
-    ``mode`` under ``budget``. ``kinds`` limits which collectives move (default all).
-    ``reasons``, when given, receives why each start and wait was placed where it is
-    (``REASONS``). ``late_chains``: chain points at the latest spine node a chained
-    start may go (its result due there) instead of halfway, which keeps the
-    all-gathers ahead of it in its group due there too (the pipeline's second try
-    when a schedule with halfway chain points fails the check). ``chain_room``: the
-    headroom under the serial order's peak (``memory.Headroom``): a chain point
-    moves from halfway to the first spine node where the chained start's own
-    buffers fit it (``_plan_gates``). ``serial``: starts of collectives placed as the
-    "serial" mode places them (an all-gather issued when its result is due, any other
-    kind waited right after its start and, under a reference that keeps starts in place,
-    ``Headroom.in_place``, issued no earlier than where it stands unless chained) while
-    the rest is scheduled: the pipeline's local degradation."""
+    """A new order of ``s.nodes``: the spine in its order, collectives placed by ``mode``
+    under ``budget``. ``kinds`` limits which collectives move (default all). ``reasons``, when
+    given, receives why each start and wait was placed where it is (``REASONS``).
+    ``late_chains``: chain points at the latest spine node a chained start may go instead of
+    halfway, which keeps the all-gathers ahead of it in its group due there too (the
+    pipeline's second try). ``chain_room``: the headroom under the serial order's peak
+    (``memory.Headroom``): a chain point moves from halfway to the first spine node where
+    the chained start's own buffers fit it (``_plan_gates``). ``serial``: starts placed as
+    the "serial" mode places them (an all-gather when its result is due, any other kind
+    waited right after its start and, under ``Headroom.in_place``, issued no earlier than
+    where it stands unless chained), the rest scheduled: the pipeline's local degradation."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return _Core(s, budget, mode, kinds, reasons, late_chains, chain_room, serial).run()
 
 
-class _Core(ChainPoints):
+class _Core(ChainPoints, KernelPoints):
     def __init__(self, s: Structure, budget: Budget, mode: str, kinds: tuple[str, ...] | None,
                  reasons: dict[fx.Node, str] | None, late_chains: bool = False,
                  chain_room: Headroom | None = None, serial: frozenset[fx.Node] = frozenset()):
@@ -140,6 +140,7 @@ class _Core(ChainPoints):
         self.gate_open: set[fx.Node] = set()                 # gated starts whose chain point has come
         if self.move_starts:
             self._plan_gates(managed)
+        self._plan_kernel_points(managed)
         self._plan_targets(managed)
 
         self.ready: list[tuple[int, str]] = []              # other kinds, by position
@@ -206,7 +207,7 @@ class _Core(ChainPoints):
             inputs = [self._producer(i, c.start) for i in s.bundle_inputs[c.start]]
             if c.start in self.serial:   # placed serially: issued where it stood, as the reference has it
                 inputs += self._serial_anchors(c)
-            self.missing[c.start] = len(inputs) + (c.start in self.gate)
+            self.missing[c.start] = len(inputs) + (c.start in self.gate) + (c.start in self.kernel_gate)
             for node in inputs:
                 self.blocked_on.setdefault(node, []).append(c.start)
             if c.kind == "all_gather" and c.start not in self.serial:   # placed serially: issued when due
@@ -262,11 +263,9 @@ class _Core(ChainPoints):
         return ranks
 
     def _place_anchor(self, c: Collective) -> fx.Node | None:
-        """When the "serial-peak" reference keeps collectives other than all-gathers where
-        they stand (``Headroom.in_place``) and ``c`` is one: the spine node it followed in
-        the graph handed in (None when none stands before it); else None. A gated ``c``
-        waits for it too when it becomes ready early (its chained wait placed for room);
-        its chain point still issues it there."""
+        """Under a "serial-peak" reference that keeps collectives other than all-gathers in place
+        (``Headroom.in_place``), for one: the spine node it followed in the graph handed in (None:
+        none); else None. A gated ``c`` ready early (waited for room) waits for it too."""
         room = self.budget.headroom
         if not (self.budget.within_peak and room is not None and room.in_place) or c.kind == "all_gather":
             return None
@@ -300,8 +299,7 @@ class _Core(ChainPoints):
             return self.s.coll_of_wait[wait].start
         return node
 
-    def _release(self, region: int) -> None:
-        """Move ready starts of ``region`` (now open) onto the ready heap."""
+    def _release(self, region: int) -> None:   # region opened: its ready starts onto the heap
         for start in self.later.pop(region, ()):
             heapq.heappush(self.ready, (self.s.pos[start], start.name))
 
@@ -331,7 +329,8 @@ class _Core(ChainPoints):
         for node in self.s.bundle_inputs[c.start]:
             self._ensure(node)
         if reason is None:
-            reason = "inputs ready" if self.ready_step.get(c.start) == self.step or c.kind != "all_gather" \
+            reason = ("kernel point" if c.start in self.kernel_gate else "inputs ready") \
+                if self.ready_step.get(c.start) == self.step or c.kind != "all_gather" \
                 else self.held_back.get(c.start, "consumer order")
         self.reasons[c.start] = reason
         for member in self.s.start_bundle[c.start]:
@@ -586,8 +585,7 @@ class _Core(ChainPoints):
         return True
 
     def _ready_before(self, start: fx.Node) -> bool:
-        """Whether a ready start (not an all-gather) that stood before ``start`` is still
-        to be issued (on the ready heap, or making room): ``start`` waits its turn."""
+        """Whether a ready non-all-gather that stood before ``start`` is still to be issued."""
         at = self.s.pos[start]
         return bool(self.ready and self.ready[0][0] < at or self.trying and min(self.trying) < at)
 
@@ -643,17 +641,19 @@ class _Core(ChainPoints):
             for start in gates:   # kept serial: issued before what is due here, as where it stood
                 if start in self.serial:
                     self._pass_gate(start)
-            due = waits_at.get(node)
-            if due:
-                for wait in due:
-                    if wait in placed:
-                        continue
-                    c = s.coll_of_wait[wait]
-                    if self.move_starts and c.start not in self.issued:
-                        self._force_issue(c)
-                    if wait not in placed:
-                        self._wait_one(wait, _wait_reason(node, s))
-                self._issue_ready()   # a wait freed room: the next all-gather goes now
+            due = waits_at.get(node, ())
+            for wait in due:
+                if wait in placed:
+                    continue
+                c = s.coll_of_wait[wait]
+                if self.move_starts and c.start not in self.issued:
+                    self._force_issue(c)
+                if wait not in placed:
+                    self._wait_one(wait, _wait_reason(node, s))
+            for start in self.kernel_gates_at.get(node, ()):   # its kernel is next: it may go now
+                self._became_ready(start)
+            if due or node in self.kernel_gates_at:
+                self._issue_ready()   # a wait freed room, or a kernel point came: what may go goes now
             for start in gates:
                 self._pass_gate(start)
             for i in node._input_nodes:

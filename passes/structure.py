@@ -320,6 +320,10 @@ class Kernels:
                   for node in s.nodes]
         self._before = list(accumulate(kernel, initial=0))   # _before[i]: kernels among s.nodes[:i]
 
+    def at(self, position: int) -> bool:
+        """Whether the node at ``position`` is a hiding kernel."""
+        return self._before[position + 1] > self._before[position]
+
     def between(self, low: int, high: int) -> int:
         """Kernels at positions strictly between ``low`` and ``high``."""
         low, high = max(low + 1, 0), min(high, len(self._before) - 1)

@@ -666,15 +666,27 @@ def _one_bucket(s) -> bool:
 # memory caps (``max_in_flight_gb=5``, a peak increase of at most max(1 GB, 5%)) never
 # bind on graphs of a few KiB, so "no limit" mirrors them; a test that sets a limit
 # that binds gets it here.
-SCHEDULER = "scheduler"
-# OverlapScheduler / schedule_overlap_bucketing with collective_bucketing off (its default),
-# and test_compute_comm_reordering's sink_waits / raise_comms / reorder_compute_for_overlap
-# passes: no buckets, no count limit, no binding memory limit.
+OVERLAP_SCHEDULER = "overlap-scheduler"
+# OverlapScheduler / schedule_overlap_bucketing with collective_bucketing off (its default):
+# no buckets, no count limit, no binding memory limit. It prefetches a collective at the
+# compute node whose estimated time hides it, one after another: overlapc's
+# issue="per-kernel" (one start per hiding kernel, in consumer order).
+REORDER_PASSES = "reorder-passes"
+# test_compute_comm_reordering's sink_waits / raise_comms / reorder_compute_for_overlap passes:
+# a collective raised as early as its inputs allow (overlapc's issue="early"), no buckets,
+# no count limit, no binding memory limit.
+EVERY_NODE_TIMED = "overlap-scheduler-every-node-timed"
+# test_custom_estimator_for_non_compute_nodes: the OverlapScheduler with a custom estimator
+# that times every node (the relu too), so each node hides what is in flight: per-kernel
+# with every node a kernel, which is issue="early" (overlapc's kernels are matmul-class
+# only, structure.Kernels); no buckets, no limits.
 SCHEDULER_BUCKETS = "scheduler-buckets"
 # Bucketing on with a cap far above the graph (collective_bucketing=True, the
 # OverlapPreservingBucketer and ManualOverlapPreservingBucketer called directly,
 # bucket_all_gathers_fx="all_custom_ops_multidtype"): overlapc's byte-target mode, which
-# cuts by size only, at DEFAULT_BUCKET_BYTES (64 MiB); no count or memory limit.
+# cuts by size only, at DEFAULT_BUCKET_BYTES (64 MiB); no count or memory limit; issued as
+# the OverlapScheduler issues, issue="per-kernel" (the fx bucketing passes' tests count
+# buckets and waits only).
 PEAK_MEMORY = "peak-memory"
 # Reordering that refuses to raise peak memory (test_simple_overlap's enable_simple_overlap
 # reverts a swap that raises it; test_inductor_collectives' reorder_communication_preserving_
@@ -682,25 +694,30 @@ PEAK_MEMORY = "peak-memory"
 # measures against the graph as handed in, overlapc against its serial order.)
 PLAN_PER_MODULE, PLAN_ONE_BUCKET, PLAN_EMPTY = "plan-per-module", "plan-one-bucket", "plan-empty"
 # ManualOverlapScheduler with module_bucket_plans ["module_1", "module_2"], [["module_1",
-# "module_2"]] and []: overlapc's bucket plans, the same lists; no count or memory limit.
+# "module_2"]] and []: overlapc's bucket plans, the same lists; no count or memory limit. It
+# prefetches by the plan, not by estimate: issue="early".
 ONE_IN_FLIGHT = "one-in-flight"
 # test_prefetch_prioritizes_larger_hidden_time: max_in_flight_gb=2e-7 (200 B) over all-gathers
 # of 128 B each, "to limit in-flight collectives to one": a count of one here (the case's
 # all-gathers differ in size, so no one byte number admits exactly one of either), no
-# buckets, no byte limit.
+# buckets, no byte limit; the OverlapScheduler: issue="per-kernel".
 NO_EQUIVALENT = None
 # The setup has no overlapc equivalent: counted as a disagreement, not scheduled.
 
 UPSTREAM_SETUPS = {
-    SCHEDULER: {"bucket": None, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
-    SCHEDULER_BUCKETS: {"bucket": 64 * 1024 * 1024, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
+    OVERLAP_SCHEDULER: {"bucket": None, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None,
+                        "issue": "per-kernel"},
+    REORDER_PASSES: {"bucket": None, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
+    EVERY_NODE_TIMED: {"bucket": None, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
+    SCHEDULER_BUCKETS: {"bucket": 64 * 1024 * 1024, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None,
+                        "issue": "per-kernel"},
     PLAN_PER_MODULE: {"bucket": ["module_1", "module_2"], "chunks": 1, "max_in_flight": None,
                       "max_in_flight_bytes": None},
     PLAN_ONE_BUCKET: {"bucket": [["module_1", "module_2"]], "chunks": 1, "max_in_flight": None,
                       "max_in_flight_bytes": None},
     PLAN_EMPTY: {"bucket": [], "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
     PEAK_MEMORY: {"bucket": None, "chunks": 1, "max_in_flight": None},
-    ONE_IN_FLIGHT: {"bucket": None, "chunks": 1, "max_in_flight": 1, "max_in_flight_bytes": None},
+    ONE_IN_FLIGHT: {"bucket": None, "chunks": 1, "max_in_flight": 1, "max_in_flight_bytes": None, "issue": "per-kernel"},
 }
 
 
@@ -740,25 +757,25 @@ CASES = [
     # hides one collective; the bucketing tests set aten_distributed_optimizations.collective_bucketing.
     Case("aten_sink_waits", f"{ATEN}::test_sink_waits",
          "all-reduce, then a@a, then its wait, then the mm that reads it",
-         sink_waits, SQ, lambda s: s.in_order("all_reduce", "mm", WAIT, "mm"), setup=SCHEDULER),
+         sink_waits, SQ, lambda s: s.in_order("all_reduce", "mm", WAIT, "mm"), setup=OVERLAP_SCHEDULER),
     Case("aten_raise_comms", f"{ATEN}::test_raise_comms",
          "the all-reduce of b+1 is raised above the 2nd mm (below the 1st); its wait sits before the 3rd",
-         raise_comms, SQ, lambda s: s.in_order("%mm", "all_reduce", "%mm_1", WAIT, "%mm_2"), setup=SCHEDULER),
+         raise_comms, SQ, lambda s: s.in_order("%mm", "all_reduce", "%mm_1", WAIT, "%mm_2"), setup=OVERLAP_SCHEDULER),
     Case("aten_sink_waits_raise_comms", f"{ATEN}::test_sink_waits_raise_comms",
          "exact order mm, relu, all_reduce, mm_1, relu_1, mm_2, wait, mm_3",
          sink_waits_raise_comms, SQ,
          lambda s: s.in_order("%mm", "%relu", "all_reduce", "%mm_1", "%relu_1", "%mm_2", WAIT, "%mm_3"),
-         setup=SCHEDULER),
+         setup=OVERLAP_SCHEDULER),
     Case("aten_reorder_compute_for_overlap_mul", f"{ATEN}::test_reorder_compute_for_overlap_mul",
          "all_reduce, mm, mm, wait, mul, all_reduce, wait, mm",
          reorder_compute_for_overlap, SQ,
-         lambda s: s.in_order("all_reduce", "mm", "mm", WAIT, "mul", "all_reduce", WAIT, "mm"), setup=SCHEDULER),
+         lambda s: s.in_order("all_reduce", "mm", "mm", WAIT, "mul", "all_reduce", WAIT, "mm"), setup=OVERLAP_SCHEDULER),
     Case("aten_inductor_default_comms_ordering", f"{ATEN}::test_inductor_default_comms_ordering",
          "the three all-reduces stay in input order (arg0, arg1, arg2)",
-         default_comms_ordering, ((10, 10), (11, 11), (12, 12)), _issued_in_input_order("all_reduce"), setup=SCHEDULER),
+         default_comms_ordering, ((10, 10), (11, 11), (12, 12)), _issued_in_input_order("all_reduce"), setup=OVERLAP_SCHEDULER),
     Case("aten_overlap_scheduling_via_config", f"{ATEN}::test_overlap_scheduling_via_config",
          "all_reduce, mm, wait, mm (the wait sunk below the first matmul)",
-         sink_waits, SQ, lambda s: s.in_order("all_reduce", "mm", WAIT, "mm"), setup=SCHEDULER),
+         sink_waits, SQ, lambda s: s.in_order("all_reduce", "mm", WAIT, "mm"), setup=OVERLAP_SCHEDULER),
     Case("aten_basic_all_gather_bucketing", f"{ATEN}::test_basic_all_gather_bucketing",
          "one all-gather: the three independent ones bucketed",
          three_gathers_used, ((4, 4),) * 3, lambda s: s.starts() == 1, setup=SCHEDULER_BUCKETS),
@@ -804,7 +821,7 @@ CASES = [
     Case("aten_custom_estimator_for_non_compute_nodes", f"{ATEN}::test_custom_estimator_for_non_compute_nodes",
          "the all-reduce of b issued above the relu (a node the estimator times), waited after it",
          relu_mm_and_independent_all_reduce, SQ * 2, lambda s: s.in_order("all_reduce", "relu", WAIT),
-         setup=SCHEDULER),
+         setup=EVERY_NODE_TIMED),
     Case("aten_multiple_hiding_nodes_bucketing", f"{ATEN}::test_multiple_hiding_nodes_bucketing",
          "one bucket (one wait) issued before all three mms, waited after them",
          two_gathers_three_transposed_mms, SQ * 2,
@@ -846,34 +863,34 @@ CASES = [
     # sink_waits / raise_comms / reorder_compute_for_overlap passes: no buckets, no memory bound.
     Case("compute_sink_waits", f"{COMPUTE}::test_sink_waits",
          "all_reduce, mm, wait, mm",
-         sink_waits, SQ, lambda s: s.in_order("all_reduce", "mm", WAIT, "mm"), setup=SCHEDULER),
+         sink_waits, SQ, lambda s: s.in_order("all_reduce", "mm", WAIT, "mm"), setup=REORDER_PASSES),
     Case("compute_raise_comms", f"{COMPUTE}::test_raise_comms",
          "mm, relu, all_reduce (raised above the 2nd mm), mm, wait, mm",
-         raise_comms, SQ, lambda s: s.in_order("%mm", "%relu", "all_reduce", "%mm_1", WAIT, "%mm_2"), setup=SCHEDULER),
+         raise_comms, SQ, lambda s: s.in_order("%mm", "%relu", "all_reduce", "%mm_1", WAIT, "%mm_2"), setup=REORDER_PASSES),
     Case("compute_sink_waits_raise_comms", f"{COMPUTE}::test_sink_waits_raise_comms",
          "mm, all_reduce, relu, mm, relu, mm, wait, mm",
          sink_waits_raise_comms, SQ,
          lambda s: s.in_order("%mm", "all_reduce", "%relu", "%mm_1", "%relu_1", "%mm_2", WAIT, "%mm_3"),
-         setup=SCHEDULER),
+         setup=REORDER_PASSES),
     Case("compute_reorder_compute_for_overlap", f"{COMPUTE}::test_reorder_compute_for_overlap",
          "all_reduce, relu, mm, mm, wait, mul, all_reduce, wait, add, mm",
          reorder_compute_for_overlap, SQ,
          lambda s: s.in_order("all_reduce", "relu", "mm", "mm", WAIT, "mul", "all_reduce", WAIT, "add", "mm"),
-         setup=SCHEDULER),
+         setup=REORDER_PASSES),
     Case("compute_reorder_compute_for_overlap_custom_runtime_estimation",
          f"{COMPUTE}::test_reorder_compute_for_overlap_custom_runtime_estimation",
          "as test_reorder_compute_for_overlap",
          reorder_compute_for_overlap, SQ,
          lambda s: s.in_order("all_reduce", "relu", "mm", "mm", WAIT, "mul", "all_reduce", WAIT, "add", "mm"),
-         setup=SCHEDULER),
+         setup=REORDER_PASSES),
     Case("compute_grouped_scheduler_node", f"{COMPUTE}::test_grouped_scheduler_node",
          "add/div, then the all-reduce, then mul",
-         grouped_scheduler_node, SQ, lambda s: s.in_order("div", "all_reduce", "mul"), setup=SCHEDULER),
+         grouped_scheduler_node, SQ, lambda s: s.in_order("div", "all_reduce", "mul"), setup=REORDER_PASSES),
     Case("compute_inductor_default_comms_ordering", f"{COMPUTE}::test_inductor_default_comms_ordering",
          "all-reduces in input order, every start before the first wait",
          default_comms_ordering, ((10, 10), (11, 11), (12, 12)),
          lambda s: _issued_in_input_order("all_reduce")(s) and s.in_order(*["start"] * s.starts(), WAIT)
-         and not s.in_order(WAIT, "start"), setup=SCHEDULER),
+         and not s.in_order(WAIT, "start"), setup=REORDER_PASSES),
 
     # test/distributed/test_simple_overlap.py: enable_simple_overlap (adjacent swaps, a swap that
     # raises peak memory is reverted), no buckets.
@@ -955,37 +972,37 @@ CASES = [
          setup=SCHEDULER_BUCKETS),
     Case("unit_deterministic_mode_no_benchmark_error", f"{UNIT}::test_deterministic_mode_no_benchmark_error",
          "schedules without error (the all-gather stays ahead of the mm)",
-         gather_under_pointwise, ((16, 16),) * 2, lambda s: s.in_order("start", "mm", WAIT), setup=SCHEDULER),
+         gather_under_pointwise, ((16, 16),) * 2, lambda s: s.in_order("start", "mm", WAIT), setup=OVERLAP_SCHEDULER),
     Case("unit_cross_pg_prefetch_during_exposed_wait", f"{UNIT}::test_cross_pg_prefetch_during_exposed_wait",
          "the second group's all-gather is issued before the first one's wait",
-         cross_group_prefetch, ((4, 4),) * 2, lambda s: s.in_order("start", "start", WAIT), setup=SCHEDULER),
+         cross_group_prefetch, ((4, 4),) * 2, lambda s: s.in_order("start", "start", WAIT), setup=OVERLAP_SCHEDULER),
     Case("unit_active_wait_not_scheduled_recursively_b_first",
          f"{UNIT}::test_active_wait_is_not_scheduled_recursively[wait_a_first=False]",
          "schedules and lints (upstream asserts no order): a chain all-gather -> all-gather on another group, "
-         "all three issued", waits_then_chain_b_first, ((4, 4),) * 2, lambda s: s.starts() == 3, setup=SCHEDULER),
+         "all three issued", waits_then_chain_b_first, ((4, 4),) * 2, lambda s: s.starts() == 3, setup=OVERLAP_SCHEDULER),
     Case("unit_active_wait_not_scheduled_recursively_a_first",
          f"{UNIT}::test_active_wait_is_not_scheduled_recursively[wait_a_first=True]",
          "schedules and lints (upstream asserts no order): a chain all-gather -> all-gather on another group, "
-         "all three issued", waits_then_chain_a_first, ((4, 4),) * 2, lambda s: s.starts() == 3, setup=SCHEDULER),
+         "all three issued", waits_then_chain_a_first, ((4, 4),) * 2, lambda s: s.starts() == 3, setup=OVERLAP_SCHEDULER),
     Case("unit_two_queue_scheduling_off_path_nodes", f"{UNIT}::test_two_queue_scheduling_off_path_nodes",
          "a reduce-scatter start lies before the last mm (off-path starts do not drift to the end)",
          off_path_reduce_scatters, ((8, 8),) * 2, lambda s: s.in_order("reduce_scatter_tensor", "%mm_2"),
-         setup=SCHEDULER),
+         setup=OVERLAP_SCHEDULER),
     Case("unit_prefetch_prioritizes_larger_hidden_time", f"{UNIT}::test_prefetch_prioritizes_larger_hidden_time",
          "with one in flight, the mm hides the larger all-gather, not the smaller",
          small_and_large_gather, ((8, 8), (4, 4), (32, 32)),
          lambda s: s.in_order("%all_gather_into_tensor_1", "mm", "%all_gather_into_tensor"), setup=ONE_IN_FLIGHT),
     Case("unit_fusible_nodes_hide_collective", f"{UNIT}::test_fusible_nodes_hide_collective",
          "all-gather, add, mul, sub, wait (the pointwise chain hides it)",
-         gather_under_chain, ((64, 64),), lambda s: s.in_order("start", "add", "mul", "sub", WAIT), setup=SCHEDULER),
+         gather_under_chain, ((64, 64),), lambda s: s.in_order("start", "add", "mul", "sub", WAIT), setup=OVERLAP_SCHEDULER),
     Case("unit_fusion_regions_hide_collective", f"{UNIT}::test_fusion_regions_hide_collective",
          "all-gather, add, mul, sub, wait",
-         gather_under_chain, ((64, 64),), lambda s: s.in_order("start", "add", "mul", "sub", WAIT), setup=SCHEDULER),
+         gather_under_chain, ((64, 64),), lambda s: s.in_order("start", "add", "mul", "sub", WAIT), setup=OVERLAP_SCHEDULER),
     Case("unit_no_memory_limit_prefetches_across_compute_gap",
          f"{UNIT}::test_no_memory_limit_prefetches_across_compute_gap",
          "the all-gather is issued before both matmuls, waited after them",
          prefetch_across_gap, ((8, 16), (8, 16), (16, 16)),
-         lambda s: s.in_order("start", "%mm", "%mm_1", WAIT, "%mm_2"), setup=SCHEDULER),
+         lambda s: s.in_order("start", "%mm", "%mm_1", WAIT, "%mm_2"), setup=OVERLAP_SCHEDULER),
 
     Case("unit_no_self_dependency_cycle_with_dtype_conversion",
          f"{UNIT}::test_no_self_dependency_cycle_with_dtype_conversion",
@@ -1002,16 +1019,16 @@ CASES = [
     Case("unit_no_memory_limit", f"{UNIT}::test_no_memory_limit",
          "with no memory cap the lone all-gather stays exposed (nothing can hide it): waited right after its start",
          lone_gather_into_mm, ((8, 16), (16, 16)), lambda s: s.index(WAIT) == s.index("start") + 1,
-         setup=SCHEDULER),
+         setup=OVERLAP_SCHEDULER),
     Case("unit_assume_bucketed_latency_exceeds_exposed_time",
          f"{UNIT}::test_assume_bucketed_latency_exceeds_exposed_time",
          "schedules without error (upstream asserts no order): both inputs gathered",
          gather_mm_gather, ((4, 4),) * 2, lambda s: sorted(s.issue_order("all_gather")) == sorted(s.placeholders),
-         setup=SCHEDULER),
+         setup=OVERLAP_SCHEDULER),
     Case("unit_overlap_scheduler_coalesced_runs", f"{UNIT}::test_overlap_scheduler_coalesced_runs",
          "schedules a coalesced reduce-scatter without error: it and its four waits stay",
          coalesced_reduce_scatter_between_mms, ((8, 8),) * 4,
-         lambda s: s.count("reduce_scatter_tensor_coalesced") == 1 and s.count(WAIT) == 4, setup=SCHEDULER),
+         lambda s: s.count("reduce_scatter_tensor_coalesced") == 1 and s.count(WAIT) == 4, setup=OVERLAP_SCHEDULER),
     Case("unit_deduplicates_parametrization_waits", f"{UNIT}::test_deduplicates_parametrization_waits",
          "a gather CSE left with two waits (one waited again) and another: one all-gather, one wait",
          parametrized_bias_and_weight, ((4,), (4,), (4,)), lambda s: s.starts() == 1 and s.count(WAIT) == 1,

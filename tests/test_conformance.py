@@ -37,7 +37,7 @@ COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + o
 COMPUTE_ORDER = "compute-order"               # never expected: a compute node moved (README guarantee 0)
 BUCKETS_ON = "buckets-on"                     # deliberate: the configuration buckets what upstream's plan leaves apart
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
-EARLY_ISSUE = "early-issue"                   # deliberate: a start goes as early as inputs and bounds allow
+EARLY_ISSUE = "early-issue"                   # deliberate: held back, a start's input would outlive its last reader
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
 DTYPE_MODE = "dtype-mode"                     # deliberate: upstream's mode keeps dtypes in apart buckets here
 
@@ -115,9 +115,6 @@ NO_EQUIVALENT = "no-equivalent"               # upstream's setup has no overlapc
 UPSTREAM_EXPECTED: dict[str, str] = {
     "aten_raise_comms": RAISE_COMMS,
     "aten_sink_waits_raise_comms": EARLY_ISSUE,
-    "aten_bucketing_split_for_overlap_blocking_no_deps": EARLY_ISSUE,
-    "aten_bucketing_split_for_overlap": EARLY_ISSUE,
-    "aten_bucketing_split_for_overlap_blocking_deps_inductor": EARLY_ISSUE,
     "compute_raise_comms": RAISE_COMMS,
     "compute_reorder_compute_for_overlap": COMPUTE_REORDER,
     "compute_reorder_compute_for_overlap_custom_runtime_estimation": COMPUTE_REORDER,
@@ -125,7 +122,6 @@ UPSTREAM_EXPECTED: dict[str, str] = {
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": SAME_GRAPH,
     "unit_manual_bucket_splits_dependent_all_reduce": CHAINED_BUCKETS,
     "unit_reduce_scatter_coalesced_mode": NO_EQUIVALENT,
-    "unit_can_bucket_with_convert_dtype_as_hiding_nodes": EARLY_ISSUE,
     "unit_prefetch_prioritizes_larger_hidden_time": PREFETCH_PRIORITY,
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": COMPUTE_ORDER,
     "collectives_reorder_peak_memory_bucketed": NO_EQUIVALENT,

@@ -378,19 +378,26 @@ def test_the_fusion_guard_keeps_a_callers_scheduler_passes_and_ends_with_the_com
 # derandomized: the same examples every run. Before the fusion guard, random search
 # (2026-11-30, 250 graphs) found 3 whose window Inductor's CPU code lost to a fusion across
 # a wait or a start (README, known issues, until then); two of them are pinned here.
+# ``degrades``: one of the draws degrades locally (two collectives placed serially, under
+# "early" as under "per-kernel"), an open bug pinned as a strict xfail in tests/test_chains.py
+# (test_a_chained_all_gather_beside_an_all_reduce_of_a_gather_schedules_without_degrading);
+# its windows are checked like every other draw's.
+@pytest.mark.degrades
 @settings(max_examples=20, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=dags(), max_in_flight=st.sampled_from([1, 2, 3]), budget=st.sampled_from([None, "serial-peak"]))
+@given(steps=dags(), max_in_flight=st.sampled_from([1, 2, 3]), budget=st.sampled_from([None, "serial-peak"]),
+       issue=st.sampled_from(["early", "per-kernel"]))
 @example(steps=[["all_gather", 0, 1], ["relu", 1, 1], ["add", 0, 3], ["reduce_scatter", 0, 4], ["mm", 4, 5],
-                ["all_reduce", 6, 2], ["all_gather", 1, 4], ["add", 2, 3]], max_in_flight=2, budget=None)
+                ["all_reduce", 6, 2], ["all_gather", 1, 4], ["add", 2, 3]], max_in_flight=2, budget=None,
+         issue="early")
 @example(steps=[["relu", 1, 1], ["mm", 1, 1], ["all_gather", 0, 0], ["relu", 3, 4], ["reduce_scatter", 2, 0],
                 ["add", 1, 5], ["all_gather", 6, 0], ["all_reduce", 1, 1], ["all_gather", 0, 2]],
-         max_in_flight=3, budget="serial-peak")
-def test_random_graphs_keep_their_windows_on_cpu(fake_pg, steps, max_in_flight, budget):
+         max_in_flight=3, budget="serial-peak", issue="early")
+def test_random_graphs_keep_their_windows_on_cpu(fake_pg, steps, max_in_flight, budget, issue):
     """on_error="raise": every random graph schedules (a graph that once did not is
     tests/test_chains.py's gated all-gather case)."""
     result = compile_and_read(graph_of(steps), {"max_in_flight": max_in_flight, "max_in_flight_bytes": budget,
-                                                "on_error": "raise"})
+                                                "issue": issue, "on_error": "raise"})
     assert_windows_hold(result)
 
 
@@ -426,11 +433,15 @@ def test_windows_hold_in_cuda_code(tmp_path, random_specs):
 
 
 def _conformance_specs(configs) -> list[dict]:
+    """Every case under each of ``configs``: the suite's configurations, and "upstream", each
+    case under its upstream setup (issue="per-kernel" for PyTorch's overlap scheduler)."""
     import conformance_cases as cc
-    return [{"conformance": case.name, "options": cc.CONFIGS[config]} for case in cc.CASES for config in configs]
+    return [{"conformance": case.name, "options": cc.UPSTREAM_SETUPS[case.setup] if config == "upstream"
+             else cc.CONFIGS[config]} for case in cc.CASES for config in configs
+            if config != "upstream" or case.setup is not None]
 
 
-@pytest.mark.parametrize("config", ["defaults", "no-buckets", "module"])
+@pytest.mark.parametrize("config", ["defaults", "no-buckets", "module", "upstream"])
 def test_conformance_graphs_keep_their_windows_on_cpu(fake_pg, config):
     """Every conformance case (tests/conformance_cases.py: PyTorch's own reordering tests,
     re-created) under each of the conformance suite's configurations: Inductor's C++ code
@@ -447,7 +458,7 @@ def test_conformance_graphs_keep_their_windows_on_cpu(fake_pg, config):
 
 def test_conformance_graphs_keep_their_windows_in_cuda_code(tmp_path):
     """The same, compiled for a fake H100 (with and without cudagraph partitions) in one process."""
-    specs = _conformance_specs(["defaults", "no-buckets", "module"])
+    specs = _conformance_specs(["defaults", "no-buckets", "module", "upstream"])
     results = _run_cuda(specs, tmp_path)
     assert len(results) == 2 * len(specs)
     for (spec, variant), result in zip([(s, v) for s in specs for v in CUDA_VARIANTS], results):

@@ -511,10 +511,11 @@ def independent_checks(gm, cfg, before=None):
 
 @settings(max_examples=int(__import__("os").environ.get("OVERLAPC_EXAMPLES", "120")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(p=programs(), limit=st.sampled_from([1, 2, 3, None]), byte_limit=st.sampled_from([None, 2048, 4096, "auto"]),
-       pieces=st.booleans())
-def test_random_graphs_keep_every_guarantee(fake_pg, two_groups, p, limit, byte_limit, pieces):
+       pieces=st.booleans(), issue=st.sampled_from(["early", "per-kernel"]))
+def test_random_graphs_keep_every_guarantee(fake_pg, two_groups, p, limit, byte_limit, pieces, issue):
     # the core alone (bucketing rewrites nodes; tests/test_bucket.py checks it)
-    cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, bucket=None, on_error="raise")
+    cfg = overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes=byte_limit, bucket=None, issue=issue,
+                                 on_error="raise")
     shapes = [(16, 16)] + [(2, 16)] * p["n"]
     groups = (fake_pg.group_name, two_groups[0].group_name)
     gm = trace(build(p, groups), *shapes)

@@ -1,0 +1,103 @@
+"""Kernel points: where the scheduling core issues a start under ``issue="per-kernel"``.
+
+Under the default ``issue="early"`` a start goes as soon as its inputs are placed (and
+the bounds let it). Under ``"per-kernel"`` each start is held back to the hiding kernel
+(``structure.Kernels``: a matmul, a convolution, attention; not a pointwise op or a
+reduction, which Inductor fuses past a wait) it is to run under, one start per kernel:
+collectives in the order of their first consumer, each takes the first kernel not yet
+taken after its inputs and before its first consumer, in its region. The start then goes
+right before that kernel, after the waits due there. A collective with no such kernel
+left goes as under ``"early"``. This is the model of PyTorch's overlap scheduler (a
+collective prefetched at the compute node that hides it) with its runtime estimate
+replaced by overlapc's bucketing model (one kernel hides one collective): what runs in
+flight is the same kernels, and the buffers a start allocates live for less.
+
+Not held back: the collectives of a process group that has a chain (a start that reads
+another collective's result: chain points place them, and a lane of all-gathers held to
+kernels would hold a chained one past its chain point), pipelined pieces (the chunk rewrite
+interleaves them), collectives placed serially, and, under "serial-peak", collectives other
+than all-gathers (the serial order keeps them where they stood). A start is held back no
+further than its inputs stay live anyway (to the last node outside the collectives that
+reads each: held back past that, an input would stay live longer than any order keeps it),
+but an all-gather of graph inputs (a parameter's shard, through casts and views): its
+shard is the model's for the whole step. A kernel point only ever
+delays a start past where ``"early"`` could put it, never past its first consumer.
+``KernelPoints`` plans them once, before the walk, for ``scheduler._Core``, which it is
+a part of: it reads the core's state (``s``, ``spine``, ``moving``, ``serial``, ``gate``,
+``budget``) and fills ``kernel_gate`` (start -> spine node). Deterministic: positions only.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch.fx as fx
+
+from overlapc.passes.collectives import Collective
+from overlapc.passes.inflight import piece_of
+
+
+class KernelPoints:
+    """The kernel-point planning of ``scheduler._Core`` (a mixin: the core's state is ``self``)."""
+
+    def _plan_kernel_points(self, managed: list[Collective]) -> None:
+        """Fill ``self.kernel_gate`` (start -> the spine node it is issued right before) and
+        ``self.kernel_gates_at`` (spine node -> its starts, in graph order) when the budget
+        issues "per-kernel" and starts move; empty otherwise."""
+        self.kernel_gate: dict[fx.Node, fx.Node] = {}
+        self.kernel_gates_at: dict[fx.Node, list[fx.Node]] = {}
+        if self.budget.issue != "per-kernel" or not self.move_starts:
+            return
+        s, spine = self.s, self.spine
+        index = {node: i for i, node in enumerate(spine)}
+        kernels = [i for i, node in enumerate(spine) if s.kernels.at(s.pos[node])]
+        free = list(range(len(kernels) + 1))   # kernel slot -> the next slot that may be free
+
+        def first_free(slot: int) -> int:
+            root = slot
+            while free[root] != root:
+                root = free[root]
+            while free[slot] != root:   # path compression
+                free[slot], slot = root, free[slot]
+            return root
+
+        read = {s.wait_of_member[i] for c in managed for i in s.bundle_inputs[c.start] if i in s.wait_of_member}
+        chained = {c.group for c in managed if any(i in s.wait_of_member for i in s.bundle_inputs[c.start])} | {
+            s.coll_of_wait[wait].group for wait in read}   # a chain's groups: chain points place them all
+        spans = [(span, c) for c in managed if c.group not in chained
+                 and (span := self._kernel_span(c, index)) is not None]
+        for (lo, hi, due), c in sorted(spans, key=lambda item: (item[0][2], s.pos[item[1].start])):
+            slot = first_free(bisect.bisect_left(kernels, lo))
+            if slot < len(kernels) and kernels[slot] < hi:
+                free[slot] = slot + 1
+                node = spine[kernels[slot]]
+                self.kernel_gate[c.start] = node
+                self.kernel_gates_at.setdefault(node, []).append(c.start)
+        for starts in self.kernel_gates_at.values():
+            starts.sort(key=s.pos.__getitem__)
+
+    def _kernel_span(self, c: Collective, index: dict[fx.Node, int]) -> tuple[int, int, int] | None:
+        """(lo, hi, due): the spine indices between which ``c`` (of a group with no chain) may
+        take a kernel, after every input of its start bundle and its region's first node,
+        before its first wait's spine target (``due``) and where its inputs stay live; None
+        when ``c`` is not held back (module docstring)."""
+        s = self.s
+        if c.start in self.gate or c.start in self.serial or piece_of(c) != c.start.name:
+            return None
+        lo = 0
+        for i in s.bundle_inputs[c.start]:
+            if i not in index:   # another collective's member
+                return None
+            lo = max(lo, index[i] + 1)
+        targets = [s.spine_target.get(w) for w in c.waits]
+        if not targets or any(t is None for t in targets):
+            return None
+        hi = due = min(index[t] for t in targets)
+        if self.budget.within_peak and c.kind != "all_gather":   # the serial order keeps it where it stood
+            return None
+        if c.kind != "all_gather" or any(i.op != "placeholder" for i in s.bundle_inputs[c.start]):
+            for i in s.bundle_inputs[c.start]:   # no later than its inputs stay live anyway
+                hi = min(hi, 1 + max((index[u] for u in i.users if u in index), default=-1))
+        region = s.region_of(c.start)
+        if region:
+            lo = max(lo, index[s.barriers[region - 1]] + 1)
+        return lo, hi, due
