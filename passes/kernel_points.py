@@ -18,9 +18,9 @@ kernels would hold a chained one past its chain point), pipelined pieces (the ch
 interleaves them), collectives placed serially, and, under "serial-peak", collectives other
 than all-gathers (the serial order keeps them where they stood). A start is held back no
 further than its inputs stay live anyway (to the last node outside the collectives that
-reads each: held back past that, an input would stay live longer than any order keeps it),
-but an all-gather of graph inputs (a parameter's shard, through casts and views): its
-shard is the model's for the whole step. A kernel point only ever
+reads each, or to where the start stood in the graph handed in: held back past both, an
+input would stay live longer than that graph keeps it), but an all-gather of graph inputs
+(a parameter's shard, through casts and views): its shard is the model's for the whole step. A kernel point only ever
 delays a start past where ``"early"`` could put it, never past its first consumer.
 ``KernelPoints`` plans them once, before the walk, for ``scheduler._Core``, which it is
 a part of: it reads the core's state (``s``, ``spine``, ``moving``, ``serial``, ``gate``,
@@ -49,6 +49,7 @@ class KernelPoints:
             return
         s, spine = self.s, self.spine
         index = {node: i for i, node in enumerate(spine)}
+        self._kernel_spine_pos = [s.pos[node] for node in spine]
         kernels = [i for i, node in enumerate(spine) if s.kernels.at(s.pos[node])]
         free = list(range(len(kernels) + 1))   # kernel slot -> the next slot that may be free
 
@@ -95,8 +96,12 @@ class KernelPoints:
         if self.budget.within_peak and c.kind != "all_gather":   # the serial order keeps it where it stood
             return None
         if c.kind != "all_gather" or any(i.op != "placeholder" for i in s.bundle_inputs[c.start]):
-            for i in s.bundle_inputs[c.start]:   # no later than its inputs stay live anyway
-                hi = min(hi, 1 + max((index[u] for u in i.users if u in index), default=-1))
+            # no later than its inputs stay live anyway: up to their last reader outside the
+            # collectives, or up to where the start stood, which reads them there
+            stood = bisect.bisect_left(self._kernel_spine_pos, s.pos[c.start])
+            last = min((max((index[u] for u in i.users if u in index), default=-1) for i in s.bundle_inputs[c.start]),
+                       default=stood)
+            hi = min(hi, max(last, stood) + 1)
         region = s.region_of(c.start)
         if region:
             lo = max(lo, index[s.barriers[region - 1]] + 1)

@@ -37,7 +37,6 @@ COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + o
 COMPUTE_ORDER = "compute-order"               # never expected: a compute node moved (README guarantee 0)
 BUCKETS_ON = "buckets-on"                     # deliberate: the configuration buckets what upstream's plan leaves apart
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
-EARLY_ISSUE = "early-issue"                   # deliberate: held back, a start's input would outlive its last reader
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
 DTYPE_MODE = "dtype-mode"                     # deliberate: upstream's mode keeps dtypes in apart buckets here
 
@@ -114,7 +113,6 @@ EXPECTED = {
 NO_EQUIVALENT = "no-equivalent"               # upstream's setup has no overlapc counterpart
 UPSTREAM_EXPECTED: dict[str, str] = {
     "aten_raise_comms": RAISE_COMMS,
-    "aten_sink_waits_raise_comms": EARLY_ISSUE,
     "compute_raise_comms": RAISE_COMMS,
     "compute_reorder_compute_for_overlap": COMPUTE_REORDER,
     "compute_reorder_compute_for_overlap_custom_runtime_estimation": COMPUTE_REORDER,
