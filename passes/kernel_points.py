@@ -12,19 +12,23 @@ collective prefetched at the compute node that hides it) with its runtime estima
 replaced by overlapc's bucketing model (one kernel hides one collective): what runs in
 flight is the same kernels, and the buffers a start allocates live for less.
 
-Not held back: the collectives of a process group that has a chain (a start that reads
-another collective's result: chain points place them, and a lane of all-gathers held to
-kernels would hold a chained one past its chain point), pipelined pieces (the chunk rewrite
-interleaves them), collectives placed serially, and, under "serial-peak", collectives other
-than all-gathers (the serial order keeps them where they stood). A start is held back no
-further than its inputs stay live anyway (to the last node outside the collectives that
-reads each, or to where the start stood in the graph handed in: held back past both, an
-input would stay live longer than that graph keeps it), but an all-gather of graph inputs
-(a parameter's shard, through casts and views): its shard is the model's for the whole step. A kernel point only ever
-delays a start past where ``"early"`` could put it, never past its first consumer.
-``KernelPoints`` plans them once, before the walk, for ``scheduler._Core``, which it is
-a part of: it reads the core's state (``s``, ``spine``, ``moving``, ``serial``, ``gate``,
-``budget``) and fills ``kernel_gate`` (start -> spine node). Deterministic: positions only.
+Kernels are shared by every group and kind: one start per kernel. Not held back: the
+collectives of a process group that has a chain (a start that reads another collective's
+result: chain points place them, and a lane of all-gathers held to kernels would hold a
+chained one past its chain point), pipelined pieces (the chunk rewrite interleaves them),
+collectives placed serially, and, under "serial-peak", collectives other than all-gathers
+(the serial order keeps them where they stood). A start is held back no further than its
+inputs stay live anyway (to the last node outside the collectives that reads each, or to
+where the start stood in the graph handed in: held back past both, an input would stay
+live longer than that graph keeps it), but an all-gather of graph inputs only (a
+parameter's shard, through casts and views, which the training step keeps anyway). A
+kernel point only delays a start past where ``"early"`` could put it, never past its
+first consumer; the bounds still apply when it comes.
+
+``KernelPoints`` plans them once, before the walk, for ``scheduler._Core``, which it is a
+part of: it reads the core's state (``s``, ``spine``, ``serial``, ``gate``, ``budget``,
+``move_starts``) and fills ``kernel_gate`` (start -> spine node) and ``kernel_gates_at``.
+Deterministic: positions and graph order only.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ class KernelPoints:
             return
         s, spine = self.s, self.spine
         index = {node: i for i, node in enumerate(spine)}
-        self._kernel_spine_pos = [s.pos[node] for node in spine]
+        spine_pos = [s.pos[node] for node in spine]
         kernels = [i for i, node in enumerate(spine) if s.kernels.at(s.pos[node])]
         free = list(range(len(kernels) + 1))   # kernel slot -> the next slot that may be free
 
@@ -61,12 +65,12 @@ class KernelPoints:
                 free[slot], slot = root, free[slot]
             return root
 
-        read = {s.wait_of_member[i] for c in managed for i in s.bundle_inputs[c.start] if i in s.wait_of_member}
-        chained = {c.group for c in managed if any(i in s.wait_of_member for i in s.bundle_inputs[c.start])} | {
-            s.coll_of_wait[wait].group for wait in read}   # a chain's groups: chain points place them all
+        links = [(c, s.coll_of_wait[s.wait_of_member[i]]) for c in managed for i in s.bundle_inputs[c.start]
+                 if i in s.wait_of_member]   # (reader, upstream) of every chain
+        chained = {c.group for link in links for c in link}
         spans = [(span, c) for c in managed if c.group not in chained
-                 and (span := self._kernel_span(c, index)) is not None]
-        for (lo, hi, due), c in sorted(spans, key=lambda item: (item[0][2], s.pos[item[1].start])):
+                 and (span := self._kernel_span(c, index, spine_pos)) is not None]
+        for (lo, hi, _), c in sorted(spans, key=lambda item: (item[0][2], s.pos[item[1].start])):
             slot = first_free(bisect.bisect_left(kernels, lo))
             if slot < len(kernels) and kernels[slot] < hi:
                 free[slot] = slot + 1
@@ -76,11 +80,13 @@ class KernelPoints:
         for starts in self.kernel_gates_at.values():
             starts.sort(key=s.pos.__getitem__)
 
-    def _kernel_span(self, c: Collective, index: dict[fx.Node, int]) -> tuple[int, int, int] | None:
+    def _kernel_span(self, c: Collective, index: dict[fx.Node, int], spine_pos: list[int]) \
+            -> tuple[int, int, int] | None:
         """(lo, hi, due): the spine indices between which ``c`` (of a group with no chain) may
         take a kernel, after every input of its start bundle and its region's first node,
         before its first wait's spine target (``due``) and where its inputs stay live; None
-        when ``c`` is not held back (module docstring)."""
+        when ``c`` is not held back (module docstring). ``index``: spine node -> index;
+        ``spine_pos``: index -> graph position."""
         s = self.s
         if c.start in self.gate or c.start in self.serial or piece_of(c) != c.start.name:
             return None
@@ -98,7 +104,7 @@ class KernelPoints:
         if c.kind != "all_gather" or any(i.op != "placeholder" for i in s.bundle_inputs[c.start]):
             # no later than its inputs stay live anyway: up to their last reader outside the
             # collectives, or up to where the start stood, which reads them there
-            stood = bisect.bisect_left(self._kernel_spine_pos, s.pos[c.start])
+            stood = bisect.bisect_left(spine_pos, s.pos[c.start])
             last = min((max((index[u] for u in i.users if u in index), default=-1) for i in s.bundle_inputs[c.start]),
                        default=stood)
             hi = min(hi, max(last, stood) + 1)

@@ -81,7 +81,7 @@ def test_report_json_schema(capsys):
     assert doc["schema"] == cli.REPORT_SCHEMA
     assert (doc["target"], doc["world_size"], doc["rank"]) == (ALLGATHER, 8, 0)
     assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "serial-peak", "bucket": "auto", "chunks": 1,
-                             "regather": "always", "narrow_gathers": True, "enabled": True}
+                             "regather": "always", "issue": "early", "narrow_gathers": True, "enabled": True}
     assert doc["profile"]["device"]["name"] == "cpu" and doc["profile"]["link"]["name"] == "ethernet"
     assert [g["name"] for g in doc["graphs"]] == ["fw_0", "bw_0"]
     for graph in doc["graphs"]:
@@ -383,6 +383,8 @@ def _target_file(tmp_path, text):
      "got 'serial_peek'; did you mean 'serial-peak'?"),
     ("bad regather", lambda t: ["report", ALLGATHER, *WORLD, "--regather", "never"],
      "--regather: expected 'always' or 'auto', got 'never'"),
+    ("misspelt issue", lambda t: ["report", ALLGATHER, *WORLD, "--issue", "per_kernel"],
+     "--issue: expected 'early' or 'per-kernel', got 'per_kernel'; did you mean 'per-kernel'?"),
     ("bad chunks", lambda t: ["report", ALLGATHER, *WORLD, "--chunks", "0"],
      "--chunks: expected an int >= 1 (1 = off) or 'auto', got '0'"),
     ("misspelt chunks", lambda t: ["report", ALLGATHER, *WORLD, "--chunks", "atuo"],
@@ -510,9 +512,11 @@ def test_report_html_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
 
 def test_report_takes_every_byte_mode_and_regather(capsys):
     """The CLI's flags reach every value OverlapConfig accepts for them: the
-    serial-peak byte mode, keep-or-regather's auto and narrow gathers off."""
+    serial-peak byte mode, keep-or-regather's auto, per-kernel issue and narrow gathers off."""
     code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--graph", "fw", "--max-in-flight-bytes",
-                         "serial-peak", "--regather", "auto", "--no-narrow-gathers", "--format", "json")
+                         "serial-peak", "--regather", "auto", "--issue", "per-kernel", "--no-narrow-gathers",
+                         "--format", "json")
     assert code == 0, err
     config = json.loads(out)["config"]
-    assert (config["max_in_flight_bytes"], config["regather"], config["narrow_gathers"]) == ("serial-peak", "auto", False)
+    assert (config["max_in_flight_bytes"], config["regather"], config["issue"], config["narrow_gathers"]) == (
+        "serial-peak", "auto", "per-kernel", False)

@@ -395,6 +395,8 @@ def test_each_recorded_reason_arises_and_the_rows_show_it(fake_pg, two_groups):
         (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], "sink", {"not moved"}),
         (reduce_under_a_peak, [(16, 16), (16, 16)], {"max_in_flight_bytes": "serial-peak"}, {"no headroom"}),
         (pinned_ahead, [(8, 8), (8, 8), (1, 8)], {"max_in_flight": 1}, {"pinned ahead"}),
+        (three_layers, [(8, 8), (1, 8), (1, 8), (1, 8)], {"max_in_flight": None, "issue": "per-kernel"},
+         {"kernel point"}),
     ]
     seen = set()
     for fn, shapes, how, expected in cases:

@@ -120,6 +120,15 @@ def _regather(text: str) -> str:
     return word
 
 
+def _issue(text: str) -> str:
+    """--issue: 'early' or 'per-kernel' (OverlapConfig.issue)."""
+    forms = "'early' or 'per-kernel'"
+    word = _word(text, ("early", "per-kernel"), forms)
+    if word is None:
+        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
+    return word
+
+
 def _chunks(text: str) -> int | str:
     """--chunks: an int >= 1 (1 = off) or 'auto'."""
     forms = "an int >= 1 (1 = off) or 'auto'"
@@ -160,6 +169,9 @@ def _common_options() -> argparse.ArgumentParser:
     common.add_argument("--regather", type=_regather, default=argparse.SUPPRESS, metavar="always|auto",
                         help="joint forward+backward graphs: re-gather every parameter in the backward "
                         "(always, the default) or keep a block's forward gathers where the peak allows (auto)")
+    common.add_argument("--issue", type=_issue, default=argparse.SUPPRESS, metavar="early|per-kernel",
+                        help="where a start goes: as soon as its inputs are there (early, the default) or right "
+                        "before the matmul-class kernel it runs under, one per kernel (per-kernel)")
     common.add_argument("--no-narrow-gathers", dest="narrow_gathers", action="store_false",
                         default=argparse.SUPPRESS,
                         help="gather as traced: no cast of the shard before an all-gather whose result is only "
