@@ -17,11 +17,11 @@ collectives of a process group that has a chain (a start that reads another coll
 result: chain points place them, and a lane of all-gathers held to kernels would hold a
 chained one past its chain point), pipelined pieces (the chunk rewrite interleaves them),
 collectives placed serially, and, under "serial-peak", collectives other than all-gathers
-(the serial order keeps them where they stood). A start is held back no further than its
-inputs stay live anyway (to the last node outside the collectives that reads each, or to
-where the start stood in the graph handed in: held back past both, an input would stay
-live longer than that graph keeps it), but an all-gather of graph inputs only (a
-parameter's shard, through casts and views, which the training step keeps anyway). A
+(the serial order keeps them where they stood). A start is held back no further than the
+graph handed in keeps its inputs live (to each one's last reader, a collective reading it
+holding it until its last wait: held back further, an input would stay live longer than
+that graph keeps it), but an all-gather of graph inputs only (a parameter's shard, through
+casts and views, which the training step keeps anyway). A
 kernel point only delays a start past where ``"early"`` could put it, never past its
 first consumer; the bounds still apply when it comes.
 
@@ -102,13 +102,19 @@ class KernelPoints:
         if self.budget.within_peak and c.kind != "all_gather":   # the serial order keeps it where it stood
             return None
         if c.kind != "all_gather" or any(i.op != "placeholder" for i in s.bundle_inputs[c.start]):
-            # no later than its inputs stay live anyway: up to their last reader outside the
-            # collectives, or up to where the start stood, which reads them there
-            stood = bisect.bisect_left(spine_pos, s.pos[c.start])
-            last = min((max((index[u] for u in i.users if u in index), default=-1) for i in s.bundle_inputs[c.start]),
-                       default=stood)
-            hi = min(hi, max(last, stood) + 1)
+            # no later than the graph handed in keeps its inputs live anyway
+            live = min((self._live_until(i) for i in s.bundle_inputs[c.start]), default=-1)
+            hi = min(hi, bisect.bisect_right(spine_pos, live))
         region = s.region_of(c.start)
         if region:
             lo = max(lo, index[s.barriers[region - 1]] + 1)
         return lo, hi, due
+
+    def _live_until(self, node: fx.Node) -> int:
+        """The last graph position at which the graph handed in keeps ``node`` live: its last
+        reader, or for a reader in a collective's start bundle, that collective's last wait."""
+        s, last = self.s, self.s.pos[node]
+        for user in node.users:
+            c = s.coll_of_start.get(s.start_of_member.get(user))
+            last = max([last, s.pos[user], *(s.pos[w] for w in (c.waits if c is not None else ()))])
+        return last
