@@ -111,22 +111,17 @@ def _bucket(text: str):
     return plan
 
 
-def _regather(text: str) -> str:
-    """--regather: 'always' or 'auto' (OverlapConfig.regather)."""
-    forms = "'always' or 'auto'"
-    word = _word(text, ("always", "auto"), forms)
-    if word is None:
-        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
-    return word
+def _choice(*words: str):
+    """An argparse type taking one of ``words`` (--regather's 'always' or 'auto', --issue's 'early'
+    or 'per-kernel'); anything else is one line naming them, and the closest when misspelt."""
+    forms = " or ".join(repr(word) for word in words)
 
-
-def _issue(text: str) -> str:
-    """--issue: 'early' or 'per-kernel' (OverlapConfig.issue)."""
-    forms = "'early' or 'per-kernel'"
-    word = _word(text, ("early", "per-kernel"), forms)
-    if word is None:
-        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
-    return word
+    def parse(text: str) -> str:
+        word = _word(text, words, forms)
+        if word is None:
+            raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
+        return word
+    return parse
 
 
 def _chunks(text: str) -> int | str:
@@ -166,10 +161,12 @@ def _common_options() -> argparse.ArgumentParser:
                         help="bytes held in flight per group, at most, e.g. 64MiB (default serial-peak: only "
                         "what fits under the serial order's peak, so the peak never rises; auto: twice the "
                         "group's largest collective, more where memory allows, which may raise the peak)")
-    common.add_argument("--regather", type=_regather, default=argparse.SUPPRESS, metavar="always|auto",
+    common.add_argument("--regather", type=_choice("always", "auto"), default=argparse.SUPPRESS,
+                        metavar="always|auto",
                         help="joint forward+backward graphs: re-gather every parameter in the backward "
                         "(always, the default) or keep a block's forward gathers where the peak allows (auto)")
-    common.add_argument("--issue", type=_issue, default=argparse.SUPPRESS, metavar="early|per-kernel",
+    common.add_argument("--issue", type=_choice("early", "per-kernel"), default=argparse.SUPPRESS,
+                        metavar="early|per-kernel",
                         help="where a start goes: as soon as its inputs are there (early, the default) or right "
                         "before the matmul-class kernel it runs under, one per kernel (per-kernel)")
     common.add_argument("--no-narrow-gathers", dest="narrow_gathers", action="store_false",
