@@ -56,9 +56,10 @@ class OverlapConfig:
     issue: where a start goes: "early" (the default: as soon as its inputs are placed
         and the in-flight bounds let it) or "per-kernel" (right before the hiding kernel,
         a matmul, convolution or attention, it is to run under, one start per kernel, in
-        consumer order; one with no kernel left before its first consumer goes as under
-        "early"). "per-kernel" hides under the same kernels and allocates later: less
-        memory in flight across the pointwise ops between. See
+        consumer order, as PyTorch's overlap scheduler prefetches; one with no kernel left
+        before its first consumer goes as under "early"). "per-kernel" allocates later
+        (without a byte limit, a lower peak) and is slower by estimate where a kernel could
+        hide more than one collective (docs/performance.md). See
         ``overlapc.passes.kernel_points``.
     chunks: split collectives on the critical path into this many pipelined
         pieces (int >= 1; 1 = off), or "auto": per pattern, the count that the

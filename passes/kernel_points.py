@@ -9,8 +9,9 @@ taken after its inputs and before its first consumer, in its region. The start t
 right before that kernel, after the waits due there. A collective with no such kernel
 left goes as under ``"early"``. This is the model of PyTorch's overlap scheduler (a
 collective prefetched at the compute node that hides it) with its runtime estimate
-replaced by overlapc's bucketing model (one kernel hides one collective): what runs in
-flight is the same kernels, and the buffers a start allocates live for less.
+replaced by overlapc's bucketing model (one kernel hides one collective): the buffers a
+start allocates live for less, and a kernel that could hide several collectives hides one
+(slower by estimate on the examples: docs/performance.md).
 
 Kernels are shared by every group and kind: one start per kernel. Not held back: the
 collectives of a process group that has a chain (a start that reads another collective's
@@ -21,9 +22,9 @@ collectives placed serially, and, under "serial-peak", collectives other than al
 graph handed in keeps its inputs live (to each one's last reader, a collective reading it
 holding it until its last wait: held back further, an input would stay live longer than
 that graph keeps it), but an all-gather of graph inputs only (a parameter's shard, through
-casts and views, which the training step keeps anyway). A
-kernel point only delays a start past where ``"early"`` could put it, never past its
-first consumer; the bounds still apply when it comes.
+casts and views, which the training step keeps anyway). A kernel point only delays a start
+past where ``"early"`` could put it, never past its first consumer; the bounds still apply
+when it comes.
 
 ``KernelPoints`` plans them once, before the walk, for ``scheduler._Core``, which it is a
 part of: it reads the core's state (``s``, ``spine``, ``serial``, ``gate``, ``budget``,
