@@ -189,3 +189,21 @@ def test_the_whole_graph_fallback_keeps_the_serial_peak_its_budget_is_bound_by(f
     assert liveness.peak_bytes(list(gm.graph.nodes)) == liveness.peak_bytes(asap)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "runs in its serial order" in warnings[0] and "injected" in warnings[0]
+
+
+def test_the_whole_graph_fallback_under_no_byte_limit_is_checked_against_the_serial_order(fake_pg, caplog):
+    """A random DAG (2026-11-30) whose all-gather sends a slice of a matmul's result: held in
+    flight it counts the slice's bytes, not the result's (README, known issues), so every
+    overlapped schedule broke the bound against the order handed in, and so did the serial
+    fallback, which issues that all-gather when its result is due and keeps the result live
+    until then: schedule raised under on_error="raise". The fallback is held to its own
+    reference, the serial order (guarantee 4): the graph degrades, with a WARNING."""
+    from test_inductor_windows import graph_of
+    steps = [["all_gather", 0, 0], ["mm", 0, 0], ["all_gather", 1, 2], ["mm", 0, 0], ["mm", 0, 0], ["relu", 0, 4]]
+    gm = graph_of(steps)
+    config = overlapc.OverlapConfig(max_in_flight=1, max_in_flight_bytes=None, on_error="raise")
+    with caplog.at_level(logging.WARNING, logger="overlapc"):
+        overlapc.schedule(gm, config)
+    overlapc.verify(gm, config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "runs in its serial order" in warnings[0], warnings
