@@ -118,7 +118,7 @@ class _Core(ChainPoints, KernelPoints):
         self.region = 0
         self.dirty = True
         self.here = self.room_from = 0   # s.pos of the spine node placed last, of the last that is no wait
-        self.step = 0   # index in self.spine of the spine node placed next
+        self.step, self.placing = 0, None   # index in self.spine of the spine node placed next; it, while its waits go
         self.ready_step: dict[fx.Node, int] = {}
         self.held_back: dict[fx.Node, str] = {}
         self.deferred: set[fx.Node] = set()   # starts held back by the byte budget (``_defer``, ``_issue_ready``)
@@ -278,11 +278,13 @@ class _Core(ChainPoints, KernelPoints):
 
     def _defer(self, c: Collective) -> bool:
         """Hold back ready ``c`` until the spine node it followed in the graph handed in
-        (``_place_anchor``) when, issued now, before that node, what ``c`` holds (its
-        input chain's output, its own output, its input until its wait) does not fit the
-        headroom from here to its wait. True when held back (it becomes ready again once
-        that node is placed, then goes as the reference has it)."""
+        (``_place_anchor``), or under "serial-peak" the one whose due waits made it ready (the
+        asap reference issues it after that node), when what it holds (its input chain's and its
+        own output, its input until its wait) does not fit the headroom from here to its wait.
+        True when held back: ready again once that node is placed, it goes as the reference has it."""
         anchor = self._place_anchor(c)
+        if anchor is None and self.budget.within_peak and self.placing is not None:
+            anchor = self.placing   # made ready by waits due at the spine node placed next
         if anchor is None or anchor in self.placed or self._in_headroom(c):
             return False
         self.deferred.add(c.start)
@@ -303,7 +305,7 @@ class _Core(ChainPoints, KernelPoints):
         for start in self.later.pop(region, ()):
             heapq.heappush(self.ready, (self.s.pos[start], start.name))
 
-    def _lane(self, c: Collective) -> tuple[str, int]:
+    def _lane(self, c: Collective) -> tuple[str, int]:   # all-gathers in consumer order per group and region
         return c.group, self.s.region_of(c.start)
 
     def _place(self, node: fx.Node) -> None:
@@ -520,13 +522,12 @@ class _Core(ChainPoints, KernelPoints):
 
     # -- issuing ---------------------------------------------------------------------------
     def _issue_ready(self) -> None:
-        """Issue what may go now: ready non-all-gathers, then all-gathers that fit.
-        Nothing to do unless a start became ready, a wait freed room or a region opened.
-        Under a byte limit (not "serial-peak"), a non-all-gather that would take its group
-        past it with others in flight (all-gathers the headroom let run past the group's
-        room for it, which cannot be waited early) waits for their waits, and no further
-        all-gather of that group goes past the room meanwhile; when its own wait comes
-        first it is issued then (``_force_issue``)."""
+        """Issue what may go now: ready non-all-gathers, then all-gathers that fit; nothing unless a
+        start became ready, a wait freed room or a region opened. Under a byte limit (not
+        "serial-peak"), a non-all-gather that would take its group past it with others in flight
+        (all-gathers the headroom let run past its room, never waited early) waits for their
+        waits, and no further all-gather of that group goes past the room meanwhile; when its
+        own wait comes first it is issued then (``_force_issue``)."""
         if not self.move_starts or not self.dirty:
             return
         self.dirty = False
@@ -636,7 +637,7 @@ class _Core(ChainPoints, KernelPoints):
         spine, move_starts = self.spine, self.move_starts
         last = len(spine) - 1
         for index, node in enumerate(spine):
-            self.step = index
+            self.step, self.placing = index, node   # ``placing``: its due waits go first
             gates = gates_at.get(node, ())
             for start in gates:   # kept serial: issued before what is due here, as where it stood
                 if start in self.serial:
@@ -659,7 +660,7 @@ class _Core(ChainPoints, KernelPoints):
             for i in node._input_nodes:
                 if i not in placed:
                     self._ensure(i)
-            self.step = index + 1   # what this node makes ready can go right after it
+            self.step, self.placing = index + 1, None   # what this node makes ready can go right after it
             order.append(node)   # ``_place``
             placed.add(node)
             for start in blocked_on.get(node, ()):
@@ -683,8 +684,7 @@ class _Core(ChainPoints, KernelPoints):
         return self.order
 
     def _pass_pinned(self, node: fx.Node) -> None:
-        """Spine ``node`` was placed: count a pinned collective it starts, and let go of
-        one it completes (what its count held back may go now)."""
+        """Spine ``node`` was placed: count a pinned collective it starts, let go of one it completes."""
         c = self.s.pinned.get(node)
         if c is not None:
             self.flight.open_pinned(c)

@@ -378,10 +378,9 @@ def test_the_fusion_guard_keeps_a_callers_scheduler_passes_and_ends_with_the_com
 # derandomized: the same examples every run. Before the fusion guard, random search
 # (2026-11-30, 250 graphs) found 3 whose window Inductor's CPU code lost to a fusion across
 # a wait or a start (README, known issues, until then); two of them are pinned here.
-# ``degrades``: one of the draws degrades locally (two collectives placed serially, under
-# "early" as under "per-kernel"), an open bug pinned as a strict xfail in tests/test_chains.py
-# (test_a_chained_all_gather_beside_an_all_reduce_of_a_gather_schedules_without_degrading);
-# its windows are checked like every other draw's.
+# ``degrades``: one draw degrades locally (two collectives placed serially, under "early" as
+# under "per-kernel"), an open bug pinned as a strict xfail in tests/test_chains.py
+# (test_..._at_the_windows_size_still_degrades); its windows are checked like every other draw's.
 @pytest.mark.degrades
 @settings(max_examples=20, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
