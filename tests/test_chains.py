@@ -449,11 +449,11 @@ def test_a_chained_all_gather_beside_an_all_reduce_of_a_gather_schedules_without
 
 
 @pytest.mark.degrades
-@pytest.mark.xfail(strict=True, reason="open: in the windows test's draw (32 x 32) the first schedule issues the chained all-gather's "
-                   "upstream ahead of the matmul while its reader, held by max_in_flight=1 behind the matmul's "
-                   "all-gather, goes after it (consumer order), and the late-chain-point retry puts the all-reduce, "
-                   "gated, ahead of the matmul again (its chain point does not read the headroom there): two "
-                   "collectives are placed serially. Not fixed yet.")
+@pytest.mark.xfail(strict=True, reason="open: in the windows test's draw (32 x 32) the first schedule issues the "
+                   "chained all-gather's upstream ahead of the matmul while its reader, held by max_in_flight=1 "
+                   "behind the matmul's all-gather, goes after it (consumer order), and the late-chain-point "
+                   "retry puts the all-reduce, gated, ahead of the matmul again (its chain point does not read "
+                   "the headroom there): two collectives are placed serially. Not fixed yet.")
 def test_a_chained_all_gather_beside_an_all_reduce_of_a_gather_at_the_windows_size_still_degrades(fake_pg):
     from test_inductor_windows import graph_of   # its 32 x 32 draw, as the windows test traces it
     gm = graph_of([["relu", 1, 0], ["reduce_scatter", 1, 0], ["all_gather", 0, 0], ["all_gather", 1, 0],

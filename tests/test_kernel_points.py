@@ -4,7 +4,7 @@ Checked here from the scheduled graphs alone (positions counted against the comp
 around them), against the same graph scheduled with issue="early": every guarantee
 (``test_properties.independent_checks``), the same values, no start earlier than under
 "early", and each start held back sits right before a kernel no other held-back start sits
-before."""
+before (but all-gathers queued behind one of their group, in consumer order)."""
 from __future__ import annotations
 
 import os
