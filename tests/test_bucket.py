@@ -699,8 +699,8 @@ def build(p, groups):
 
 @settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "50")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(p=programs())
-def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_groups, p):
+@given(p=programs(), issue=st.sampled_from(["early", "per-kernel"]))
+def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_groups, p, issue):
     groups = (fake_pg.group_name, two_groups[0].group_name)
     weights = [(WORLD * p["rows"][i] * math.prod(p["rest"][i]),) for i in range(p["n"])]
     gm = trace(build(p, groups), (1,), (1,), *[shard_shape(p, i) for i in range(p["n"])], *weights)
@@ -714,7 +714,7 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
         size = c.nbytes * (c.group_size if c.kind == "reduce_scatter" else 1)
         largest[(c.group, c.kind)] = max(largest.get((c.group, c.kind), 0), size)
     bucket = p["plan"] if p["bucket"] == "plan" else p["bucket"]
-    cfg = overlapc.OverlapConfig(bucket=bucket, max_in_flight=p["max_in_flight"], on_error="raise")
+    cfg = overlapc.OverlapConfig(bucket=bucket, max_in_flight=p["max_in_flight"], issue=issue, on_error="raise")
 
     overlapc.schedule(gm, cfg)
 
