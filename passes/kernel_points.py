@@ -27,7 +27,7 @@ past where ``"early"`` could put it, never past its first consumer; the bounds s
 when it comes.
 
 ``KernelPoints`` plans them once, before the walk, for ``scheduler._Core``, which it is a
-part of: it reads the core's state (``s``, ``spine``, ``serial``, ``gate``, ``budget``,
+part of: it reads the core's state (``s``, ``spine``, ``serial``, ``budget``,
 ``move_starts``) and fills ``kernel_gate`` (start -> spine node) and ``kernel_gates_at``.
 Deterministic: positions and graph order only.
 """
@@ -89,7 +89,7 @@ class KernelPoints:
         when ``c`` is not held back (module docstring). ``index``: spine node -> index;
         ``spine_pos``: index -> graph position."""
         s = self.s
-        if c.start in self.gate or c.start in self.serial or piece_of(c) != c.start.name:
+        if c.start in self.serial or piece_of(c) != c.start.name:   # (a gated start's group has a chain)
             return None
         lo = 0
         for i in s.bundle_inputs[c.start]:
