@@ -32,7 +32,11 @@ class OverlapConfig:
         the graph's serial order, so the scheduled graph's peak never exceeds
         that order's, which ``verify`` checks; a reduce-scatter or all-reduce
         that does not fit is waited right after its start, as in the serial
-        order), "auto" (faster where the peak is the bound, and may raise the
+        order), "graph-peak" (as "serial-peak", under the higher of that peak
+        and the graph's own as handed in: a graph that already issues
+        collectives early keeps its peak, as PyTorch's simple_overlap and
+        reorder_communication_preserving_peak_memory keep a graph's; a graph
+        traced serially schedules as under "serial-peak"), "auto" (faster where the peak is the bound, and may raise the
         peak: twice the group's largest collective, see
         ``overlapc.passes.inflight.auto_budget``, and more wherever everything
         in flight fits under the graph's memory peak, see
@@ -45,6 +49,12 @@ class OverlapConfig:
         them, one bucket per entry: ``["tok_embeddings", "layers.0", ...,
         ["norm", "output"]]``, as graph_trainer's ``module_bucket_plans``; kept
         as a tuple of tuples), or None (off). See ``overlapc.passes.bucket``.
+    bucket_op: how a bucket is issued: "pack" (the default: the members packed into one
+        buffer, one collective, results read back out of it) or "coalesced" (a reduce-scatter
+        or all-reduce bucket is one ``reduce_scatter_tensor_coalesced`` /
+        ``all_reduce_coalesced`` over the members' own tensors: no pack copy, each result a
+        tensor of its own; all-gather buckets stay packed, as PyTorch's coalesced bucket mode
+        keeps them). See ``overlapc.passes.bucket``.
     regather: where a joint forward + backward graph gathers a parameter in the
         forward and again in the backward (FSDP's reshard-after-forward):
         "always" keeps every re-gather as traced; "auto" decides per block
@@ -92,6 +102,7 @@ class OverlapConfig:
     max_in_flight: int | None = _SCHEDULING.max_in_flight   # the scheduling fields' defaults are the passes'
     max_in_flight_bytes: int | str | None = _SCHEDULING.max_in_flight_bytes
     bucket: str | int | tuple[tuple[str, ...], ...] | None = _SCHEDULING.bucket
+    bucket_op: str = _SCHEDULING.bucket_op
     regather: str = _SCHEDULING.regather
     issue: str = _SCHEDULING.issue
     chunks: int | str = _SCHEDULING.chunks

@@ -47,7 +47,14 @@ consecutive members. A bucket closes before a member when
   peak the unbucketed graph would have;
 * either way: the bucket could not be issued before its first result is
   needed (a member's input is ready only after another member's first real
-  consumer), or the member's result or input is tied to another collective;
+  consumer), or the member's result or input is tied to another collective
+  (a level of a chain) and the bucket is packed, or its start bundle reads a
+  member's result (the next level): in coalesced buckets (``coalesced``,
+  below) reduce-scatters and all-reduces of one chain level merge (HSDP's, the
+  two levels of loss-parallel's all-reduces), never two levels; packed, chains
+  stay apart: the pack copies of HSDP's merged levels raised graph_trainer's
+  70B HSDP estimated step 6,730 -> 6,850 ms under "module" (6,736 -> 6,856
+  under "auto"), coalesced 6,731 (docs/performance.md);
 * in every mode but a plan: the bucket would lose a member's hiding interval
   (``_keeps_hiding``): a bucket is issued when its last input is ready and waited
   before its first result is needed, so the kernels a member could hide under
@@ -98,6 +105,12 @@ slice [off, off+n_i) viewed in its shape (a view). An element's reduction is
 the same sum over the same ranks, so values agree within the rounding of the
 backend's reduction order. Standing like a reduce-scatter bucket.
 
+With ``coalesced`` (``bucket_op="coalesced"``) a reduce-scatter or all-reduce bucket is
+instead one ``reduce_scatter_tensor_coalesced`` / ``all_reduce_coalesced`` over the members'
+inputs as they are: no pack copy and no slices, member i's result is output i's own wait,
+each member reduced as alone (values bit-identical); chain levels may merge (above). All-gather
+buckets stay packed.
+
 New nodes carry ``meta["val"]`` (fake tensors computed by the ops themselves)
 and the module stack of a member, so the memory tracker, the cost model and the
 report read them like any other node. The graph is rewritten in place
@@ -109,8 +122,10 @@ collective's shapes contradict its group size.
 
 Left alone: coalesced and ``_out`` collectives, all-to-all,
 collectives with several waits or symbolic/unknown shapes, the pieces of a
-chunked collective (``passes/chunk/``'s notes name them), and collectives
-whose result feeds another collective's input chain directly.
+chunked collective (``passes/chunk/``'s notes name them), and all-gathers in a
+chain (their result feeds, or their input comes from, another collective's
+bundle: the copy-out would stand inside it); in packed buckets, any collective
+in a chain.
 """
 from __future__ import annotations
 
@@ -146,7 +161,8 @@ _OPS = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatte
 
 def bucket_collectives(gm: fx.GraphModule, bucket: str | int | tuple = "auto",
                        before_rewrite: Callable[[], None] | None = None,
-                       structure: Structure | None = None, headroom: Headroom | None = None) -> list[BucketNote]:
+                       structure: Structure | None = None, headroom: Headroom | None = None,
+                       coalesced: bool = False) -> list[BucketNote]:
     """Merge ``gm``'s all-gathers and reduce-scatters into buckets (rules in the
     module docstring), in place. ``bucket``: "auto", "module", an int byte target >= 1 or a
     plan (``options.bucket_plan``'s tuple of tuples of module paths).
@@ -165,11 +181,11 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int | tuple = "auto",
     s = structure if structure is not None else Structure(gm)
     plans = []
     for kind in _OPS:
-        lanes = _lanes(s, kind) if _two_may_fit(s, kind, bucket) else {}
+        lanes = _lanes(s, kind, coalesced) if _two_may_fit(s, kind, bucket) else {}
         largest = _largest(lanes)
         mergeable = [lane for lane in lanes.values() if _may_merge(lane, bucket, largest[lane[0].c.group])]
         plans += [(kind, members) for lane in mergeable
-                  for members in _split(lane, bucket, largest[lane[0].c.group], s.kernels, headroom)]
+                  for members in _split(lane, bucket, largest[lane[0].c.group], s.kernels, headroom, coalesced)]
         if isinstance(bucket, _Plan):
             bucket.matched.update(bucket.entry_of(m.module) for lane in lanes.values() for m in lane)
     if isinstance(bucket, _Plan):
@@ -178,7 +194,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int | tuple = "auto",
     if plans:
         if before_rewrite is not None:
             before_rewrite()
-        rewrite = Rewrite(gm, s)
+        rewrite = Rewrite(gm, s, coalesced)
         with rewrite.fake.mode:   # entered once for every new node's fake value
             for kind, members in plans:
                 note = getattr(rewrite, kind)(members)
@@ -194,11 +210,11 @@ def bucket_collectives(gm: fx.GraphModule, bucket: str | int | tuple = "auto",
 # ---------------------------------------------------------------- who may merge
 
 
-def _lanes(s: Structure, kind: str) -> dict[tuple, list[Member]]:
+def _lanes(s: Structure, kind: str, chains: bool) -> dict[tuple, list[Member]]:
     """Members of ``kind`` by lane (region, group, group size, dtype, reduce op), each in merge order.
     Pieces of a chunked collective (``gm.meta["overlapc_chunks"]``) are no members: one
-    bucket would undo their pipeline."""
-    members = [m for c in _candidates(s, kind) for m in [_member(s, c)] if m is not None]
+    bucket would undo their pipeline. ``chains``: see ``_member``."""
+    members = [m for c in _candidates(s, kind) for m in [_member(s, c, chains)] if m is not None]
     if kind == "all_gather":
         members.sort(key=lambda m: s.key[m.c.start])
     else:
@@ -270,8 +286,10 @@ def _member_bytes(c: Collective, value: torch.Tensor, out: torch.Tensor) -> int:
     return (out if c.kind == "all_gather" else value).numel() * value.element_size()
 
 
-def _member(s: Structure, c: Collective) -> Member | None:
-    """``c`` as a bucket member, or None when it must stay as it is."""
+def _member(s: Structure, c: Collective, chains: bool) -> Member | None:
+    """``c`` as a bucket member, or None when it must stay as it is. ``chains`` (coalesced
+    buckets): a reduce-scatter or all-reduce tied to another collective (a level of a chain)
+    may be one."""
     shapes = _own_shapes(c)
     if shapes is None:
         return None
@@ -279,12 +297,14 @@ def _member(s: Structure, c: Collective) -> Member | None:
     start, wait, x = c.start, c.waits[0], _input_of(c.start)
     target = s.target[wait]
     inputs = s.bundle_inputs[start]
-    if target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
-            u in s.start_of_member for u in s.consumers[wait]):
+    chained = target in s.start_of_member or any(i in s.wait_of_member for i in inputs) or any(
+        u in s.start_of_member for u in s.consumers[wait])
+    if chained and (not chains or c.kind == "all_gather"):
         return None   # tied to another collective's bundle: moving one would move the other
     return Member(
         c=c, wait=wait, input=x, value=value, out_shape=tuple(out.shape), nbytes=_member_bytes(c, value, out),
         ready=max((s.pos[i] for i in inputs), default=-1), target=s.pos[target], target_node=target,
+        after=tuple(s.coll_of_wait[s.wait_of_member[i]].start for i in inputs if i in s.wait_of_member),
     )
 
 
@@ -327,19 +347,20 @@ def _may_merge(lane: list[Member], bucket: "str | int | _Plan", largest: int) ->
 
 
 def _split(lane: list[Member], bucket: "str | int | _Plan", largest: int, kernels: Kernels,
-           headroom: Headroom | None = None) -> list[list[Member]]:
+           headroom: Headroom | None = None, coalesced: bool = False) -> list[list[Member]]:
     """Consecutive members of ``lane`` cut into buckets; buckets of one dropped.
     ``largest``: the byte target of ``bucket="auto"``; ``kernels``: ``Kernels`` of the graph;
-    ``headroom``: see ``bucket_collectives``. O(1) a member (``_Bucket`` keeps what the rules read)."""
+    ``headroom``, ``coalesced``: see ``bucket_collectives``. O(1) a member (``_Bucket`` keeps
+    what the rules read)."""
     buckets: list[_Bucket] = []
     planned = isinstance(bucket, _Plan)
     for m in lane:
         if buckets and _joins(buckets[-1], m, bucket, largest) and (
                 planned or _keeps_hiding(buckets[-1], m, kernels, largest)) and (
-                headroom is None or _fits_headroom(buckets[-1], m, headroom)):
+                headroom is None or _fits_headroom(buckets[-1], m, headroom, coalesced)):
             buckets[-1].add(m)
         else:
-            buckets.append(_Bucket([m], m.ready, m.target, m.nbytes, m, m.target, m.ready))
+            buckets.append(_Bucket([m], m.ready, m.target, m.nbytes, m, m.target, m.ready, {m.c.start}))
     return [b.members for b in buckets if len(b.members) > 1]
 
 
@@ -355,9 +376,11 @@ class _Bucket:
     soonest: Member    # the (first) member with the earliest target
     last_target: int    # the latest target
     first_ready: int    # the earliest ready position
+    starts: set[fx.Node]   # the members' starts (membership only)
 
     def add(self, m: Member) -> None:
         self.members.append(m)
+        self.starts.add(m.c.start)
         self.ready, self.target = max(self.ready, m.ready), min(self.target, m.target)
         self.nbytes += m.nbytes
         self.soonest = m if m.target < self.soonest.target else self.soonest
@@ -368,6 +391,8 @@ def _joins(open_bucket: _Bucket, m: Member, bucket: "str | int | _Plan", largest
     """Whether ``m`` may join ``open_bucket``."""
     if max(m.ready, open_bucket.ready) >= min(m.target, open_bucket.target):
         return False   # one member's input is ready only after another's result is needed
+    if any(start in open_bucket.starts for start in m.after):
+        return False   # the next level of a chain: its start bundle reads a member's result
     if isinstance(bucket, _Plan):
         entry = bucket.entry_of(m.module)
         return entry is not None and entry == bucket.entry_of(open_bucket.members[0].module)
@@ -436,14 +461,15 @@ def _keeps_hiding(open_bucket: _Bucket, m: Member, kernels: Kernels, largest: in
     return kernels.between(ready, target) >= min(needed, offered)
 
 
-def _fits_headroom(open_bucket: _Bucket, m: Member, headroom: Headroom) -> bool:
+def _fits_headroom(open_bucket: _Bucket, m: Member, headroom: Headroom, coalesced: bool = False) -> bool:
     """Whether a bucket of ``open_bucket``'s members and ``m`` keeps the peak of the serial
     order that ``headroom`` measured, counting what the bucket holds beyond its members
     gathered one at a time (conservatively: none of the members' own bytes taken off). An
     all-gather bucket of B bytes: at its copy-out the flat result and the copy (2B, less the
     first member's own result, which the serial order holds there), then the copy until the
     last member's consumer (B). A reduce-scatter or all-reduce bucket: from its first
-    member's input to its last, the inputs held for the pack and the packed copy (2B)."""
+    member's input to its last, the inputs held for the pack and the packed copy (2B);
+    ``coalesced`` (one ``*_coalesced`` op, no pack), the inputs alone (B)."""
     total = open_bucket.nbytes + m.nbytes
     if m.c.kind == "all_gather":
         first = open_bucket.soonest if open_bucket.soonest.target <= m.target else m
@@ -451,7 +477,7 @@ def _fits_headroom(open_bucket: _Bucket, m: Member, headroom: Headroom) -> bool:
         return (headroom.least(first.target, first.target) >= 2 * total - first.nbytes
                 and headroom.least(first.target, last_target) >= total)
     first_ready = max(0, min(open_bucket.first_ready, m.ready))
-    return headroom.least(first_ready, max(first_ready, open_bucket.ready, m.ready)) >= 2 * total
+    return headroom.least(first_ready, max(first_ready, open_bucket.ready, m.ready)) >= (1 if coalesced else 2) * total
 
 
 def block_of(path: str) -> str:

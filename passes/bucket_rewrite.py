@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 
 import torch
 import torch.fx as fx
@@ -36,6 +37,7 @@ class Member:
     ready: int                 # position of the last node its start bundle reads (-1: none)
     target: int                # position of its wait's first real consumer (or region end)
     target_node: fx.Node
+    after: tuple[fx.Node, ...] = ()   # starts of the collectives whose results its start bundle reads (a chain)
 
     @functools.cached_property
     def source(self) -> str:
@@ -93,12 +95,14 @@ class Rewrite:
     Original node at position p: key (p, 0, 0). A node placed "before position a":
     (a, -1, n) with n counting placements, so placements keep the order they were made in."""
 
-    def __init__(self, gm: fx.GraphModule, s: Structure):
+    def __init__(self, gm: fx.GraphModule, s: Structure, coalesced: bool = False):
         self.gm, self.s, self.graph = gm, s, gm.graph
+        self.coalesced = coalesced   # reduce-scatter and all-reduce buckets as one *_coalesced op
         self.key: dict[fx.Node, tuple[int, int, int]] = {n: (i, 0, 0) for i, n in enumerate(s.nodes)}
         self.count = itertools.count()
         self.fake = FakeValues(gm)
         self.replaced: list[fx.Node] = []   # original waits and starts, erased at the end
+        self.result_of: dict[fx.Node, fx.Node] = {}   # a replaced wait -> the node that stands for it
 
     def all_gather(self, members: list[Member]) -> BucketNote:
         """One all-gather for ``members``; of several dtypes, it moves their bytes
@@ -145,12 +149,16 @@ class Rewrite:
         first, world = members[0], members[0].c.group_size
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], world), like=first.c.start,
+        reduce_op, group = call_argument(first.c.start, 1, "reduce_op"), call_argument(first.c.start, 3, "group_name")
+        if self.coalesced:
+            start = self._new(anchor, F.reduce_scatter_tensor_coalesced.default,
+                              (self._inputs(members), reduce_op, world, group),
+                              like=first.c.start, name="reduce_scatter_bucket")
+            return self._coalesced_results("reduce_scatter", start, members, anchor)
+        flat = self._new(anchor, OPS.pack.default, (self._inputs(members), world), like=first.c.start,
                          input_chain=True)
         sizes = [m.value.numel() // world for m in members]
-        start = self._new(anchor, F.reduce_scatter_tensor.default,
-                          (flat, call_argument(first.c.start, 1, "reduce_op"), world,
-                           call_argument(first.c.start, 3, "group_name")),
+        start = self._new(anchor, F.reduce_scatter_tensor.default, (flat, reduce_op, world, group),
                           like=first.c.start, name="reduce_scatter_bucket")
         wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
         for m, offset, size in zip(members, itertools.accumulate([0, *sizes]), sizes):
@@ -163,10 +171,14 @@ class Rewrite:
         first = members[0]
         anchor = self._issue_point(members)
         self._move_input_chains(members, anchor)
-        flat = self._new(anchor, OPS.pack.default, ([m.input for m in members], 1), like=first.c.start,
+        reduce_op, group = call_argument(first.c.start, 1, "reduce_op"), call_argument(first.c.start, 2, "group_name")
+        if self.coalesced:
+            start = self._new(anchor, F.all_reduce_coalesced.default, (self._inputs(members), reduce_op, group),
+                              like=first.c.start, name="all_reduce_bucket")
+            return self._coalesced_results("all_reduce", start, members, anchor)
+        flat = self._new(anchor, OPS.pack.default, (self._inputs(members), 1), like=first.c.start,
                          input_chain=True)
-        start = self._new(anchor, F.all_reduce.default,
-                          (flat, call_argument(first.c.start, 1, "reduce_op"), call_argument(first.c.start, 2, "group_name")),
+        start = self._new(anchor, F.all_reduce.default, (flat, reduce_op, group),
                           like=first.c.start, name="all_reduce_bucket")
         wait = self._new(anchor, F.wait_tensor.default, (start,), like=first.wait)
         sizes = [m.value.numel() for m in members]
@@ -175,6 +187,13 @@ class Rewrite:
             result = self._new(anchor, aten.view.default, (piece, list(m.out_shape)), like=m.wait)
             self._replace(m, result, anchor)
         return self._note("all_reduce", start, members)
+
+    def _coalesced_results(self, kind: str, start: fx.Node, members: list[Member], anchor: int) -> BucketNote:
+        """Member i's result is output i of the coalesced ``start``: its own wait (no copy, no view)."""
+        for index, m in enumerate(members):
+            item = self._new(anchor, operator.getitem, (start, index), like=m.wait, name="getitem")
+            self._replace(m, self._new(anchor, F.wait_tensor.default, (item,), like=m.wait), anchor)
+        return self._note(kind, start, members)
 
     def _copy_out_together(self, members: list[Member], rows: fx.Node, offsets: dict, anchor: int,
                            as_bytes: bool) -> None:
@@ -219,10 +238,16 @@ class Rewrite:
                 if node is not m.c.start:
                     self._place(node, anchor)
 
+    def _inputs(self, members: list[Member]) -> list[fx.Node]:
+        """The members' inputs as the graph now stands: an input that was the wait of a
+        collective bucketed before (one level up a chain) is that bucket's result."""
+        return [self.result_of.get(m.input, m.input) for m in members]
+
     def _replace(self, m: Member, result: fx.Node, anchor: int) -> None:
         """``result`` (placed before position ``anchor``) stands for ``m``'s wait from now
         on; the views of the wait that stood before ``anchor`` move after ``result``."""
         m.wait.replace_all_uses_with(result)
+        self.result_of[m.wait] = result
         for view in self.s.wait_bundle[m.wait][1:]:
             if self.s.pos[view] < anchor:
                 self._place(view, anchor)

@@ -14,9 +14,11 @@ import difflib
 
 __all__ = ["ScheduleOptions", "as_options", "check_scheduling", "bucket_plan", "is_plan"]
 
-BYTE_MODES = ("auto", "serial-peak")   # the named values of max_in_flight_bytes
+PEAK_MODES = ("serial-peak", "graph-peak")   # byte budgets bounded by a peak, not a number
+BYTE_MODES = ("auto", *PEAK_MODES)   # the named values of max_in_flight_bytes
 REGATHER = ("always", "auto")
 ISSUE = ("early", "per-kernel")
+BUCKET_OPS = ("pack", "coalesced")
 ON_ERROR = ("fallback", "raise")
 
 
@@ -28,6 +30,7 @@ class ScheduleOptions:
     max_in_flight: int | None = 3
     max_in_flight_bytes: int | str | None = "serial-peak"
     bucket: str | int | tuple[tuple[str, ...], ...] | None = "auto"
+    bucket_op: str = "pack"
     regather: str = "always"
     issue: str = "early"
     chunks: int | str = 1
@@ -86,9 +89,10 @@ def check_scheduling(config, owner: str) -> None:
     _positive_or_none(owner, "max_in_flight", config.max_in_flight)
     if isinstance(config.max_in_flight_bytes, str):
         _one_of(owner, "max_in_flight_bytes", config.max_in_flight_bytes, BYTE_MODES,
-                'an int >= 1 (bytes), "auto", "serial-peak" or None', 0.4)
+                'an int >= 1 (bytes), "auto", "serial-peak", "graph-peak" or None', 0.4)
     else:
-        _positive_or_none(owner, "max_in_flight_bytes", config.max_in_flight_bytes, ' (bytes), "auto", "serial-peak"')
+        _positive_or_none(owner, "max_in_flight_bytes", config.max_in_flight_bytes,
+                          ' (bytes), "auto", "serial-peak", "graph-peak"')
     if isinstance(config.bucket, str):
         _one_of(owner, "bucket", config.bucket, ("auto", "module"),
                 '"auto", "module", an int >= 1 (bytes), a plan (a list of module paths) or None', 0.5)
@@ -96,6 +100,9 @@ def check_scheduling(config, owner: str) -> None:
         bucket_plan(config.bucket, owner)
     else:
         _positive_or_none(owner, "bucket", config.bucket, ' (bytes), "auto", "module", a plan (a list of module paths)')
+    _one_of(owner, "bucket_op", config.bucket_op, BUCKET_OPS,
+            '"pack" (one collective of a packed copy) or "coalesced" (reduce-scatter and all-reduce buckets as '
+            'one *_coalesced op over the members\' own tensors)', 0.4)
     if config.regather not in REGATHER:
         raise ValueError(f"{owner}.regather must be one of {REGATHER} (\"always\": every backward re-gather "
                          f"stays; \"auto\": keep a block's forward gathers where the peak allows), "

@@ -25,7 +25,7 @@ from overlapc.passes.duplicates import merge_repeated_waits
 from overlapc.passes.inflight import Budget, auto_budget
 from overlapc.passes.invariants import Peaks, ScheduleError, fail
 from overlapc.passes.memory import Headroom, Liveness
-from overlapc.passes.options import ScheduleOptions, as_options, is_plan
+from overlapc.passes.options import BYTE_MODES, PEAK_MODES, ScheduleOptions, as_options, is_plan
 from overlapc.passes.rewrite import hoist_attributes
 from overlapc.passes.scheduler import UNBOUNDED, schedule_order
 from overlapc.passes.structure import Structure, apply_order
@@ -114,14 +114,15 @@ class ScheduleResult:
 def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget:
     """The Budget ``config`` (what ``as_options`` takes) sets for the graph of ``s``
     (its movable collectives); with the "auto" byte budget, the headroom under the
-    serial order's peak; with "serial-peak", that headroom alone (``Budget.within_peak``),
-    under the peak of the graph before the pipeline rewrote it where it did
-    (``meta.serial_peak``). ``headroom``: ``serial_headroom(s, config)`` when the caller has it."""
+    serial order's peak; with "serial-peak" or "graph-peak", that headroom alone
+    (``Budget.within_peak``), under the peak of the graph before the pipeline rewrote it
+    where it did, or the graph's own as handed in ("graph-peak", where higher):
+    ``meta.serial_peak``. ``headroom``: ``serial_headroom(s, config)`` when the caller has it."""
     cfg = as_options(config)
     collectives, held = s.movable, s.held
     groups = sorted({c.group for c in collectives})
-    within_peak = cfg.max_in_flight_bytes == "serial-peak"
-    if cfg.max_in_flight_bytes in ("auto", "serial-peak"):
+    within_peak = cfg.max_in_flight_bytes in PEAK_MODES
+    if cfg.max_in_flight_bytes in BYTE_MODES:
         max_bytes: dict[str, int | None] = {group: None for group in groups} if within_peak \
             else dict(auto_budget(collectives, held))
         if headroom is None and collectives:
@@ -140,12 +141,12 @@ def budget_for(s: Structure, config, headroom: Headroom | None = None) -> Budget
 
 def serial_headroom(s: Structure, config, recorded: bool = True) -> Headroom:
     """The ``Headroom`` that the byte budget of ``config`` reads for the graph of ``s``:
-    under its serial order's peak; under "serial-peak", bundle nodes bound it too, the
+    under its serial order's peak; under "serial-peak" and "graph-peak", bundle nodes bound it too, the
     order is the lower-peaked of two serial orders (``reference_order``), and the bound
     is the serial peak of the graph before the pipeline's rewrites where it recorded one
     and ``recorded`` (``meta.serial_peak``: "auto" buckets may not raise it, pipelined pieces
     may use what the unsplit collective held), else that order's."""
-    if as_options(config).max_in_flight_bytes != "serial-peak":
+    if as_options(config).max_in_flight_bytes not in PEAK_MODES:
         return Headroom(s, invariants.serial_order(s, asap=True))
     liveness = Liveness(s.nodes)
     serial, along, in_place = reference_order(s, liveness)
@@ -430,9 +431,11 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     duplicates, buckets, chunks, regather = [], [], [], ()
     waits_merged = bool(merge_repeated_waits(gm, before_rewrite=snapshot))   # before all: one wait per collective
     narrowed = _narrow(gm, cfg, snapshot)   # first: bucketing and the budget see the gathers as they will run
-    within_peak = cfg.max_in_flight_bytes == "serial-peak"
+    within_peak = cfg.max_in_flight_bytes in PEAK_MODES
     s = Structure(gm) if within_peak or cfg.bucket is not None else None
     room = serial_headroom(s, cfg) if within_peak and s.movable else None   # of the graph as handed in
+    if room is not None and cfg.max_in_flight_bytes == "graph-peak":
+        room = _graph_peak_room(gm, s, room)
     if cfg.regather == "auto":   # first: bucketing would merge the re-gathers it may drop
         from overlapc.passes.regather import keep_or_regather
         regather = keep_or_regather(gm, before_rewrite=snapshot, recompile=False,
@@ -455,7 +458,8 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
         from overlapc.passes.bucket import bucket_collectives
         held_to_peak = not _costs_what_it_holds(cfg)
         buckets = bucket_collectives(gm, bucket=cfg.bucket, before_rewrite=snapshot, structure=s,
-                                     headroom=room if held_to_peak else None)
+                                     headroom=room if held_to_peak else None,
+                                     coalesced=cfg.bucket_op == "coalesced")
         if buckets and held_to_peak and room is not None:
             meta.set_serial_peak(gm, room.peak)
             s = room = None   # the graph changed: the core needs a new one
@@ -475,6 +479,18 @@ def _run_passes(gm: fx.GraphModule, cfg: ScheduleOptions, snapshot, estimator=No
     if within_peak and placed.peaks is not None:   # what ``verify`` of this graph compares with
         meta.set_serial_peak(gm, placed.peaks.reference_peak_bytes)
     return _Rewritten(placed, before, tuple(duplicates), tuple(buckets), tuple(chunks), regather, narrowed)
+
+
+def _graph_peak_room(gm: fx.GraphModule, s: Structure, room: Headroom) -> Headroom:
+    """Under "graph-peak": ``room`` (the serial order's) with its bound raised to the peak of
+    the graph of ``s`` in its own order, where that is higher (a graph handed in with
+    collectives already issued early), recorded as ``meta.serial_peak`` for the rest of the
+    pipeline and ``verify``; else ``room``."""
+    own = room.liveness.peak_bytes(s.nodes)
+    if own <= room.peak:
+        return room
+    meta.raise_serial_peak(gm, own)
+    return Headroom(s, room.serial, segments=True, peak=own, liveness=room.liveness, in_place=room.in_place)
 
 
 def _costs_what_it_holds(cfg: ScheduleOptions) -> bool:

@@ -20,6 +20,17 @@ def trace(fn, *shapes, dtype=torch.float32):
     return make_fx(fn)(*[torch.randn(*s, dtype=dtype) for s in shapes])
 
 
+def ancestors(node):
+    """Every node ``node`` reads, directly or through others."""
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def body(gm):
     """Names of the graph's nodes except placeholders and output, in order."""
     return [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]

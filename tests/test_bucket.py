@@ -16,13 +16,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import overlapc
 from overlapc.passes.bucket import DEFAULT_BUCKET_BYTES, BucketNote, block_of, bucket_collectives
 from overlapc.passes.structure import Structure
-from graphs import F, WORLD, Block, ag, plan_entry, trace, wait, random_inputs
+from graphs import F, WORLD, Block, ag, ancestors, plan_entry, trace, wait, random_inputs
 from test_properties import live_peak, serial_peak
 
 RANK = 3   # the rank the stand-ins pretend to be (not 0: a wrong block order shows)
 AG = F.all_gather_into_tensor.default
 RS = F.reduce_scatter_tensor.default
 AR = F.all_reduce.default
+aten = torch.ops.aten
 
 
 class RankCollectives(fx.Interpreter):
@@ -49,6 +50,10 @@ class RankCollectives(fx.Interpreter):
             world = 8
             reduced = sum(x * (r + 1) for r in range(world))
             return reduced / world if op == "avg" else reduced
+        if target == F.reduce_scatter_tensor_coalesced.default:   # each member as its own reduce-scatter
+            return [self.call_function(RS, (y, *args[1:]), {}) for y in args[0]]
+        if target == F.all_reduce_coalesced.default:
+            return [self.call_function(AR, (x, *args[1:]), {}) for x in args[0]]
         if target == F.wait_tensor.default:
             return args[0].clone()
         return super().call_function(target, args, kwargs)
@@ -80,11 +85,11 @@ def count(gm, op):
     return sum(1 for n in gm.graph.nodes if n.target == op)
 
 
-def bucketed(fn, *shapes, bucket="module"):
+def bucketed(fn, *shapes, bucket="module", coalesced=False):
     """(original, bucketed copy, notes) of make_fx(fn) over inputs of ``shapes``."""
     gm = trace(fn, *shapes)
     original = copy.deepcopy(gm)
-    notes = bucket_collectives(gm, bucket)
+    notes = bucket_collectives(gm, bucket, coalesced=coalesced)
     gm.recompile()
     return original, gm, notes
 
@@ -337,19 +342,62 @@ def replicated_gradients(g1, g2, g3, g4, g5):
            wait(F.all_reduce((g3 - 1).t(), "avg", "0")),            # non-contiguous (16, 8)
            wait(F.all_reduce(g4 * 3, "sum", "0"))]                  # another reduce op: its own bucket
     shard = wait(F.reduce_scatter_tensor(g5, "sum", WORLD, "0"))
-    out.append(wait(F.all_reduce(shard / 2, "avg", "0")))           # HSDP-style chain: stays out
+    out.append(wait(F.all_reduce(shard / 2, "avg", "0")))           # HSDP-style chain
     return [o * 1 for o in out]
 
 
-def test_all_reduces_merge_with_the_same_values_and_chains_stay_out(fake_pg):
+@pytest.mark.parametrize("bucket, coalesced, members, count_after", [
+    (10 ** 6, False, ("all_reduce", "all_reduce_1", "all_reduce_2"), 3),   # packed: the chain stays out
+    (10 ** 6, True, ("all_reduce", "all_reduce_1", "all_reduce_2", "all_reduce_4"), 2),   # coalesced: it joins
+    ("auto", False, ("all_reduce_1", "all_reduce_2"), 4),   # the defaults (g1 is the cap alone)
+])
+def test_all_reduces_merge_with_the_same_values_and_chains_only_in_coalesced_buckets(fake_pg, bucket, coalesced,
+                                                                                    members, count_after):
     original, gm, notes = bucketed(replicated_gradients, (16, 16), (24, 5), (8, 16), (4, 4), (16, 4),
-                                   bucket=10 ** 6)
-    assert (count(original, AR), count(gm, AR)) == (5, 3)
+                                   bucket=bucket, coalesced=coalesced)
+    assert (count(original, AR), count(gm, AR) + count(gm, F.all_reduce_coalesced.default)) == (5, count_after)
+    sizes = {"all_reduce": 256, "all_reduce_1": 120, "all_reduce_2": 128, "all_reduce_4": 8}
     assert [(n.kind, n.members, n.nbytes) for n in notes] == [
-        ("all_reduce", ("all_reduce", "all_reduce_1", "all_reduce_2"), 4 * (256 + 120 + 128))]
+        ("all_reduce", members, 4 * sum(sizes[m] for m in members))]
     assert_same_values(original, gm)
     overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None))
     overlapc.verify(gm)
+
+
+def test_coalesced_buckets_are_one_coalesced_op_over_the_members_own_tensors(fake_pg):
+    """bucket_op="coalesced": each reduce-scatter and all-reduce bucket is one *_coalesced op
+    over the members' inputs as they are (no pack copy, no slices), each result its own wait;
+    the values are bit-identical (each member is reduced alone, as before) and the schedule
+    verifies. The chained all-reduce joins its level's bucket, reading the reduce-scatter
+    bucket's result."""
+    def gradients(g1, g2, g3, g4, g5):
+        out = [wait(F.all_reduce(g1 * 2, "avg", "0")), wait(F.all_reduce(g2 + 1, "avg", "0"))]
+        shards = [wait(F.reduce_scatter_tensor(g, "sum", WORLD, "0")) for g in (g3, g4)]
+        out += [wait(F.all_reduce(s / 2, "avg", "0")) for s in shards]
+        return [o * 1 for o in out] + [g5 * 1]
+    original, gm, notes = bucketed(gradients, (16, 16), (24, 5), (16, 4), (8, 4), (2, 2), bucket=10 ** 6,
+                                   coalesced=True)
+    assert [(n.kind, n.members) for n in notes] == [
+        ("reduce_scatter", ("reduce_scatter_tensor", "reduce_scatter_tensor_1")),
+        ("all_reduce", ("all_reduce", "all_reduce_1", "all_reduce_2", "all_reduce_3"))]
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(F.reduce_scatter_tensor_coalesced.default) == ops.count(F.all_reduce_coalesced.default) == 1
+    assert RS not in ops and AR not in ops and torch.ops.overlapc.pack.default not in ops
+    assert aten.slice.Tensor not in ops
+    assert_same_values(original, gm)
+    overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=None))
+    overlapc.verify(gm)
+
+
+def test_bucket_op_is_checked_and_reaches_the_bucket_pass(fake_pg):
+    with pytest.raises(ValueError, match=r"OverlapConfig.bucket_op must be .*did you mean 'coalesced'"):
+        overlapc.OverlapConfig(bucket_op="coalesce")
+    def two(a, b):
+        return wait(F.reduce_scatter_tensor(a, "sum", WORLD, "0")) + wait(F.reduce_scatter_tensor(b, "sum", WORLD, "0"))
+    gm = trace(two, (16, 4), (16, 4))
+    overlapc.schedule(gm, overlapc.OverlapConfig(on_error="raise", bucket=10 ** 6, bucket_op="coalesced",
+                                                max_in_flight_bytes=None))
+    assert [n.target for n in gm.graph.nodes].count(F.reduce_scatter_tensor_coalesced.default) == 1
 
 
 # ------------------------------------------------------------------ modules, on a captured model
@@ -699,8 +747,8 @@ def build(p, groups):
 
 @settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "50")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(p=programs(), issue=st.sampled_from(["early", "per-kernel"]))
-def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_groups, p, issue):
+@given(p=programs(), issue=st.sampled_from(["early", "per-kernel"]), bucket_op=st.sampled_from(["pack", "coalesced"]))
+def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_groups, p, issue, bucket_op):
     groups = (fake_pg.group_name, two_groups[0].group_name)
     weights = [(WORLD * p["rows"][i] * math.prod(p["rest"][i]),) for i in range(p["n"])]
     gm = trace(build(p, groups), (1,), (1,), *[shard_shape(p, i) for i in range(p["n"])], *weights)
@@ -714,14 +762,15 @@ def test_random_graphs_bucket_with_the_same_values_and_verify(fake_pg, two_group
         size = c.nbytes * (c.group_size if c.kind == "reduce_scatter" else 1)
         largest[(c.group, c.kind)] = max(largest.get((c.group, c.kind), 0), size)
     bucket = p["plan"] if p["bucket"] == "plan" else p["bucket"]
-    cfg = overlapc.OverlapConfig(bucket=bucket, max_in_flight=p["max_in_flight"], issue=issue, on_error="raise")
+    cfg = overlapc.OverlapConfig(bucket=bucket, max_in_flight=p["max_in_flight"], issue=issue, bucket_op=bucket_op,
+                                 on_error="raise")
 
     overlapc.schedule(gm, cfg)
 
     notes = gm.meta["overlapc_buckets"]
     assert len(overlapc.collectives(gm)) == collectives - sum(len(n.members) - 1 for n in notes)
     waits = [n for n in gm.graph.nodes if n.target == F.wait_tensor.default]
-    assert len(waits) == len(overlapc.collectives(gm)), "a repeated wait was left"
+    assert len(waits) == sum(len(c.waits) for c in overlapc.collectives(gm)), "a repeated wait was left"
     assert all(len(n.members) > 1 for n in notes)
     if isinstance(p["bucket"], int):
         assert all(n.nbytes <= p["bucket"] for n in notes)
@@ -1182,3 +1231,97 @@ def test_random_buckets_keep_a_matmul_for_each_member_that_had_one(fake_pg, p):
         kept = sum(low < i < high for i in mms)
         assert kept >= min(-(-note.nbytes // largest), sum(first < i < last for i in mms)), (note, windows)
     assert_same_values(original, gm)
+
+
+# ------------------------------------------------------------------ chained collectives
+
+
+def test_chained_all_reduces_bucket_by_level(fake_pg):
+    """Two independent chains of two all-reduces (loss-parallel cross-entropy: a sum of
+    exponentials, then the result that reads it), in coalesced buckets: the first level
+    merges, the second merges, never a level with the one that reads it (upstream's
+    test_manual_bucket_splits_dependent_all_reduce); packed, no chain is a member."""
+    def two_chains(a, b, c, d):
+        s0, s1 = wait(F.all_reduce(a, "sum", "0")), wait(F.all_reduce(b, "sum", "0"))
+        r0, r1 = wait(F.all_reduce(s0 + c, "sum", "0")), wait(F.all_reduce(s1 + d, "sum", "0"))
+        return (r0.sum() + r1.sum(),)
+    for bucket in ("module", 1 << 20):
+        assert bucketed(two_chains, *[(4, 4)] * 4, bucket=bucket)[2] == []
+        original, gm, notes = bucketed(two_chains, *[(4, 4)] * 4, bucket=bucket, coalesced=True)
+        assert [n.members for n in notes] == [("all_reduce", "all_reduce_1"), ("all_reduce_2", "all_reduce_3")]
+        assert_same_values(original, gm, exact=False)
+        overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise"))
+        overlapc.verify(gm)
+
+
+def test_both_levels_of_hsdp_chains_bucket(fake_pg):
+    """HSDP's reduce-scatter -> all-reduce, twice, in coalesced buckets: the reduce-scatters
+    merge, and the all-reduces, whose inputs are the reduce-scatters' waits themselves, merge
+    reading the first bucket's results."""
+    def hsdp(a, b):
+        s0 = wait(F.reduce_scatter_tensor(a, "sum", WORLD, "0"))
+        s1 = wait(F.reduce_scatter_tensor(b, "sum", WORLD, "0"))
+        return wait(F.all_reduce(s0, "avg", "0")), wait(F.all_reduce(s1, "avg", "0"))
+    original, gm, notes = bucketed(hsdp, (16, 4), (8, 4), bucket=1 << 20, coalesced=True)
+    assert [(n.kind, n.members) for n in notes] == [
+        ("reduce_scatter", ("reduce_scatter_tensor", "reduce_scatter_tensor_1")),
+        ("all_reduce", ("all_reduce", "all_reduce_1"))]
+    assert_same_values(original, gm, exact=False)
+    overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise"))
+    overlapc.verify(gm)
+
+
+@st.composite
+def chain_forests(draw):
+    """Chains of all-reduces, or a reduce-scatter then all-reduces (each level reads the
+    previous level's result, directly or plus an input)."""
+    return dict(depths=draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)),
+                direct=draw(st.booleans()),   # a level reads the previous wait itself, or through compute
+                head=draw(st.sampled_from(["all_reduce", "reduce_scatter"])),   # HSDP: reduce-scatter first
+                bucket=draw(st.sampled_from(["module", 1 << 20, 64, "auto"])),
+                coalesced=draw(st.booleans()))
+
+
+def chain_forest(p):
+    """The chains level by level (every chain's first collective, then every second one:
+    HSDP's order), each chain ending with an input added."""
+    def fn(*xs):
+        it = iter(xs)
+        values = [next(it) for _ in p["depths"]]
+        for level in range(max(p["depths"])):
+            for i, depth in enumerate(p["depths"]):
+                if level >= depth:
+                    continue
+                x = values[i] if p["direct"] or level == 0 else values[i] * 0.5
+                if level == 0 and p["head"] == "reduce_scatter":
+                    values[i] = wait(F.reduce_scatter_tensor(x, "sum", WORLD, "0"))   # (8, 4) -> (1, 4)
+                else:
+                    values[i] = wait(F.all_reduce(x, "sum", "0"))
+        return tuple(v + next(it) for v in values)
+    return fn
+
+
+@settings(max_examples=int(os.environ.get("OVERLAPC_EXAMPLES", "50")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=chain_forests())
+def test_random_chains_bucket_only_independent_collectives(fake_pg, p):
+    """On the graph before bucketing, no bucket holds a collective and one that reads its
+    result (through any path), and packed, no collective of a chain; the values stay the same
+    and the schedule verifies."""
+    gm = trace(chain_forest(p), *[(8, 4)] * (2 * len(p["depths"])))
+    original = copy.deepcopy(gm)
+    notes = bucket_collectives(gm, p["bucket"], coalesced=p["coalesced"])
+    gm.recompile()
+    starts = {n.name: n for n in original.graph.nodes}
+    for note in notes:
+        members = [starts[name] for name in note.members]
+        for m in members:
+            assert not any(other in ancestors(m) for other in members if other is not m), note
+        if not p["coalesced"]:   # no member reads, or is read by, another collective
+            collectives = [n for n in original.graph.nodes if n.target in (F.all_reduce.default,
+                                                                            F.reduce_scatter_tensor.default)]
+            for m in members:
+                assert not any(c in ancestors(m) or m in ancestors(c) for c in collectives if c is not m), note
+    assert_same_values(original, gm, exact=False)
+    overlapc.schedule(gm, overlapc.OverlapConfig(bucket=None, on_error="raise"))
+    overlapc.verify(gm)

@@ -19,7 +19,8 @@ STEPS = 3
 PARAMETERS = 14                          # 2 blocks x 6 + the head's 2
 BLOCKS = 3                               # layers.0, layers.1, head
 _EVENTS = {"all_gather": "_c10d_functional::all_gather_into_tensor",
-           "reduce_scatter": "_c10d_functional::reduce_scatter_tensor"}
+           "reduce_scatter": "_c10d_functional::reduce_scatter_tensor",
+           "reduce_scatter_coalesced": "_c10d_functional::reduce_scatter_tensor_coalesced"}
 
 
 class Model(torch.nn.Module):
@@ -78,6 +79,10 @@ def _ranks(rank, world_size, port):
             model = overlapc.fsdp.shard(Model(), mesh, **shard_options)
             options = {"bucket": bucket, "inner": inner if bucket else "aot_eager"}
             out[(name, bucket)] = _train(model, rank, options)
+    torch.manual_seed(0)   # fp32_reshard again, its reduce-scatter buckets as one coalesced op each, Inductor
+    model = overlapc.fsdp.shard(Model(), mesh, reshard_after_forward=True)
+    out[("fp32_reshard", "coalesced")] = _train(model, rank, {"bucket": "module", "bucket_op": "coalesced",
+                                                              "inner": "inductor"})
     torch._dynamo.reset()
     return out
 
@@ -96,6 +101,15 @@ def test_bucketed_training_matches_unbucketed(results, variant, rtol, atol):
         bucketed, _ = per_rank[(variant, "module")]
         torch.testing.assert_close(bucketed, plain, rtol=rtol, atol=atol, msg=f"rank {rank} {variant}")
         assert plain[-1] < plain[0], (rank, variant, plain)      # it does learn
+
+
+def test_coalesced_buckets_train_as_the_unbucketed_run_and_issue_coalesced_reduce_scatters(results):
+    for rank, per_rank in enumerate(results):
+        plain, _ = per_rank[("fp32_reshard", None)]
+        coalesced, started = per_rank[("fp32_reshard", "coalesced")]
+        torch.testing.assert_close(coalesced, plain, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+        assert started["reduce_scatter_coalesced"] >= 1, (rank, started)
+        assert BLOCKS <= started["reduce_scatter"] + started["reduce_scatter_coalesced"] <= BLOCKS + 2, (rank, started)
 
 
 @pytest.mark.parametrize("variant", ["fp32_reshard", "fp32_keep", "bf16_reshard", "bf16_keep"])

@@ -80,8 +80,9 @@ def test_report_json_schema(capsys):
     doc = json.loads(out)
     assert doc["schema"] == cli.REPORT_SCHEMA
     assert (doc["target"], doc["world_size"], doc["rank"]) == (ALLGATHER, 8, 0)
-    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "serial-peak", "bucket": "auto", "chunks": 1,
-                             "regather": "always", "issue": "early", "narrow_gathers": True, "enabled": True}
+    assert doc["config"] == {"max_in_flight": None, "max_in_flight_bytes": "serial-peak", "bucket": "auto",
+                             "bucket_op": "pack", "chunks": 1, "regather": "always", "issue": "early",
+                             "narrow_gathers": True, "enabled": True}
     assert doc["profile"]["device"]["name"] == "cpu" and doc["profile"]["link"]["name"] == "ethernet"
     assert [g["name"] for g in doc["graphs"]] == ["fw_0", "bw_0"]
     for graph in doc["graphs"]:
@@ -378,7 +379,7 @@ def _target_file(tmp_path, text):
     ("bucket plan with a module twice", lambda t: ["report", ALLGATHER, *WORLD, "--bucket", '["a", ["a"]]'],
      "--bucket: module 'a' is in plan entries 0 and 1"),
     ("bad byte budget", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "12 MB"],
-     "--max-in-flight-bytes: expected 'auto', 'serial-peak', 'none' or a byte size >= 1"),
+     "--max-in-flight-bytes: expected 'auto', 'serial-peak', 'graph-peak', 'none' or a byte size >= 1"),
     ("misspelt byte mode", lambda t: ["report", ALLGATHER, *WORLD, "--max-in-flight-bytes", "serial_peek"],
      "got 'serial_peek'; did you mean 'serial-peak'?"),
     ("bad regather", lambda t: ["report", ALLGATHER, *WORLD, "--regather", "never"],
@@ -512,11 +513,13 @@ def test_report_html_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
 
 def test_report_takes_every_byte_mode_and_regather(capsys):
     """The CLI's flags reach every value OverlapConfig accepts for them: the
-    serial-peak byte mode, keep-or-regather's auto, per-kernel issue and narrow gathers off."""
-    code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--graph", "fw", "--max-in-flight-bytes",
-                         "serial-peak", "--regather", "auto", "--issue", "per-kernel", "--no-narrow-gathers",
-                         "--format", "json")
-    assert code == 0, err
-    config = json.loads(out)["config"]
-    assert (config["max_in_flight_bytes"], config["regather"], config["issue"], config["narrow_gathers"]) == (
-        "serial-peak", "auto", "per-kernel", False)
+    serial-peak and graph-peak byte modes, keep-or-regather's auto, per-kernel issue, coalesced buckets and
+    narrow gathers off."""
+    for mode in ("serial-peak", "graph-peak"):
+        code, out, err = run(capsys, "report", ALLGATHER, *WORLD, "--graph", "fw", "--max-in-flight-bytes",
+                             mode, "--regather", "auto", "--issue", "per-kernel", "--bucket-op", "coalesced",
+                             "--no-narrow-gathers", "--format", "json")
+        assert code == 0, err
+        config = json.loads(out)["config"]
+        assert (config["max_in_flight_bytes"], config["regather"], config["issue"], config["bucket_op"],
+                config["narrow_gathers"]) == (mode, "auto", "per-kernel", "coalesced", False)

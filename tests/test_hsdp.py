@@ -15,12 +15,17 @@ import pytest
 import torch
 import torch.nn as nn
 
+from graphs import ancestors
 from multiproc import init_gloo, run_ranks
 
 STEPS = 3
 TIMEOUT = 420.0  # 4 ranks compiling on 2 shared cores; the point is never to hang
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 HSDP_DIMS = ("dp_replicate", "dp_shard")
+# bucket="module" on HSDP: packed, the reduce-scatter -> replica all-reduce chains stay apart;
+# coalesced, they bucket level by level (Inductor lowers the coalesced ops)
+CHAINED_BUCKETS = {"hsdp_module": {"bucket": "module", "inner": "aot_eager"},
+                   "hsdp_coalesced": {"bucket": "module", "bucket_op": "coalesced"}}
 
 
 def _model(seed=0):
@@ -75,6 +80,9 @@ def _job_hsdp(rank, world_size, port, checkpoint_dir):
     fully_shard(fsdp2, mesh=mesh)  # a 2-D mesh: FSDP2's HSDP (dim 0 replicate, dim 1 shard)
     out = {"fsdp2_hsdp": _train(fsdp2, data), "fsdp_1d": _train(overlapc.fsdp.shard(_model(), flat), data),
            "hsdp_eager": _train(overlapc.fsdp.shard(_model(), mesh), data)}
+    for name, options in CHAINED_BUCKETS.items():   # both chain levels bucketed, packed or coalesced
+        out[name] = _train(overlapc.fsdp.shard(_model(), mesh), data, backend="overlapc",
+                           options={"on_error": "raise", **options})
     model = overlapc.fsdp.shard(_model(), mesh)
     out["hsdp_overlapc"] = _train(model, data, backend="overlapc", options={"on_error": "raise"})
 
@@ -106,6 +114,8 @@ def _job_ddp(rank, world_size, port):
            "eager": _train(overlapc.fsdp.shard(_model(), mesh), data)}
     model = overlapc.fsdp.shard(_model(), mesh)
     out["overlapc"] = _train(model, data, backend="overlapc", options={"on_error": "raise"})
+    out["coalesced"] = _train(overlapc.fsdp.shard(_model(), mesh), data, backend="overlapc",
+                              options={"on_error": "raise", **CHAINED_BUCKETS["hsdp_coalesced"]})
     out["full_locals"] = all(p.to_local().shape == p.shape for p in model.parameters())
     return out
 
@@ -119,7 +129,7 @@ def test_hsdp_2x2_trains_like_fsdp2_hsdp_and_1d_fsdp(tmp_path):
     for rank, out in enumerate(results):
         reference = out["fsdp2_hsdp"]
         assert len(set(reference)) == STEPS, f"rank {rank}: the loss should move: {reference}"
-        for name in ("fsdp_1d", "hsdp_eager", "hsdp_overlapc"):
+        for name in ("fsdp_1d", "hsdp_eager", "hsdp_overlapc", *CHAINED_BUCKETS):
             assert _close(out[name], reference), f"rank {rank}: {name} {out[name]} vs FSDP2 HSDP {reference}"
         assert out["keys"] and out["placed"], f"rank {rank}: state_dict keys / placements"
         assert out["dcp_round_trip"], f"rank {rank}: DCP save + load into a fresh model changed values"
@@ -133,7 +143,7 @@ def test_replicate_2_shard_1_trains_like_ddp():
     for rank, out in enumerate(run_ranks(_job_ddp, world_size=2, timeout=TIMEOUT)):
         assert len(set(out["ddp"])) == STEPS
         assert out["full_locals"], f"rank {rank}: shard size 1 should keep every parameter whole"
-        for name in ("eager", "overlapc"):
+        for name in ("eager", "overlapc", "coalesced"):
             assert _close(out[name], out["ddp"]), f"rank {rank}: {name} {out[name]} vs DDP {out['ddp']}"
 
 
@@ -193,6 +203,40 @@ def test_replicate_x_shard_x_tp_graphs_schedule_without_fallback(fake_pg):
     ups = [_upstream_kind(c.start) for c in overlapc.collectives(bw_gm) if c.kind == "all_reduce"
            and c.group == replicate]
     assert ups == ["reduce_scatter_tensor"] * n, f"each replicate all-reduce reads a reduce-scatter's result: {ups}"
+
+
+@pytest.mark.parametrize("bucket", ["module", 1 << 30])
+def test_hsdp_chain_levels_bucket_in_coalesced_buckets_only(fake_pg, bucket):
+    """replicate 2 x shard 4: with coalesced buckets the backward's reduce-scatters merge, and
+    so do the replica all-reduces that read them (a level each: the all-reduce buckets read the
+    reduce-scatter buckets' results); packed, neither level is bucketed. The schedules verify
+    (the values: the gloo runs above)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import overlapc
+    from overlapc.backend import capture
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=HSDP_DIMS)
+    model = overlapc.fsdp.shard(_model(), mesh)
+    n = len(list(model.parameters()))
+    for bucket_op in ("pack", "coalesced"):
+        records = capture(model, (torch.randn(5, 8),), {"on_error": "raise", "bucket": bucket, "bucket_op": bucket_op})
+        bw = next(r.gm for r in records if r.name == "bw_0")
+        overlapc.verify(bw)
+        notes = bw.meta.get("overlapc_buckets", [])
+        kinds = collections.Counter(note.kind for note in notes)
+        found = [c for c in overlapc.collectives(bw) if c.kind != "all_gather"]   # (the backward's re-gathers)
+        if bucket_op == "pack":
+            assert not [note for note in notes if note.kind != "all_gather"], notes
+            assert collections.Counter(c.kind for c in found) == {"reduce_scatter": n, "all_reduce": n}
+            continue
+        assert kinds["reduce_scatter"] >= 1 and kinds["all_reduce"] >= 1, notes
+        assert len(found) < 2 * n, [c.start.name for c in found]
+        scattered = {w for c in found if c.kind == "reduce_scatter" for w in c.waits}
+        for c in found:   # every all-reduce reads reduce-scatter results (through views, slices, getitems)
+            if c.kind == "all_reduce":
+                assert not scattered.isdisjoint(ancestors(c.start)), c.start.name
+        assert all(c.op.endswith("_coalesced") for c in found if "_bucket" in c.start.name), found
 
 
 def test_shard_size_1_is_ddp_in_the_graph(fake_pg):

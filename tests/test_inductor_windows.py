@@ -400,6 +400,17 @@ def test_random_graphs_keep_their_windows_on_cpu(fake_pg, steps, max_in_flight, 
     assert_windows_hold(result)
 
 
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=dags(), budget=st.sampled_from(["graph-peak", None]), bucket=st.sampled_from(["module", 1 << 20]))
+def test_random_graphs_with_coalesced_buckets_keep_their_windows_on_cpu(fake_pg, steps, budget, bucket):
+    """bucket_op="coalesced" (reduce-scatter and all-reduce buckets as *_coalesced ops, chain
+    levels merged) under "graph-peak" or no byte limit: Inductor keeps every window."""
+    result = compile_and_read(graph_of(steps), {"bucket": bucket, "bucket_op": "coalesced",
+                                                "max_in_flight_bytes": budget, "on_error": "raise"})
+    assert_windows_hold(result)
+
+
 # ---------------------------------------------------------------- CUDA (fake H100, own process)
 
 CUDA_VARIANTS = {"plain": {}, "partitions": {"graph_partition": True, "triton.cudagraphs": True}}

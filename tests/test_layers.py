@@ -284,7 +284,7 @@ def test_the_passes_take_the_scheduling_fields_of_the_config():
     assert {"profile", "inner", "dump_dir", "check_ranks"}.isdisjoint(names)
     assert overlapc.OverlapConfig().scheduling() == ScheduleOptions()
     changed = dict(max_in_flight=1, max_in_flight_bytes="serial-peak", bucket=None, regather="auto", chunks=2,
-                   on_error="raise", enabled=False, narrow_gathers=False, issue="per-kernel")
+                   on_error="raise", enabled=False, narrow_gathers=False, issue="per-kernel", bucket_op="coalesced")
     assert set(changed) == set(names)
     assert overlapc.OverlapConfig(profile="cpu:ethernet", **changed).scheduling() == ScheduleOptions(**changed)
 

@@ -183,7 +183,7 @@ def test_lanes_without_two_neighbours_that_fit_are_not_planned(monkeypatch):
         assert results[0] == results[1]
         merged += bool(notes)
         s = bucket.Structure(_random_sized_gathers(random.Random(seed)))
-        lanes = bucket._lanes(s, "all_gather")
+        lanes = bucket._lanes(s, "all_gather", False)
         largest = bucket._largest(lanes)
         skipped += any(not bucket._may_merge(lane, mode, largest[lane[0].c.group]) and len(lane) > 1
                        for lane in lanes.values())

@@ -273,7 +273,7 @@ def test_every_config_field_but_the_named_ones_is_a_schedule_input():
     assert set(rankcheck.NOT_SCHEDULE_INPUTS) <= fields
     other = {"max_in_flight": 1, "max_in_flight_bytes": 4096, "bucket": None, "chunks": 2,
              "inductor_mode": "default", "on_error": "raise", "enabled": False, "inner": "aot_eager",
-             "regather": "auto", "narrow_gathers": False, "issue": "per-kernel"}
+             "regather": "auto", "narrow_gathers": False, "issue": "per-kernel", "bucket_op": "coalesced"}
     assert set(other) == set(rankcheck.schedule_options(cfg))   # a new field needs a value here
     for name, value in other.items():
         changed = dataclasses.replace(cfg, **{name: value})

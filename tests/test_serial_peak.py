@@ -56,8 +56,8 @@ def assert_within_serial_peak(gm):
 
 
 def cfg_of(limit, **extra):
-    return overlapc.OverlapConfig(max_in_flight=limit, max_in_flight_bytes="serial-peak", on_error="raise",
-                                  **{"bucket": None, **extra})
+    return overlapc.OverlapConfig(max_in_flight=limit, on_error="raise",
+                                  **{"bucket": None, "max_in_flight_bytes": "serial-peak", **extra})
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("OVERLAPC_SEARCH") != "1",
@@ -85,6 +85,50 @@ def test_random_graphs_stay_within_the_serial_peak(fake_pg, two_groups, p, limit
     again = trace(build(p, groups), *shapes)
     overlapc.schedule(again, cfg)
     assert order(again) == order(gm)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("OVERLAPC_SEARCH") != "1",
+          database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(p=programs(), limit=st.sampled_from([1, 2, 3, None]), bucket=st.sampled_from([None, "auto"]))
+def test_random_graphs_stay_within_the_graph_peak(fake_pg, two_groups, p, limit, bucket):
+    """max_in_flight_bytes="graph-peak": the peak, counted here, stays at most the higher of the
+    serial order's and the graph's own as traced (the programs issue some collectives up
+    front, ahead of compute: a peak above the serial order's); values exact, verify, the
+    independent checks."""
+    cfg = cfg_of(limit, max_in_flight_bytes="graph-peak", bucket=bucket)
+    groups = (fake_pg.group_name, two_groups[0].group_name)
+    gm = trace(build(p, groups), (16, 16), *[(2, 16)] * p["n"])
+    expected = LocalCollectives(gm).run(*inputs_for(p))
+    before = list(gm.graph.nodes)
+    found, rows = _rows(before)
+    bound = max(live_peak(before, found), live_peak(serial_order(before, rows), found))
+
+    overlapc.schedule(gm, cfg)
+
+    for a, b in zip(expected, LocalCollectives(gm).run(*inputs_for(p))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    overlapc.verify(gm, cfg)
+    independent_checks(gm, cfg, before)
+    assert live_peak(list(gm.graph.nodes), _rows(list(gm.graph.nodes))[0]) <= bound
+
+
+def test_graph_peak_keeps_a_gather_the_graph_already_issued_early(fake_pg):
+    """PyTorch's simple_overlap test of a graph already optimal: the all-gather is issued
+    before the matmul it hides under. "serial-peak" moves it down to its wait (the serial
+    order's peak is lower); "graph-peak" keeps it (the graph's own peak is the bound)."""
+    def already_optimal(a, b):
+        h = ag(a)
+        mm = a @ b
+        return mm + wait(h).reshape(4, -1)[:, :4]
+    orders = {}
+    for mode in ("serial-peak", "graph-peak"):
+        gm = trace(already_optimal, (4, 4), (4, 4))
+        before = order(gm)
+        overlapc.schedule(gm, cfg_of(None, max_in_flight_bytes=mode))
+        overlapc.verify(gm, cfg_of(None, max_in_flight_bytes=mode))
+        orders[mode] = (before, order(gm))
+    assert orders["graph-peak"][1] == orders["graph-peak"][0]
+    assert orders["serial-peak"][1] != orders["serial-peak"][0]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("OVERLAPC_SEARCH") != "1",
@@ -204,7 +248,7 @@ def test_an_overlap_within_the_serial_peak_is_taken(fake_pg, fn, shapes, start):
 @pytest.mark.parametrize("bad", ["serial_peak", "peak", "", 0, -5, 1.5, True])
 def test_bad_byte_budgets_are_refused_with_the_valid_values(bad):
     with pytest.raises(ValueError, match=r'max_in_flight_bytes must be an int >= 1 \(bytes\), "auto", '
-                                         r'"serial-peak" or None, got'):
+                                         r'"serial-peak", "graph-peak" or None, got'):
         overlapc.OverlapConfig(max_in_flight_bytes=bad)
 
 

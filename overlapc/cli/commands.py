@@ -69,8 +69,9 @@ and left as it is; otherwise the CLI's fake group is destroyed on return.
 
     {"schema": "overlapc.cli.report/1",
      "target": "examples/mlp.py:build", "world_size": 8, "rank": 0,
-     "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | "serial-peak" | null,
-                "bucket": "auto" | "module" | int | [[module path, ...], ...] | null, "chunks": int | "auto",
+     "config": {"max_in_flight": 2 | null, "max_in_flight_bytes": int | "auto" | "serial-peak" | "graph-peak" | null,
+                "bucket": "auto" | "module" | int | [[module path, ...], ...] | null, "bucket_op": "pack" | "coalesced",
+                "chunks": int | "auto",
                 "regather": "always" | "auto", "issue": "early" | "per-kernel", "narrow_gathers": bool,
                 "enabled": bool},
      "profile": {"device": {"name", "tflops", "mem_gbps"},
@@ -213,7 +214,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"world size must be >= 1, got {args.world_size}")
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"rank {args.rank} is not in [0, {args.world_size})")
-    options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket", "chunks",
+    options = {k: getattr(args, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket", "bucket_op", "chunks",
                                              "regather", "issue", "narrow_gathers") if hasattr(args, k)}
     try:
         cfg = OverlapConfig.from_options(options)
@@ -263,8 +264,8 @@ def _run(args: argparse.Namespace) -> int:
                              f"graph{why}")
         header = {"target": args.target, "world_size": args.world_size, "rank": args.rank,
                   "config": {k: getattr(cfg, k) for k in ("max_in_flight", "max_in_flight_bytes", "bucket",
-                                                          "chunks", "regather", "issue", "narrow_gathers",
-                                                          "enabled")},
+                                                          "bucket_op", "chunks", "regather", "issue",
+                                                          "narrow_gathers", "enabled")},
                   "profile": dataclasses.asdict(profile), "dispatch": dispatch.as_dict()}
         if args.command == "dump":
             _dump(records, args.out, profile, say, header["dispatch"])
@@ -350,7 +351,8 @@ def _report(records, header: dict, profile, fmt: str, wide: bool = False, quiet:
         f"overlapc report {header['target']}: world size {header['world_size']}, rank {header['rank']}",
         f"schedule: max_in_flight={_or_none(config['max_in_flight'])}, "
         f"max_in_flight_bytes={_or_none(config['max_in_flight_bytes'])}, bucket={_or_none(config['bucket'])}, "
-        f"chunks={config['chunks']}, regather={config['regather']}, issue={config['issue']}, "
+        f"bucket_op={config['bucket_op']}, chunks={config['chunks']}, regather={config['regather']}, "
+        f"issue={config['issue']}, "
         f"narrow_gathers={config['narrow_gathers']}"
         + ("" if config["enabled"] else " (disabled: OVERLAPC_DISABLE)"),
         f"profile: {profile.source or profile.name}",

@@ -156,10 +156,11 @@ def _common_options() -> argparse.ArgumentParser:
                         help="which graphs: forward, backward or all (default all)")
     common.add_argument("--max-in-flight", type=_count, default=argparse.SUPPRESS, metavar="K|none",
                         help="collectives of one group and kind in flight, at most (default 3, OverlapConfig's)")
-    common.add_argument("--max-in-flight-bytes", type=_byte_limit(("auto", "serial-peak", "none")),
-                        default=argparse.SUPPRESS, metavar="B|auto|serial-peak|none",
+    common.add_argument("--max-in-flight-bytes", type=_byte_limit(("auto", "serial-peak", "graph-peak", "none")),
+                        default=argparse.SUPPRESS, metavar="B|auto|serial-peak|graph-peak|none",
                         help="bytes held in flight per group, at most, e.g. 64MiB (default serial-peak: only "
-                        "what fits under the serial order's peak, so the peak never rises; auto: twice the "
+                        "what fits under the serial order's peak, so the peak never rises; graph-peak: under the "
+                        "higher of that and the graph's own peak as handed in; auto: twice the "
                         "group's largest collective, more where memory allows, which may raise the peak)")
     common.add_argument("--regather", type=_choice("always", "auto"), default=argparse.SUPPRESS,
                         metavar="always|auto",
@@ -169,6 +170,10 @@ def _common_options() -> argparse.ArgumentParser:
                         metavar="early|per-kernel",
                         help="where a start goes: as soon as its inputs are there (early, the default) or right "
                         "before the matmul-class kernel it runs under, one per kernel (per-kernel)")
+    common.add_argument("--bucket-op", dest="bucket_op", type=_choice("pack", "coalesced"),
+                        default=argparse.SUPPRESS, metavar="pack|coalesced",
+                        help="how a bucket is issued: one collective of a packed copy (pack, the default) or, "
+                        "for reduce-scatters and all-reduces, one coalesced op over the members' own tensors")
     common.add_argument("--no-narrow-gathers", dest="narrow_gathers", action="store_false",
                         default=argparse.SUPPRESS,
                         help="gather as traced: no cast of the shard before an all-gather whose result is only "
