@@ -59,12 +59,23 @@ def second_group() -> str:
     return _second[0].group_name
 
 
-def ag(x, name=None):
-    return F.all_gather_into_tensor(x, world(), name or group())
+_own: list = []
 
 
-def rs(x, name=None):
-    return F.reduce_scatter_tensor(x, "sum", world(), name or group())
+def own_group() -> str:
+    """A group of this rank alone (upstream's single-process tests run at group size 1), made
+    once per process: every rank makes every rank's, in the same order (``new_subgroups``)."""
+    if not _own:
+        _own.append(dist.new_subgroups(group_size=1)[0])
+    return _own[0].group_name
+
+
+def ag(x, name=None, size=None):
+    return F.all_gather_into_tensor(x, size or world(), name or group())
+
+
+def rs(x, name=None, size=None):
+    return F.reduce_scatter_tensor(x, "sum", size or world(), name or group())
 
 
 def ar(x, name=None):
@@ -488,14 +499,16 @@ def chained_gathers(x):
 
 
 def bucketed_peak_memory(x, w, p0, p1, p2, p3):
+    """At group size 1, as upstream's single-process test runs it."""
+    own = own_group()
     y = x @ w
     c0, c1 = p0.to(torch.bfloat16), p1.to(torch.bfloat16)
-    g0, g1 = wait(ag(c0)), wait(ag(c1))
-    r0, r1 = wait(rs(c0)), wait(rs(c1))
+    g0, g1 = wait(ag(c0, own, 1)), wait(ag(c1, own, 1))
+    r0, r1 = wait(rs(c0, own, 1)), wait(rs(c1, own, 1))
     y = y + (2 * x) @ (2 * w)
     c2, c3 = p2.to(torch.bfloat16), p3.to(torch.bfloat16)
-    g2, g3 = wait(ag(c2)), wait(ag(c3))
-    r2, r3 = wait(rs(c2)), wait(rs(c3))
+    g2, g3 = wait(ag(c2, own, 1)), wait(ag(c3, own, 1))
+    r2, r3 = wait(rs(c2, own, 1)), wait(rs(c3, own, 1))
     return y, g0, g1, g2, g3, r0, r1, r2, r3
 
 
@@ -590,6 +603,24 @@ def coalesced_reduce_scatter_between_mms(a, b, c, d):
     outs = F.reduce_scatter_tensor_coalesced([x.view(-1) for x in (a, b, c, d)], "sum", world(), group())
     mm2 = a @ a
     return mm1.sum() + mm2.sum() + sum(wait(o).sum() for o in outs)
+
+
+def coalesced_reduce_scatter_of_three(a, b, c):
+    mm1 = a @ a
+    outs = F.reduce_scatter_tensor_coalesced([x.view(-1) for x in (a, b, c)], "sum", world(), group())
+    mm2 = a @ a
+    return mm1.sum() + mm2.sum() + sum(wait(o).sum() for o in outs)
+
+
+def gathers_waited_twice(x):
+    """An all-gather of an all-gather's result, the second waited again (a wait of a wait)."""
+    return wait(wait(ag(wait(ag(x)))))
+
+
+def gather_under_add_mul(a):
+    h = ag(a)
+    b = (a + 1) * 2
+    return wait(h).sum() + b.sum()
 
 
 def coalesced_reduce_scatter_between_adds(inp):
@@ -687,11 +718,20 @@ SCHEDULER_BUCKETS = "scheduler-buckets"
 # cuts by size only, at DEFAULT_BUCKET_BYTES (64 MiB); no count or memory limit; issued as
 # the OverlapScheduler issues, issue="per-kernel" (the fx bucketing passes' tests count
 # buckets and waits only).
+SCHEDULER_BUCKETS_COALESCED = "scheduler-buckets-coalesced"
+# test_reduce_scatter_coalesced_mode: the OverlapPreservingBucketer with bucket_mode="coalesced"
+# (one reduce_scatter_tensor_coalesced over the members, no cat): scheduler-buckets with
+# bucket_op="coalesced".
 PEAK_MEMORY = "peak-memory"
 # Reordering that refuses to raise peak memory (test_simple_overlap's enable_simple_overlap
 # reverts a swap that raises it; test_inductor_collectives' reorder_communication_preserving_
 # peak_memory): the "serial-peak" byte budget, no buckets, no count limit. (Upstream
 # measures against the graph as handed in, overlapc against its serial order.)
+PEAK_MEMORY_TWO_PER_BUCKET = "peak-memory-two-per-bucket"
+# test_reorder_peak_memory_bucketed: the same reordering, with fx bucketing capped at 2 MiB
+# (bucket_size_determinator) over collectives of 1 MiB each at group size 1 (upstream sizes a
+# member by the larger of its input and output, as overlapc's byte target does): "serial-peak"
+# with a byte target of two members (8 KiB here).
 PLAN_PER_MODULE, PLAN_ONE_BUCKET, PLAN_EMPTY = "plan-per-module", "plan-one-bucket", "plan-empty"
 # ManualOverlapScheduler with module_bucket_plans ["module_1", "module_2"], [["module_1",
 # "module_2"]] and []: overlapc's bucket plans, the same lists; no count or memory limit. It
@@ -716,7 +756,11 @@ UPSTREAM_SETUPS = {
     PLAN_ONE_BUCKET: {"bucket": [["module_1", "module_2"]], "chunks": 1, "max_in_flight": None,
                       "max_in_flight_bytes": None},
     PLAN_EMPTY: {"bucket": [], "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": None},
-    PEAK_MEMORY: {"bucket": None, "chunks": 1, "max_in_flight": None},
+    SCHEDULER_BUCKETS_COALESCED: {"bucket": 64 * 1024 * 1024, "bucket_op": "coalesced", "chunks": 1,
+                                  "max_in_flight": None, "max_in_flight_bytes": None, "issue": "per-kernel"},
+    PEAK_MEMORY: {"bucket": None, "chunks": 1, "max_in_flight": None, "max_in_flight_bytes": "graph-peak"},
+    PEAK_MEMORY_TWO_PER_BUCKET: {"bucket": 8192, "chunks": 1, "max_in_flight": None,
+                                 "max_in_flight_bytes": "graph-peak"},
     ONE_IN_FLIGHT: {"bucket": None, "chunks": 1, "max_in_flight": 1, "max_in_flight_bytes": None,
                     "issue": "per-kernel"},
 }
@@ -821,6 +865,10 @@ CASES = [
     Case("aten_basic_all_reduce_bucketing", f"{ATEN}::test_basic_all_reduce_bucketing",
          "one wait: the three all-reduces bucketed",
          three_all_reduces, ((4, 4),) * 3, lambda s: s.count(WAIT) == 1, setup=SCHEDULER_BUCKETS),
+    Case("aten_schedulable_wait", f"{ATEN}::test_schedulable_wait",
+         "the two waits of the two all-gathers are theirs; the wait of a wait is none (here: it goes, the chain "
+         "keeps its order)", gathers_waited_twice, ((4, 4),),
+         lambda s: s.count(WAIT) == 2 and s.in_order("start", WAIT, "start", WAIT), setup=OVERLAP_SCHEDULER),
     Case("aten_custom_estimator_for_non_compute_nodes", f"{ATEN}::test_custom_estimator_for_non_compute_nodes",
          "the all-reduce of b issued above the relu (a node the estimator times), waited after it",
          relu_mm_and_independent_all_reduce, SQ * 2, lambda s: s.in_order("all_reduce", "relu", WAIT),
@@ -951,11 +999,11 @@ CASES = [
          "one all-reduce bucket and one reduce-scatter bucket, never mixed",
          all_reduces_and_reduce_scatters, ((8, 4),) * 2,
          lambda s: s.count("all_reduce") == 1 and s.count("reduce_scatter_tensor") == 1, setup=SCHEDULER_BUCKETS),
-    # bucket_mode="coalesced" (one reduce_scatter_tensor_coalesced): overlapc has no such mode.
     Case("unit_reduce_scatter_coalesced_mode", f"{UNIT}::test_reduce_scatter_coalesced_mode",
          "one reduce_scatter_tensor_coalesced, no cat",
          two_reduce_scatters, ((8, 4),) * 2,
-         lambda s: s.count("reduce_scatter_tensor_coalesced") == 1 and s.count("cat") == 0, setup=NO_EQUIVALENT),
+         lambda s: s.count("reduce_scatter_tensor_coalesced") == 1 and s.count("cat") == 0,
+         setup=SCHEDULER_BUCKETS_COALESCED),
     Case("unit_all_gather_coalesced_mode_falls_back", f"{UNIT}::test_all_gather_coalesced_mode_falls_back",
          "one all-gather bucket, no all_gather_into_tensor_coalesced",
          two_gathers, ((4, 4),) * 2,
@@ -1033,6 +1081,16 @@ CASES = [
          "schedules without error (upstream asserts no order): both inputs gathered",
          gather_mm_gather, ((4, 4),) * 2, lambda s: sorted(s.issue_order("all_gather")) == sorted(s.placeholders),
          setup=OVERLAP_SCHEDULER),
+    Case("unit_identify_collectives_coalesced", f"{UNIT}::test_identify_collectives_coalesced",
+         "one collective: the coalesced reduce-scatter of three, its three waits all of it "
+         "(upstream asserts the pairing before scheduling; here: after, the start and its waits stay)",
+         coalesced_reduce_scatter_of_three, ((8, 8),) * 3,
+         lambda s: s.count("reduce_scatter_tensor_coalesced") == 1 and s.count(WAIT) == 3
+         and s.in_order("reduce_scatter_tensor_coalesced", WAIT, WAIT, WAIT), setup=OVERLAP_SCHEDULER),
+    Case("unit_precomputed_estimations_via_custom_runtime",
+         f"{UNIT}::test_precomputed_estimations_via_custom_runtime (enable_fusion_regions False and True, one case)",
+         "one collective: the all-gather, then its wait", gather_under_add_mul, ((64, 64),),
+         lambda s: s.starts() == 1 and s.in_order("start", WAIT), setup=OVERLAP_SCHEDULER),
     Case("unit_overlap_scheduler_coalesced_runs", f"{UNIT}::test_overlap_scheduler_coalesced_runs",
          "schedules a coalesced reduce-scatter without error: it and its four waits stay",
          coalesced_reduce_scatter_between_mms, ((8, 8),) * 4,
@@ -1066,7 +1124,7 @@ CASES = [
          bucketed_peak_memory, ((4, 48), (48, 64), (64, 32), (32, 64), (64, 32), (32, 64)),
          lambda s: s.count("all_gather_into_tensor") == 2 and s.count("reduce_scatter_tensor") == 2
          and s.in_order("all_gather_into_tensor", "all_gather_into_tensor", "%mm")
-         and s.in_order("reduce_scatter_tensor", "reduce_scatter_tensor", "%mm"), setup=NO_EQUIVALENT),
+         and s.in_order("reduce_scatter_tensor", "reduce_scatter_tensor", "%mm"), setup=PEAK_MEMORY_TWO_PER_BUCKET),
     Case("collectives_all_gather_bucket_multidtype", f"{COLLECTIVES}::test_all_gather_bucket_multidtype",
          "one all-gather bucket of a bf16 and an fp32 tensor",
          two_dtype_gathers_after_mm, ((4, 48), (48, 64), (48, 64), (48, 64)),
