@@ -1,7 +1,8 @@
 """Scheduling variants side by side: estimated exposed communication and peak.
 
 By default max_in_flight_bytes="auto" against "serial-peak"; ``--variants`` picks others
-from ``VARIANTS`` (``issue="per-kernel"`` under each byte mode, and under no limit).
+from ``VARIANTS`` (``issue="per-kernel"`` under each byte mode, and under no limit;
+``"graph-peak"``; ``bucket="module"`` packed or coalesced).
 
 Graphs: pass_time.py's synthetic SimpleFSDP-shaped graphs (1k and 10k nodes)
 and the forward and backward graphs the CLI's examples capture at world 8
@@ -37,6 +38,9 @@ VARIANTS = {   # name -> OverlapConfig fields
     "auto per-kernel": {"max_in_flight_bytes": "auto", "issue": "per-kernel"},
     "no-limit": {"max_in_flight": None, "max_in_flight_bytes": None},
     "no-limit per-kernel": {"max_in_flight": None, "max_in_flight_bytes": None, "issue": "per-kernel"},
+    "graph-peak": {"max_in_flight_bytes": "graph-peak"},
+    "module": {"bucket": "module"},
+    "module coalesced": {"bucket": "module", "bucket_op": "coalesced"},
 }
 EXAMPLES = ["examples/llama.py:build", "examples/mlp.py:build", "examples/hsdp.py:build"]
 
