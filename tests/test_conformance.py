@@ -31,14 +31,13 @@ BUCKETS_OFF = "buckets-off"                   # deliberate: the configuration tu
 BUCKET_GRANULARITY = "bucket-granularity"     # deliberate: upstream splits a block's collectives in two buckets
 RAISE_COMMS = "raise-comms"                   # deliberate: a start's compute producer is not moved earlier
 COMPUTE_REORDER = "compute-reorder"           # deliberate: compute is not reordered to feed a collective
-PREFETCH_PRIORITY = "prefetch-priority"       # gap: prefetch order by consumer, not by estimated gain
-COALESCED_OP = "coalesced-op"                 # deliberate: buckets are pack + one collective, never *_coalesced
+PREFETCH_PRIORITY = "prefetch-priority"       # deliberate: prefetch in consumer order, not by estimated gain
+COALESCED_OP = "coalesced-op"                 # deliberate: the configurations pack (bucket_op="pack"), no *_coalesced
 COMPUTE_ORDER = "compute-order"               # never expected: a compute node moved (README guarantee 0)
 BUCKETS_ON = "buckets-on"                     # deliberate: the configuration buckets what upstream's plan leaves apart
 # Seen under upstream's own setups (below), same-graph also under bucket="module":
 SAME_GRAPH = "same-graph"                     # deliberate: upstream expects two schedules of one graph
 CHAINED_BUCKETS = "chained-buckets"           # deliberate: packed buckets keep chains apart (their copies cost)
-DTYPE_MODE = "dtype-mode"                     # deliberate: upstream's mode keeps dtypes in apart buckets here
 
 
 def _all(category):
@@ -62,11 +61,12 @@ EXPECTED = {
     "aten_bucketing_split_for_overlap_blocking_deps_inductor": _unbucketed(BUCKET_GRANULARITY),
     "aten_multidtype_bucketing": _unbucketed(),
     "aten_basic_all_reduce_bucketing": _unbucketed(),
-    "compute_raise_comms": _all(RAISE_COMMS),
+    "compute_raise_comms": _all(MEMORY_FIRST),
     "compute_sink_waits_raise_comms": _all(MEMORY_FIRST),
     "compute_reorder_compute_for_overlap": _all(COMPUTE_REORDER),
     "compute_reorder_compute_for_overlap_custom_runtime_estimation": _all(COMPUTE_REORDER),
-    "compute_inductor_default_comms_ordering": {"defaults": MEMORY_FIRST, "no-buckets": MEMORY_FIRST},
+    "compute_inductor_default_comms_ordering": {"defaults": MEMORY_FIRST, "no-buckets": MEMORY_FIRST,
+                                                "module": BUCKETS_ON},
     "simple_no_change_when_already_optimal": _all(MEMORY_FIRST),
     "unit_can_bucket_independent_collectives": _unbucketed(),
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": {"module": SAME_GRAPH},
@@ -100,7 +100,6 @@ EXPECTED = {
     "unit_deduplicates_parametrization_waits": _unbucketed(),
     "unit_pre_bucketing_only_merges_fsdp_collectives": _unbucketed(),
     "unit_pre_bucketing_handles_dtype_cast": _unbucketed(),
-    "collectives_all_gather_bucket": {"defaults": AUTO_CAP, "no-buckets": BUCKETS_OFF, "module": DTYPE_MODE},
     "collectives_reduce_scatter_bucket": _unbucketed(),
     "collectives_all_reduce_bucket": _unbucketed(),
 }
@@ -113,7 +112,6 @@ EXPECTED = {
 NO_EQUIVALENT = "no-equivalent"               # upstream's setup has no overlapc counterpart
 UPSTREAM_EXPECTED: dict[str, str] = {
     "aten_raise_comms": RAISE_COMMS,
-    "compute_raise_comms": RAISE_COMMS,
     "compute_reorder_compute_for_overlap": COMPUTE_REORDER,
     "compute_reorder_compute_for_overlap_custom_runtime_estimation": COMPUTE_REORDER,
     "unit_cant_bucket_ag_with_rs_hiding_interval_between_hidden": SAME_GRAPH,
@@ -121,7 +119,6 @@ UPSTREAM_EXPECTED: dict[str, str] = {
     "unit_manual_bucket_splits_dependent_all_reduce": CHAINED_BUCKETS,
     "unit_wait_user_repair_runs_once_after_all_bucket_groups": COMPUTE_ORDER,
     "collectives_reorder_peak_memory_bucketed": COMPUTE_REORDER,
-    "collectives_all_gather_bucket": DTYPE_MODE,
 }
 
 
