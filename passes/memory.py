@@ -539,7 +539,8 @@ class Headroom:
         it early only where that fits (``in_place`` is what it reads)."""
         self.serial, self.in_place = serial, in_place
         self.liveness = liveness or Liveness(s.nodes)   # kept: the invariant check reuses both
-        live, index, last = along if along is not None else self.liveness.along(self.serial)
+        self.along = along if along is not None else self.liveness.along(self.serial)   # reused by a raised bound
+        live, index, last = self.along
         self.live = live   # bytes live at each node of ``serial`` (the invariant check reuses them)
         peak = max(live, default=0) if peak is None else peak
         level = [peak] * len(s.nodes)

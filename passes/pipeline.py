@@ -490,7 +490,8 @@ def _graph_peak_room(gm: fx.GraphModule, s: Structure, room: Headroom) -> Headro
     if own <= room.peak:
         return room
     meta.raise_serial_peak(gm, own)
-    return Headroom(s, room.serial, segments=True, peak=own, liveness=room.liveness, in_place=room.in_place)
+    return Headroom(s, room.serial, segments=True, peak=own, liveness=room.liveness, along=room.along,
+                    in_place=room.in_place)
 
 
 def _costs_what_it_holds(cfg: ScheduleOptions) -> bool:
